@@ -1,0 +1,165 @@
+"""The `specdeploy` command: parses flags into config dataclasses and calls the library; nothing else."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from .errors import SpecdeployError
+
+BAR = "\u2500"
+
+
+def _fail(message: str, code: int = 2) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+class _Group(click.Group):
+    """Turns SpecdeployError and Ctrl-C into one line and a non-zero exit, never a traceback."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except SpecdeployError as exc:
+            _fail(str(exc))
+        except KeyboardInterrupt:
+            _fail("interrupted", 130)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="specdeploy")
+def main() -> None:
+    """Speculative decoding bundles for ONNX Runtime: export a draft/target pair, then run it."""
+
+
+@main.command()
+@click.option("--target", required=True, help="Target checkpoint folder (Hugging Face format).")
+@click.option("--draft", required=True, help="Draft checkpoint folder (same tokenizer as the target).")
+@click.option("--out", required=True, type=click.Path(), help="Bundle folder to create.")
+@click.option("--dtype", default="fp32", show_default=True, help="fp32 | fp16")
+@click.option("--quantize", default="none", show_default=True, help="none | int8 | int4 (weight-only MatMulNBits)")
+@click.option("--max-context", type=int, default=None, help="Max tokens of context (default: the models' limit).")
+@click.option("--force", is_flag=True, help="Replace --out if it exists.")
+@click.option("--trust-remote-code", is_flag=True, help="Allow checkpoints that ship their own model code.")
+def export(target, draft, out, dtype, quantize, max_context, force, trust_remote_code) -> None:
+    """Export a draft and a target checkpoint into a validated bundle."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from rich.console import Console
+
+    from .export import ExportConfig, export_bundle
+
+    config = ExportConfig(target=target, draft=draft, out=out, dtype=dtype, quantize=quantize,
+                          max_context=max_context, force=force, trust_remote_code=trust_remote_code)
+    console = Console(stderr=True, log_path=False)
+    with console.status("export", spinner="dots") as status:
+        def report(stage: str, detail: str) -> None:
+            status.update(f"[bold]{stage}[/bold] {detail}")
+            console.log(f"[bold]{stage:<8}[/bold] {detail}")
+
+        manifest = export_bundle(config, report)
+    for spec in (manifest.target, manifest.draft):
+        p = spec.parity
+        console.print(
+            f"{spec.role:<6} parity: prefill max|diff| {p.prefill_max_abs_diff:.2e}, verify max|diff| "
+            f"{p.verify_max_abs_diff:.2e}, greedy agreement {p.prefill_greedy_agreement:.2f}/{p.verify_greedy_agreement:.2f} "
+            f"({p.check} tolerance {p.tolerance:g}: {'pass' if p.passed else 'FAIL'})"
+        )
+    click.echo(str(Path(out).resolve()))
+
+
+@main.command()
+@click.argument("bundle", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
+@click.option("--verify", is_flag=True, help="Also check every file's sha256.")
+def inspect(bundle, as_json, verify) -> None:
+    """Summarize a bundle's manifest."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from .bundle import load_manifest
+
+    manifest = load_manifest(bundle, verify_checksums=verify)
+    if as_json:
+        click.echo(json.dumps(manifest.to_dict(), indent=2))
+        return
+    console = Console()
+    console.print(f"[bold]{bundle}[/bold]  format {manifest.format_version}, specdeploy {manifest.specdeploy_version}, "
+                  f"created {manifest.created}, max context {manifest.max_context}")
+    table = Table(show_edge=False)
+    for column in ("", "target", "draft"):
+        table.add_column(column)
+    t, d = manifest.target, manifest.draft
+
+    def row(name, getter):
+        table.add_row(name, str(getter(t)), str(getter(d)))
+
+    row("architecture", lambda s: s.architecture)
+    row("parameters", lambda s: f"{s.num_parameters / 1e6:.1f}M")
+    row("layers x kv heads x head dim", lambda s: f"{s.num_layers} x {s.num_kv_heads} x {s.head_dim}")
+    row("vocab", lambda s: s.vocab_size)
+    row("dtype / quantize", lambda s: f"{s.dtype} / {s.quantize}")
+    row("files", lambda s: ", ".join(f"{f.path} ({f.size / 1e6:.1f} MB)" for f in s.files))
+    row("inputs", lambda s: f"{len(s.inputs)} ({', '.join(s.input_names[:3])}, ...)")
+    row("parity prefill max|diff|", lambda s: f"{s.parity.prefill_max_abs_diff:.2e}")
+    row("parity verify max|diff|", lambda s: f"{s.parity.verify_max_abs_diff:.2e}")
+    row("parity greedy agreement", lambda s: f"{s.parity.prefill_greedy_agreement:.2f} / {s.parity.verify_greedy_agreement:.2f}")
+    row("parity check", lambda s: f"{s.parity.check} <= {s.parity.tolerance:g}: {'pass' if s.parity.passed else 'FAIL'}")
+    row("source", lambda s: s.source)
+    console.print(table)
+    tok = manifest.tokenizer
+    console.print(f"tokenizer: {tok.vocab_size} tokens, bos {tok.bos_token_id}, eos {list(tok.eos_token_ids)}, pad {tok.pad_token_id}")
+
+
+@main.command()
+@click.argument("bundle", type=click.Path())
+@click.option("--prompt", required=True, help="Prompt text; '-' reads standard input.")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
+@click.option("--top-k", type=int, default=0, show_default=True, help="0 is off.")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="1.0 is off.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--num-draft-tokens", "-k", type=int, default=4, show_default=True)
+@click.option("--no-speculative", is_flag=True, help="Target-only decoding (the baseline).")
+@click.option("--stop", multiple=True, help="Stop before this string (repeatable).")
+@click.option("--device", default="cpu", show_default=True, help="cpu | cuda | tensorrt")
+@click.option("--drafter", default="model", show_default=True, help="model | prompt-lookup")
+@click.option("--stream/--no-stream", default=True, show_default=True, help="Print text as it is accepted.")
+@click.option("--json", "as_json", is_flag=True, help='Print one JSON object {"text", "token_ids", "stats"}.')
+def run(bundle, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_draft_tokens, no_speculative, stop,
+        device, drafter, stream, as_json) -> None:
+    """Generate from a prompt with speculative decoding."""
+    from .runtime import load
+
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    generator = load(bundle, device=device, drafter=drafter)
+    options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                   num_draft_tokens=num_draft_tokens, speculative=not no_speculative, stop=stop)
+    if as_json or not stream:
+        output = generator.generate(prompt, **options)
+        if as_json:
+            click.echo(json.dumps({"text": output.text, "token_ids": output.token_ids, "stats": output.stats.to_dict()}))
+            return
+        click.echo(output.text)
+    else:
+        pieces = generator.stream(prompt, **options)
+        for piece in pieces:
+            click.echo(piece, nl=False)
+            sys.stdout.flush()
+        click.echo()
+        output = generator.last_output
+    click.echo(format_stats(output.stats), err=True)
+
+
+def format_stats(stats) -> str:
+    line = (f"{stats.new_tokens} tokens in {stats.decode_ms:.0f} ms ({stats.tokens_per_s:.1f} tok/s, prefill "
+            f"{stats.prefill_ms:.0f} ms)")
+    if stats.drafted:
+        line += (f", acceptance {stats.acceptance_rate:.2f}, {stats.mean_accepted_tokens:.2f} tokens/round over "
+                 f"{stats.rounds} rounds, by position {stats.accepted_by_position}")
+    return line + f"; draft {stats.draft_ms:.0f} ms, target {stats.target_ms:.0f} ms, other {stats.other_ms:.0f} ms [{stats.finish_reason}]"

@@ -1,0 +1,5 @@
+"""The export stage: Hugging Face checkpoints -> ONNX (optimum) -> fp16 / quantized -> a validated bundle."""
+
+from .pipeline import DTYPES, QUANTIZE, ExportConfig, export_bundle
+
+__all__ = ["DTYPES", "QUANTIZE", "ExportConfig", "export_bundle"]

@@ -1,0 +1,152 @@
+"""Local Hugging Face checkpoints: find them, check they can be exported, check a pair is compatible.
+
+Nothing is downloaded: a folder is used as it is, and a hub id is only looked up in the local cache.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import SpecdeployError
+
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "model*.bin")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    role: str
+    path: Path
+    config: Any  # transformers.PretrainedConfig
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int | None
+
+
+def resolve_checkpoint(name: str, role: str) -> Path:
+    """A local folder, or a hub id already in the local cache; never a download."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    if path.exists():
+        raise SpecdeployError(f"--{role} {name}: not a folder")
+    if _HUB_ID.match(name) and not name.startswith((".", "/")):
+        from huggingface_hub import snapshot_download
+
+        try:
+            return Path(snapshot_download(name, local_files_only=True))
+        except Exception:
+            raise SpecdeployError(
+                f"--{role} {name}: no such folder, and not in the local Hugging Face cache "
+                "(specdeploy never downloads; fetch it first or pass a local folder)"
+            ) from None
+    raise SpecdeployError(f"--{role} {name}: no such folder")
+
+
+def _int_ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, (list, tuple)):
+        return tuple(int(v) for v in value)
+    return (int(value),)
+
+
+def load_checkpoint(name: str, role: str, trust_remote_code: bool = False) -> Checkpoint:
+    """Resolve, check for config and weights, and check that optimum can export it as a causal LM."""
+    path = resolve_checkpoint(name, role)
+    if not (path / "config.json").is_file():
+        raise SpecdeployError(f"--{role} {path}: no config.json (not a Hugging Face checkpoint folder)")
+    if not any(any(path.glob(pattern)) for pattern in WEIGHT_PATTERNS):
+        raise SpecdeployError(f"--{role} {path}: has config.json but no weights (*.safetensors or pytorch_model*.bin)")
+    raw = json.loads((path / "config.json").read_text())
+    if raw.get("auto_map") and not trust_remote_code:
+        raise SpecdeployError(
+            f"--{role} {path}: the checkpoint needs custom code (auto_map); pass --trust-remote-code if you trust it"
+        )
+
+    import optimum.exporters.onnx.model_configs  # noqa: F401  (registers the ONNX configs with the TasksManager)
+    from optimum.exporters.tasks import TasksManager
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
+    except Exception as exc:
+        raise SpecdeployError(f"--{role} {path}: cannot read config.json: {str(exc).splitlines()[0]}") from None
+    architectures = getattr(config, "architectures", None) or []
+    if architectures and not any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in architectures):
+        raise SpecdeployError(
+            f"--{role} {path}: {', '.join(architectures)} is not a causal language model (need *ForCausalLM)"
+        )
+    try:
+        tasks = TasksManager.get_supported_tasks_for_model_type(config.model_type, "onnx", library_name="transformers")
+    except Exception:
+        tasks = {}
+    if "text-generation-with-past" not in tasks:
+        raise SpecdeployError(
+            f"--{role} {path}: optimum cannot export model type '{config.model_type}' as a causal LM with a KV cache"
+        )
+
+    generation = {}
+    if (path / "generation_config.json").is_file():
+        generation = json.loads((path / "generation_config.json").read_text())
+    eos = _int_ids(generation.get("eos_token_id", getattr(config, "eos_token_id", None)))
+    bos = generation.get("bos_token_id", getattr(config, "bos_token_id", None))
+    pad = generation.get("pad_token_id", getattr(config, "pad_token_id", None))
+    return Checkpoint(
+        role=role,
+        path=path,
+        config=config,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=eos,
+        pad_token_id=None if pad is None else int(pad),
+    )
+
+
+def load_tokenizer_json(checkpoint: Checkpoint, work_dir: Path) -> Path:
+    """The checkpoint's tokenizer.json, converting a slow tokenizer with transformers when needed."""
+    existing = checkpoint.path / "tokenizer.json"
+    if existing.is_file():
+        return checkpoint.path
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint.path, use_fast=True, local_files_only=True)
+    except Exception as exc:
+        raise SpecdeployError(f"--{checkpoint.role} {checkpoint.path}: no usable tokenizer: {str(exc).splitlines()[0]}") from None
+    if not getattr(tokenizer, "is_fast", False):
+        raise SpecdeployError(f"--{checkpoint.role} {checkpoint.path}: the tokenizer has no tokenizer.json form")
+    out = work_dir / f"{checkpoint.role}-tokenizer"
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def check_pair(target: Checkpoint, draft: Checkpoint, target_tok_dir: Path, draft_tok_dir: Path) -> None:
+    """Same logit space, same token ids, same special tokens; else one line saying what differs."""
+    from tokenizers import Tokenizer
+
+    if target.config.vocab_size != draft.config.vocab_size:
+        raise SpecdeployError(
+            f"draft and target differ in vocab_size: target {target.config.vocab_size}, draft {draft.config.vocab_size}"
+        )
+    target_vocab = Tokenizer.from_file(str(target_tok_dir / "tokenizer.json")).get_vocab(with_added_tokens=True)
+    draft_vocab = Tokenizer.from_file(str(draft_tok_dir / "tokenizer.json")).get_vocab(with_added_tokens=True)
+    if target_vocab != draft_vocab:
+        only_target = sorted(set(target_vocab.items()) - set(draft_vocab.items()), key=lambda kv: kv[1])
+        only_draft = sorted(set(draft_vocab.items()) - set(target_vocab.items()), key=lambda kv: kv[1])
+        example = (only_target or only_draft)[0]
+        raise SpecdeployError(
+            f"draft and target tokenizers differ: {len(target_vocab)} vs {len(draft_vocab)} tokens, "
+            f"{len(only_target)} target entries not in the draft (e.g. {example[0]!r} -> {example[1]})"
+        )
+    for name in ("bos_token_id", "eos_token_ids", "pad_token_id"):
+        if name == "pad_token_id" and None in (target.pad_token_id, draft.pad_token_id):
+            continue
+        if getattr(target, name) != getattr(draft, name):
+            raise SpecdeployError(
+                f"draft and target differ in {name}: target {getattr(target, name)}, draft {getattr(draft, name)}"
+            )

@@ -1,0 +1,117 @@
+"""PyTorch -> ONNX with optimum, then onnxruntime's own tools for fp16 and weight-only quantization."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import warnings
+from pathlib import Path
+
+from ..bundle import KVCacheSpec, TensorSpec
+from ..errors import SpecdeployError
+
+TASK = "text-generation-with-past"
+ONNX_NAME = "model.onnx"
+# Above this size the protobuf 2 GB limit needs the weights beside the graph.
+EXTERNAL_DATA_THRESHOLD = 1_800_000_000
+_ONNX_TO_NUMPY = {
+    "tensor(float)": "float32",
+    "tensor(float16)": "float16",
+    "tensor(bfloat16)": "bfloat16",
+    "tensor(int64)": "int64",
+    "tensor(int32)": "int32",
+    "tensor(bool)": "bool",
+}
+
+
+def quiet_export_logs() -> None:
+    """Tracer warnings and per-node quantizer logs drown the progress display."""
+    warnings.filterwarnings("ignore")
+    for name in ("onnxruntime.quantization", "optimum", "transformers", "torch.onnx"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+
+
+def load_torch_model(path: Path, role: str, trust_remote_code: bool):
+    """The checkpoint in fp32, eager, as PyTorch sees it: the reference for parity."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, local_files_only=True, trust_remote_code=trust_remote_code
+        )
+    except Exception as exc:
+        raise SpecdeployError(f"--{role} {path}: cannot load the weights: {str(exc).splitlines()[0]}") from None
+    return model.eval()
+
+
+def export_onnx(model, out_dir: Path, opset: int | None = None) -> Path:
+    """One graph that serves prefill, single-token decode and k+1-token verify (logits at every position)."""
+    from optimum.exporters.onnx import onnx_export_from_model
+
+    raw = out_dir / "optimum"
+    try:
+        onnx_export_from_model(model, output=raw, task=TASK, opset=opset, do_validation=False)
+    except Exception as exc:
+        raise SpecdeployError(f"optimum could not export {type(model).__name__}: {str(exc).splitlines()[0]}") from None
+    for name in (ONNX_NAME, ONNX_NAME + "_data"):
+        if (raw / name).exists():
+            shutil.move(str(raw / name), out_dir / name)
+    shutil.rmtree(raw)
+    return out_dir / ONNX_NAME
+
+
+def _save(model_proto, path: Path) -> None:
+    import onnx
+
+    data = path.with_name(path.name + "_data")
+    if data.exists():
+        data.unlink()
+    large = model_proto.ByteSize() > EXTERNAL_DATA_THRESHOLD
+    onnx.save_model(model_proto, path, save_as_external_data=large, location=data.name if large else None)
+
+
+def convert_fp16(path: Path) -> None:
+    """Weights, activations, KV cache and logits in fp16, with onnxruntime's converter."""
+    import onnx
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    model = onnx.load(path)
+    _save(convert_float_to_float16(model, keep_io_types=False, disable_shape_infer=model.ByteSize() > EXTERNAL_DATA_THRESHOLD), path)
+
+
+def quantize_weights(path: Path, bits: int, block_size: int = 32) -> None:
+    """Weight-only MatMulNBits (int8 or int4 blocks, symmetric) with onnxruntime's quantizer."""
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+
+    config = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=True, bits=bits)
+    quantizer = MatMulNBitsQuantizer(onnx.load(path), bits=bits, block_size=block_size, is_symmetric=True, algo_config=config)
+    quantizer.process()
+    _save(quantizer.model.model, path)
+
+
+def describe_io(path: Path) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...], KVCacheSpec]:
+    """Inputs, outputs and KV layout as ONNX Runtime sees them, for the manifest."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+    def spec(arg) -> TensorSpec:
+        dtype = _ONNX_TO_NUMPY.get(arg.type)
+        if dtype is None:
+            raise SpecdeployError(f"{path}: unsupported tensor type {arg.type} for '{arg.name}'")
+        return TensorSpec(name=arg.name, dtype=dtype, shape=tuple(d if isinstance(d, int) else str(d) for d in arg.shape))
+
+    inputs = tuple(spec(a) for a in session.get_inputs())
+    outputs = tuple(spec(a) for a in session.get_outputs())
+    kv = KVCacheSpec()
+    past = {t.name: t for t in inputs}
+    if kv.past_key % 0 not in past or kv.present_key % 0 not in {t.name for t in outputs}:
+        raise SpecdeployError(f"{path}: the exported graph has no '{kv.past_key % 0}' -> '{kv.present_key % 0}' KV cache")
+    return inputs, outputs, KVCacheSpec(dtype=past[kv.past_key % 0].dtype)

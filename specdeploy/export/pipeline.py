@@ -1,0 +1,229 @@
+"""`specdeploy export`: two checkpoints -> a validated bundle, written atomically.
+
+Stages: load, export, optimize (fp16 / weight-only quantization), validate (parity), write.
+Everything is built in a temporary folder beside the output and renamed into place at the end,
+so a failure or Ctrl-C leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from .. import __version__
+from ..bundle import ROLES, FileEntry, Manifest, ModelSpec, ParityReport, TokenizerSpec, file_entry, save_manifest
+from ..errors import SpecdeployError
+from . import checkpoint as ckpt
+from . import convert
+from .parity import check_parity
+
+DTYPES = ("fp32", "fp16")
+QUANTIZE = ("none", "int8", "int4")
+STAGES = ("load", "export", "optimize", "validate", "write")
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    target: str  # checkpoint folder (or a hub id already in the local cache)
+    draft: str
+    out: str  # the bundle folder to create
+    dtype: str = "fp32"  # fp32 | fp16
+    quantize: str = "none"  # none | int8 | int4 (weight-only MatMulNBits)
+    max_context: int | None = None  # default: the smaller max_position_embeddings of the two
+    force: bool = False  # replace an existing --out
+    trust_remote_code: bool = False
+    opset: int | None = None  # default: optimum's choice for the architecture
+
+
+# stage name, detail -> None; the CLI draws progress from it, library callers may pass None.
+Reporter = Callable[[str, str], None]
+
+
+def _check_options(config: ExportConfig) -> Path:
+    if config.dtype not in DTYPES:
+        raise SpecdeployError(f"unknown --dtype '{config.dtype}' (choose from {', '.join(DTYPES)})")
+    if config.quantize not in QUANTIZE:
+        raise SpecdeployError(f"unknown --quantize '{config.quantize}' (choose from {', '.join(QUANTIZE)})")
+    if config.quantize != "none" and config.dtype != "fp32":
+        raise SpecdeployError("--quantize int8/int4 quantizes fp32 weights; use it with --dtype fp32")
+    if config.max_context is not None and config.max_context < 2:
+        raise SpecdeployError("--max-context must be at least 2")
+    out = Path(config.out).expanduser().resolve()
+    if out.exists() and not config.force:
+        raise SpecdeployError(f"--out {out} exists; pass --force to replace it")
+    if out.exists() and not out.is_dir():
+        raise SpecdeployError(f"--out {out} exists and is not a folder")
+    if not out.parent.is_dir():
+        raise SpecdeployError(f"--out {out}: the folder {out.parent} does not exist")
+    return out
+
+
+def _max_positions(config) -> int | None:
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _model_spec(role: str, checkpoint: ckpt.Checkpoint, onnx_path: Path, root: Path, config: ExportConfig,
+                max_context: int, num_parameters: int) -> ModelSpec:
+    inputs, outputs, kv = convert.describe_io(onnx_path)
+    past = next(t for t in inputs if t.name == kv.past_key % 0)
+    hf = checkpoint.config
+    num_layers = sum(1 for t in inputs if t.name.startswith("past_key_values.") and t.name.endswith(".key"))
+    files = tuple(file_entry(root, p) for p in sorted(onnx_path.parent.iterdir()) if p.is_file())
+    logits = next(t for t in outputs if t.name == "logits")
+    return ModelSpec(
+        role=role,
+        onnx_path=onnx_path.relative_to(root).as_posix(),
+        files=files,
+        source=str(checkpoint.path),
+        architecture=(getattr(hf, "architectures", None) or [type(hf).__name__])[0],
+        model_type=hf.model_type,
+        num_parameters=num_parameters,
+        num_layers=num_layers,
+        num_attention_heads=int(getattr(hf, "num_attention_heads", 0) or getattr(hf, "n_head", 0)),
+        num_kv_heads=int(past.shape[1]),
+        head_dim=int(past.shape[3]),
+        hidden_size=int(getattr(hf, "hidden_size", 0) or getattr(hf, "n_embd", 0)),
+        vocab_size=int(logits.shape[-1]) if isinstance(logits.shape[-1], int) else int(hf.vocab_size),
+        dtype=config.dtype,
+        quantize=config.quantize,
+        max_context=max_context,
+        bos_token_id=checkpoint.bos_token_id,
+        eos_token_ids=checkpoint.eos_token_ids,
+        pad_token_id=checkpoint.pad_token_id,
+        inputs=inputs,
+        outputs=outputs,
+        kv_cache=kv,
+        parity=ParityReport(0, 0, 0, float("nan"), float("nan"), 0.0, 0.0, "pending", 0.0, False),
+    )
+
+
+def _tool_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    versions = {}
+    for name in ("torch", "transformers", "optimum-onnx", "onnx", "onnxruntime", "tokenizers"):
+        try:
+            versions[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    return versions
+
+
+def export_bundle(config: ExportConfig, report: Reporter | None = None) -> Manifest:
+    """Export, validate and write the bundle; returns its manifest. Raises SpecdeployError on bad input."""
+    report = report or (lambda stage, detail: None)
+    out = _check_options(config)
+    convert.quiet_export_logs()
+
+    report("load", "reading checkpoints")
+    checkpoints = {
+        "target": ckpt.load_checkpoint(config.target, "target", config.trust_remote_code),
+        "draft": ckpt.load_checkpoint(config.draft, "draft", config.trust_remote_code),
+    }
+    limits = [m for m in (_max_positions(c.config) for c in checkpoints.values()) if m]
+    model_limit = min(limits) if limits else None
+    max_context = config.max_context or model_limit or 2048
+    if model_limit and max_context > model_limit:
+        raise SpecdeployError(f"--max-context {max_context} exceeds the models' max_position_embeddings {model_limit}")
+
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        root = work / "bundle"
+        root.mkdir()
+        tokenizer_dirs = {role: ckpt.load_tokenizer_json(c, work) for role, c in checkpoints.items()}
+        ckpt.check_pair(checkpoints["target"], checkpoints["draft"], tokenizer_dirs["target"], tokenizer_dirs["draft"])
+
+        specs: dict[str, ModelSpec] = {}
+        for role in ROLES:
+            checkpoint = checkpoints[role]
+            report("load", f"{role}: {checkpoint.path.name}")
+            model = convert.load_torch_model(checkpoint.path, role, config.trust_remote_code)
+            num_parameters = sum(p.numel() for p in model.parameters())
+            report("export", f"{role}: {num_parameters / 1e6:.1f}M parameters -> ONNX")
+            model_dir = root / role
+            model_dir.mkdir()
+            onnx_path = convert.export_onnx(model, model_dir, config.opset)
+            if config.dtype == "fp16":
+                report("optimize", f"{role}: fp16")
+                convert.convert_fp16(onnx_path)
+            if config.quantize != "none":
+                report("optimize", f"{role}: {config.quantize} weight-only (MatMulNBits)")
+                convert.quantize_weights(onnx_path, bits=int(config.quantize[3:]))
+            spec = _model_spec(role, checkpoint, onnx_path, root, config, max_context, num_parameters)
+            report("validate", f"{role}: ONNX Runtime vs PyTorch")
+            parity = check_parity(model, onnx_path, spec)
+            del model
+            specs[role] = dataclasses.replace(spec, parity=parity)
+            if not parity.passed:
+                worst = (
+                    f"max |diff| {max(parity.prefill_max_abs_diff, parity.verify_max_abs_diff):.2e} > {parity.tolerance:g}"
+                    if parity.check == "max_abs_diff"
+                    else f"greedy agreement {min(parity.prefill_greedy_agreement, parity.verify_greedy_agreement):.2f} < {parity.tolerance:g}"
+                )
+                raise SpecdeployError(f"parity check failed for the {role}: {worst}; nothing was written")
+
+        report("write", "tokenizer and manifest")
+        manifest = Manifest(
+            format_version=1,
+            specdeploy_version=__version__,
+            created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            max_context=max_context,
+            target=specs["target"],
+            draft=specs["draft"],
+            tokenizer=_copy_tokenizer(tokenizer_dirs["target"], root, checkpoints["target"]),
+            export_options={
+                "dtype": config.dtype,
+                "quantize": config.quantize,
+                "max_context": max_context,
+                "opset": config.opset,
+                "task": convert.TASK,
+                "trust_remote_code": config.trust_remote_code,
+            },
+            tool_versions=_tool_versions(),
+        )
+        save_manifest(manifest, root)
+        _replace(root, out)
+        return manifest
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _copy_tokenizer(source: Path, root: Path, target: ckpt.Checkpoint) -> TokenizerSpec:
+    from tokenizers import Tokenizer
+
+    folder = root / "tokenizer"
+    folder.mkdir()
+    entries: list[FileEntry] = []
+    for name in ckpt.TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, folder / name)
+            entries.append(file_entry(root, folder / name))
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    return TokenizerSpec(
+        path="tokenizer",
+        files=tuple(entries),
+        vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
+        bos_token_id=target.bos_token_id,
+        eos_token_ids=target.eos_token_ids,
+        pad_token_id=target.pad_token_id,
+    )
+
+
+def _replace(built: Path, out: Path) -> None:
+    """Rename the finished bundle into place; an old bundle (with --force) goes only once the new one is there."""
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{datetime.datetime.now().strftime('%H%M%S%f')}")
+        out.rename(old)
+    built.rename(out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

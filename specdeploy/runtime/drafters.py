@@ -1,0 +1,91 @@
+"""Drafters: whatever proposes the k tokens the target then verifies.
+
+The seam has two methods (as transformers' candidate generators do): `propose(context, k, ...)`
+returns the draft tokens and the probabilities they were drawn from (None when greedy), and
+`update(num_accepted)` hears how the last proposal fared.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from .engine import CachedModel
+from .sampling import SamplingParams, process_logits, sample_token
+
+
+class Drafter(Protocol):
+    def propose(
+        self, context: list[int], num_tokens: int, params: SamplingParams, rng: np.random.Generator
+    ) -> tuple[list[int], np.ndarray | None]:
+        """Draft tokens [k] and the draft_probs [k, vocab] they were drawn from (None when greedy)."""
+
+    def update(self, num_accepted: int) -> None: ...
+
+    def prefill(self, context: list[int]) -> None: ...
+
+
+class ModelDrafter:
+    """The bundle's draft model, decoding autoregressively on its own KV cache."""
+
+    def __init__(self, model: CachedModel):
+        self.model = model
+
+    def prefill(self, context: list[int]) -> None:
+        self.model.prefill(context)
+
+    def propose(self, context, num_tokens, params, rng):
+        logits = self.model.logits_after(context)  # [vocab]
+        tokens: list[int] = []
+        rows = []
+        for position in range(num_tokens):
+            if params.greedy:
+                token = int(logits.argmax())
+            else:
+                probs = process_logits(logits[None], params)[0]  # [vocab]
+                token = sample_token(probs, rng)
+                rows.append(probs)
+            tokens.append(token)
+            if position + 1 < num_tokens:
+                logits = self.model.extend([token])[-1]
+        return tokens, (None if params.greedy else np.stack(rows))
+
+    def update(self, num_accepted: int) -> None:
+        pass
+
+
+class PromptLookupDrafter:
+    """N-gram drafting from the context itself (prompt lookup decoding): no model, no cost.
+
+    It proposes the tokens that followed the most recent earlier occurrence of the context's last
+    n-gram. Its proposal is deterministic, so draft_probs are one-hot rows, and the rejection rule
+    stays exact: accept x with probability target_probs[x], else draw from the target without x.
+    """
+
+    def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1):
+        self.vocab_size = vocab_size
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def prefill(self, context: list[int]) -> None:
+        pass
+
+    def propose(self, context, num_tokens, params, rng):
+        tokens: list[int] = []
+        for size in range(min(self.max_ngram, len(context) - 1), self.min_ngram - 1, -1):
+            pattern = context[-size:]
+            for start in range(len(context) - size - 1, -1, -1):
+                if context[start : start + size] == pattern:
+                    tokens = context[start + size : start + size + num_tokens]
+                    break
+            if tokens:
+                break
+        if params.greedy or not tokens:
+            return tokens, None
+        one_hot = np.zeros((len(tokens), self.vocab_size))
+        one_hot[np.arange(len(tokens)), tokens] = 1.0
+        return tokens, one_hot
+
+    def update(self, num_accepted: int) -> None:
+        pass

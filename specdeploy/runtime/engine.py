@@ -1,0 +1,158 @@
+"""Engines: one exported model behind `forward(token_ids, cache) -> logits`.
+
+`OrtEngine` runs a bundle model in an ONNX Runtime session on the CPU, CUDA or TensorRT execution
+provider. `CachedModel` pairs an engine with its KV cache and the tokens that cache holds, so that
+callers only say which context they want logits for and the cache follows (rollback included).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..bundle import ModelSpec
+from ..errors import SpecdeployError
+from .kv_cache import KVCache
+
+DEVICES = ("cpu", "cuda", "tensorrt")
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    device: str = "cpu"  # cpu | cuda | tensorrt
+    intra_op_threads: int = 0  # 0: ONNX Runtime picks (one per physical core)
+    # Two sessions that spin-wait fight over the same cores when draft and target alternate.
+    allow_spinning: bool = False
+    graph_optimization: str = "all"  # disable | basic | extended | all
+    trt_cache_dir: str | None = None  # TensorRT engines are built once and cached here
+
+
+def providers_for(config: SessionConfig) -> list:
+    import onnxruntime as ort
+
+    if config.device not in DEVICES:
+        raise SpecdeployError(f"unknown device '{config.device}' (choose from {', '.join(DEVICES)})")
+    available = set(ort.get_available_providers())
+    if config.device == "cpu":
+        return ["CPUExecutionProvider"]
+    if "CUDAExecutionProvider" not in available:
+        raise SpecdeployError(
+            f"device '{config.device}' needs onnxruntime-gpu (pip install 'specdeploy[gpu]'); this onnxruntime has "
+            + ", ".join(sorted(available))
+        )
+    if config.device == "cuda":
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    if "TensorrtExecutionProvider" not in available:
+        raise SpecdeployError("device 'tensorrt' needs an onnxruntime-gpu build with the TensorRT execution provider")
+    trt_options = {"trt_fp16_enable": True, "trt_engine_cache_enable": config.trt_cache_dir is not None}
+    if config.trt_cache_dir:
+        trt_options["trt_engine_cache_path"] = config.trt_cache_dir
+    return [("TensorrtExecutionProvider", trt_options), "CUDAExecutionProvider", "CPUExecutionProvider"]
+
+
+def session_options(config: SessionConfig):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    levels = {
+        "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    }
+    options.graph_optimization_level = levels[config.graph_optimization]
+    options.intra_op_num_threads = config.intra_op_threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if config.allow_spinning else "0")
+    options.log_severity_level = 3
+    return options
+
+
+class OrtEngine:
+    """One bundle model in an ONNX Runtime session; batch 1, positions implied by the cache length."""
+
+    def __init__(self, model_path: Path, spec: ModelSpec, config: SessionConfig = SessionConfig()):
+        import onnxruntime as ort
+
+        self.spec = spec
+        try:
+            self.session = ort.InferenceSession(str(model_path), session_options(config), providers=providers_for(config))
+        except SpecdeployError:
+            raise
+        except Exception as exc:
+            raise SpecdeployError(f"ONNX Runtime cannot load {model_path}: {str(exc).splitlines()[0]}") from None
+        names = set(spec.input_names)
+        self._has_mask = "attention_mask" in names
+        self._has_positions = "position_ids" in names
+        kv = spec.kv_cache
+        self._past_names = [(kv.past_key % i, kv.past_value % i) for i in range(spec.num_layers)]
+        self._output_names = ["logits"] + [n for i in range(spec.num_layers) for n in (kv.present_key % i, kv.present_value % i)]
+        self.cache_dtype = np.dtype(kv.dtype)
+        self.seconds = 0.0  # time spent inside session.run, for the stats
+
+    def new_cache(self, capacity: int) -> KVCache:
+        spec = self.spec
+        return KVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.cache_dtype, capacity)
+
+    def forward(self, token_ids: np.ndarray, cache: KVCache) -> np.ndarray:
+        """Run token_ids [n] after the cache's valid positions; returns logits [n, vocab] (float32)."""
+        past_length = cache.length
+        count = int(token_ids.shape[0])
+        if past_length + count > cache.capacity:
+            raise SpecdeployError(f"context of {past_length + count} tokens exceeds the bundle's max context {cache.capacity}")
+        feeds = {"input_ids": token_ids.reshape(1, count).astype(np.int64, copy=False)}
+        if self._has_mask:
+            feeds["attention_mask"] = np.ones((1, past_length + count), dtype=np.int64)
+        if self._has_positions:
+            feeds["position_ids"] = np.arange(past_length, past_length + count, dtype=np.int64).reshape(1, count)
+        for layer, (key_name, value_name) in enumerate(self._past_names):
+            feeds[key_name], feeds[value_name] = cache.past(layer)
+        start = time.perf_counter()
+        outputs = self.session.run(self._output_names, feeds)
+        self.seconds += time.perf_counter() - start
+        cache.update(outputs[1::2], outputs[2::2])
+        logits = outputs[0][0]  # [n, vocab]
+        return logits if logits.dtype == np.float32 else logits.astype(np.float32)
+
+
+class CachedModel:
+    """An engine, its KV cache, and the tokens the cache holds (so rollback is automatic)."""
+
+    def __init__(self, engine: OrtEngine, capacity: int):
+        self.engine = engine
+        self.cache = engine.new_cache(capacity)
+        self.tokens: list[int] = []  # the tokens whose keys and values the cache holds
+
+    def uncached(self, context: list[int]) -> list[int]:
+        """Truncate the cache to its longest prefix shared with context, keeping at least one token to run."""
+        return self._sync(context, len(context) - 1)
+
+    def prefill(self, context: list[int]) -> None:
+        """Make the cache hold exactly context (reusing whatever prefix it already holds)."""
+        rest = self._sync(context, len(context))
+        if rest:
+            self.extend(rest)
+
+    def _sync(self, context: list[int], max_shared: int) -> list[int]:
+        limit = min(len(self.tokens), max_shared)
+        shared = limit
+        if self.tokens[:limit] != context[:limit]:
+            shared = next(i for i in range(limit) if self.tokens[i] != context[i])
+        if shared < len(self.tokens):
+            del self.tokens[shared:]
+            self.cache.truncate(shared)
+        return context[shared:]
+
+    def extend(self, token_ids: list[int]) -> np.ndarray:
+        """Append tokens to the cache; returns their logits [n, vocab]."""
+        logits = self.engine.forward(np.asarray(token_ids, dtype=np.int64), self.cache)
+        self.tokens.extend(token_ids)
+        return logits
+
+    def logits_after(self, context: list[int]) -> np.ndarray:
+        """Logits [vocab] of the token that follows context."""
+        return self.extend(self.uncached(context))[-1]

@@ -1,0 +1,238 @@
+"""The generate loop: draft -> verify -> accept, or plain target-only decoding with the same sampling.
+
+Invariant of each round: `context` holds the prompt and every emitted token; the target's cache
+holds all of it but the last token (the pending one). The draft proposes k tokens after the
+context, the target runs once on [pending, x_1..x_k] (k + 1 positions) and the rejection rule
+keeps num_accepted of them plus one recovered or bonus token. Rejected positions leave both
+caches when the next round syncs them to the new context (truncate to the shared prefix).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+
+from ..errors import SpecdeployError
+from .drafters import Drafter
+from .engine import CachedModel
+from .rejection import greedy_accept, rejection_sample
+from .sampling import SamplingParams, process_logits, sample_token
+from .text import TextCodec, TextStream
+
+MAX_DRAFT_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+    seed: int | None = 0  # seeds the np.random.Generator every draw comes from
+    num_draft_tokens: int = 4  # k: tokens the draft proposes per round
+    speculative: bool = True  # False: target-only decoding, the baseline
+    stop: tuple[str, ...] = ()  # generation ends before the first of these strings
+
+    def validate(self) -> None:
+        if not self.temperature >= 0:
+            raise SpecdeployError(f"temperature must be >= 0 (got {self.temperature})")
+        if not 0 < self.top_p <= 1:
+            raise SpecdeployError(f"top_p must be in (0, 1] (got {self.top_p})")
+        if self.top_k < 0:
+            raise SpecdeployError(f"top_k must be >= 0 (got {self.top_k})")
+        if self.max_new_tokens < 0:
+            raise SpecdeployError(f"max_new_tokens must be >= 0 (got {self.max_new_tokens})")
+        if not 1 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise SpecdeployError(f"num_draft_tokens must be in 1..{MAX_DRAFT_TOKENS} (got {self.num_draft_tokens})")
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=float(self.temperature), top_k=int(self.top_k), top_p=float(self.top_p))
+
+
+@dataclass
+class GenerationStats:
+    """What one generate call did; only the CLI prints it."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    rounds: int = 0  # target passes after the prefill (verify passes when speculative)
+    drafted: int = 0
+    accepted: int = 0
+    accepted_by_position: list[int] = field(default_factory=list)  # [k]: rounds that kept draft position i
+    prefill_ms: float = 0.0
+    draft_ms: float = 0.0  # inside the draft's ONNX Runtime calls, decode only
+    target_ms: float = 0.0  # inside the target's ONNX Runtime calls, decode only
+    other_ms: float = 0.0  # decode time outside both: sampling, acceptance, bookkeeping
+    decode_ms: float = 0.0
+    finish_reason: str = ""  # eos | length | stop | context
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        """Tokens per target pass, the corrected/bonus token included: (accepted + rounds) / rounds."""
+        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """New tokens over decode time (the prefill is reported separately)."""
+        return self.new_tokens / (self.decode_ms / 1000) if self.decode_ms > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        data = {k: v for k, v in self.__dict__.items()}
+        data.update(acceptance_rate=self.acceptance_rate, mean_accepted_tokens=self.mean_accepted_tokens,
+                    tokens_per_s=self.tokens_per_s)
+        return data
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    text: str
+    token_ids: list[int]  # the new tokens only
+    stats: GenerationStats
+
+
+class Generator:
+    """A target (and a drafter) with their caches; `generate` and `stream` run the loop."""
+
+    def __init__(self, target: CachedModel, drafter: Drafter | None, codec: TextCodec, max_context: int,
+                 eos_token_ids: tuple[int, ...], manifest=None):
+        self.manifest = manifest  # the bundle's Manifest, when loaded from one
+        self.last_output: GenerationOutput | None = None  # set when a generate or stream call ends
+        self.target = target
+        self.drafter = drafter
+        self.codec = codec
+        self.max_context = max_context
+        self.eos_token_ids = frozenset(eos_token_ids)
+
+    def _config(self, kwargs) -> GenerationConfig:
+        stop = kwargs.pop("stop", None)
+        if isinstance(stop, str):
+            stop = (stop,)
+        try:
+            config = GenerationConfig(stop=tuple(stop or ()), **kwargs)
+        except TypeError as exc:
+            raise SpecdeployError(str(exc)) from None
+        config.validate()
+        if config.speculative and self.drafter is None:
+            raise SpecdeployError("this generator has no drafter; pass speculative=False")
+        return config
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.codec.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt] or self.codec.encode("")
+        vocab = self.codec.spec.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise SpecdeployError(f"prompt token ids must be in 0..{vocab - 1}")
+        if len(ids) >= self.max_context:
+            raise SpecdeployError(
+                f"the prompt has {len(ids)} tokens; the bundle's max context is {self.max_context} (including new tokens)"
+            )
+        return ids
+
+    def stream(self, prompt: str | list[int], **kwargs) -> Iterator[str]:
+        """Yield text pieces as tokens are accepted; same arguments as generate."""
+        for piece in self._run(prompt, self._config(kwargs)):
+            if isinstance(piece, str):
+                if piece:
+                    yield piece
+
+    def generate(self, prompt: str | list[int], **kwargs) -> GenerationOutput:
+        """Generate from a prompt (text or token ids); see GenerationConfig for the arguments."""
+        result = None
+        for item in self._run(prompt, self._config(kwargs)):
+            if isinstance(item, GenerationOutput):
+                result = item
+        return result
+
+    def _run(self, prompt, config: GenerationConfig) -> Iterator[str | GenerationOutput]:
+        prompt_ids = self._prompt_ids(prompt)
+        stats = GenerationStats(prompt_tokens=len(prompt_ids),
+                                accepted_by_position=[0] * (config.num_draft_tokens if config.speculative else 0))
+        text = TextStream(self.codec, config.stop)
+        budget = min(config.max_new_tokens, self.max_context - len(prompt_ids))
+        new_tokens: list[int] = []
+        finish = "length" if budget == config.max_new_tokens else "context"
+        rounds = self._rounds(prompt_ids, budget, config, stats)
+        try:
+            for round_tokens in rounds:
+                for token in round_tokens:
+                    new_tokens.append(token)
+                    if token in self.eos_token_ids:
+                        finish = "eos"
+                        break
+                    yield text.push(token)
+                    if text.stopped:
+                        finish = "stop"
+                        break
+                else:
+                    continue
+                break
+        finally:
+            rounds.close()  # settles the timing stats now, not when garbage-collected
+        yield text.finish()
+        stats.new_tokens = len(new_tokens)
+        stats.finish_reason = finish
+        self.last_output = GenerationOutput(text=text.text, token_ids=new_tokens, stats=stats)
+        yield self.last_output
+
+    def _rounds(self, prompt_ids: list[int], budget: int, config: GenerationConfig,
+                stats: GenerationStats) -> Iterator[list[int]]:
+        """Yield the tokens of each round until `budget` tokens are out (the caller may stop earlier)."""
+        rng = np.random.default_rng(config.seed)
+        params = config.sampling
+        drafter = self.drafter if config.speculative else None
+        draft_model = getattr(drafter, "model", None)  # a model drafter has an engine to time
+        engines = [self.target.engine] + ([draft_model.engine] if draft_model is not None else [])
+        context = list(prompt_ids)
+
+        start = time.perf_counter()
+        self.target.prefill(context[:-1])
+        if drafter is not None:
+            drafter.prefill(context[:-1])
+        stats.prefill_ms = (time.perf_counter() - start) * 1000
+
+        engine_start = [e.seconds for e in engines]
+        decode_start = time.perf_counter()
+        generated = 0
+        try:
+            while generated < budget:
+                room = self.max_context - len(context)  # the verify pass adds k + 1 positions to len(context) - 1
+                num_draft = min(config.num_draft_tokens, budget - generated - 1, room) if drafter else 0
+                drafts, draft_probs = drafter.propose(context, num_draft, params, rng) if num_draft > 0 else ([], None)
+                if drafts:
+                    logits = self.target.extend(self.target.uncached(context) + drafts)[-(len(drafts) + 1):]  # [k+1, vocab]
+                    if params.greedy:
+                        num_accepted, token = greedy_accept(np.asarray(drafts), logits)
+                    else:
+                        target_probs = process_logits(logits, params)  # [k + 1, vocab]
+                        accepted, tokens = rejection_sample(np.asarray([drafts]), draft_probs[None], target_probs[None], rng)
+                        num_accepted, token = int(accepted[0]), int(tokens[0])
+                    drafter.update(num_accepted)
+                    stats.drafted += len(drafts)
+                    stats.accepted += num_accepted
+                    for position in range(num_accepted):
+                        stats.accepted_by_position[position] += 1
+                    new = drafts[:num_accepted] + [token]
+                else:
+                    logits = self.target.logits_after(context)  # [vocab]
+                    token = int(logits.argmax()) if params.greedy else sample_token(process_logits(logits[None], params)[0], rng)
+                    new = [token]
+                stats.rounds += 1
+                context.extend(new)
+                generated += len(new)
+                yield new
+        finally:
+            stats.decode_ms = (time.perf_counter() - decode_start) * 1000
+            spent = [(e.seconds - s) * 1000 for e, s in zip(engines, engine_start)]
+            stats.target_ms = spent[0]
+            stats.draft_ms = spent[1] if len(spent) > 1 else 0.0
+            stats.other_ms = max(0.0, stats.decode_ms - sum(spent))

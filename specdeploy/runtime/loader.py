@@ -1,0 +1,32 @@
+"""`load(bundle)`: a manifest, two ONNX Runtime sessions and a tokenizer become a Generator."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..bundle import load_manifest
+from ..errors import SpecdeployError
+from .drafters import ModelDrafter, PromptLookupDrafter
+from .engine import CachedModel, OrtEngine, SessionConfig
+from .generate import Generator
+from .text import TextCodec
+
+DRAFTERS = ("model", "prompt-lookup")
+
+
+def load(bundle: str | Path, device: str = "cpu", drafter: str = "model", verify_checksums: bool = False,
+         session: SessionConfig | None = None) -> Generator:
+    """Load a bundle for generation on `device` (cpu | cuda | tensorrt)."""
+    bundle = Path(bundle)
+    manifest = load_manifest(bundle, verify_checksums=verify_checksums)
+    if drafter not in DRAFTERS:
+        raise SpecdeployError(f"unknown drafter '{drafter}' (choose from {', '.join(DRAFTERS)})")
+    config = session or SessionConfig(device=device, trt_cache_dir=str(bundle / "trt_cache") if device == "tensorrt" else None)
+    target = CachedModel(OrtEngine(bundle / manifest.target.onnx_path, manifest.target, config), manifest.max_context)
+    if drafter == "model":
+        draft = CachedModel(OrtEngine(bundle / manifest.draft.onnx_path, manifest.draft, config), manifest.max_context)
+        chosen = ModelDrafter(draft)
+    else:
+        chosen = PromptLookupDrafter(manifest.target.vocab_size)
+    codec = TextCodec(bundle / manifest.tokenizer.path, manifest.tokenizer)
+    return Generator(target, chosen, codec, manifest.max_context, manifest.target.eos_token_ids, manifest)

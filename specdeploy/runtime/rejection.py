@@ -1,0 +1,65 @@
+"""The rejection sampler of speculative decoding, as pure functions.
+
+Speculative sampling (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
+Decoding"; Chen et al. 2023, "Accelerating Large Language Model Decoding with Speculative
+Sampling"). Vocabulary:
+  - draft tokens: the k tokens the draft proposed, x_1..x_k, drawn from draft_probs;
+  - accepted: x_i is kept with probability min(1, target_probs_i[x_i] / draft_probs_i[x_i]),
+    scanning left to right until the first rejection;
+  - recovered token: at the first rejection i, a token drawn from
+    normalize(max(0, target_probs_i - draft_probs_i)), and the round ends;
+  - bonus token: when all k are accepted, a token drawn from target_probs_{k+1}.
+Every round therefore emits num_accepted + 1 tokens, and each is distributed exactly as the
+target would have drawn it. (The shortcut "keep x when target_probs[x] >= draft_probs[x], else
+discard" is not distribution-preserving; it is not used here.)
+
+Greedy decoding is the temperature -> 0 limit: accept while the draft token is the target's
+argmax, then emit the target's argmax.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .sampling import sample_tokens
+
+
+def greedy_accept(draft_token_ids: np.ndarray, target_logits: np.ndarray) -> tuple[int, int]:
+    """draft_token_ids [k], target_logits [k + 1, vocab] -> (num_accepted, next_token)."""
+    target_choice = target_logits.argmax(axis=-1)  # [k + 1]
+    num_draft = len(draft_token_ids)
+    mismatch = np.flatnonzero(target_choice[:num_draft] != draft_token_ids)
+    num_accepted = int(mismatch[0]) if mismatch.size else num_draft
+    return num_accepted, int(target_choice[num_accepted])
+
+
+def rejection_sample(
+    draft_token_ids: np.ndarray,  # [batch, k]
+    draft_probs: np.ndarray,  # [batch, k, vocab]
+    target_probs: np.ndarray,  # [batch, k + 1, vocab]
+    rng: np.random.Generator,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Returns (num_accepted [batch], next_token [batch]): the recovered or the bonus token of each row."""
+    batch, num_draft = draft_token_ids.shape
+    rows = np.arange(batch)[:, None]
+    positions = np.arange(num_draft)[None, :]
+    draft_p = draft_probs[rows, positions, draft_token_ids]  # [batch, k]
+    target_p = target_probs[rows, positions, draft_token_ids]  # [batch, k]
+    uniforms = rng.random((batch, num_draft))
+    # u < t / d, written without the division; d > 0 for any token the draft actually drew.
+    accepted = uniforms * draft_p < target_p  # [batch, k]
+    num_accepted = np.where(accepted.all(axis=1), num_draft, np.argmin(accepted, axis=1))  # [batch]
+
+    flat_rows = np.arange(batch)
+    final_target = target_probs[flat_rows, num_accepted]  # [batch, vocab]
+    rejected = num_accepted < num_draft
+    final = final_target.copy()
+    if rejected.any():
+        at = np.minimum(num_accepted, num_draft - 1)
+        residual = np.maximum(final_target - draft_probs[flat_rows, at], 0.0)  # [batch, vocab]
+        mass = residual.sum(axis=-1, keepdims=True)
+        # Zero residual mass only arises from rounding when the two rows are equal; then the target row is exact.
+        usable = rejected[:, None] & (mass > 0)
+        final = np.where(usable, residual / np.where(mass > 0, mass, 1.0), final_target)
+    next_tokens = sample_tokens(final, rng.random(batch))
+    return num_accepted, next_tokens

@@ -1,0 +1,94 @@
+"""Text in and out: the bundle's tokenizer, incremental detokenization and stop strings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..bundle import TokenizerSpec
+from ..errors import SpecdeployError
+
+
+class TextCodec:
+    """The bundle tokenizer (the `tokenizers` library, no transformers)."""
+
+    def __init__(self, folder: Path, spec: TokenizerSpec):
+        from tokenizers import Tokenizer
+
+        try:
+            self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception as exc:
+            raise SpecdeployError(f"cannot read {folder / 'tokenizer.json'}: {str(exc).splitlines()[0]}") from None
+        self.spec = spec
+
+    def encode(self, text: str) -> list[int]:
+        """Prompt text -> ids, with the tokenizer's own special tokens; an empty prompt is just BOS."""
+        ids = self.tokenizer.encode(text, add_special_tokens=True).ids if text else []
+        if not ids:
+            if self.spec.bos_token_id is None:
+                raise SpecdeployError("the prompt is empty and the tokenizer has no BOS token to start from")
+            ids = [self.spec.bos_token_id]
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+class TextStream:
+    """Turns accepted tokens into text pieces, never emitting past a stop string.
+
+    Decoding works on a short window of recent tokens (as TGI and vLLM do), so each token costs the
+    same however long the output grows; pieces that end in an incomplete UTF-8 sequence wait, and
+    text that could still become a stop string is held back until it cannot.
+    """
+
+    def __init__(self, codec: TextCodec, stop: tuple[str, ...] = ()):
+        self.codec = codec
+        self.stop = tuple(s for s in stop if s)
+        self.ids: list[int] = []
+        self.text = ""  # decoded so far
+        self.emitted = 0  # characters of self.text already handed out
+        self.stopped = False
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def push(self, token: int) -> str:
+        """Add one token; returns the text that is now safe to show (maybe empty)."""
+        self.ids.append(token)
+        prefix = self.codec.decode(self.ids[self._prefix_offset : self._read_offset])
+        window = self.codec.decode(self.ids[self._prefix_offset :])
+        if len(window) > len(prefix) and not window.endswith("\ufffd"):
+            self.text += window[len(prefix) :]
+            self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
+        if self.stop:
+            search_from = max(0, self.emitted - max(len(s) for s in self.stop))
+            hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
+            if hits:
+                self.text = self.text[: min(hits)]
+                self.stopped = True
+                return self._emit(len(self.text))
+            return self._emit(len(self.text) - self._held_back())
+        return self._emit(len(self.text))
+
+    def finish(self) -> str:
+        """The rest of the text once generation ends (incomplete UTF-8 included)."""
+        if not self.stopped:
+            prefix = self.codec.decode(self.ids[self._prefix_offset : self._read_offset])
+            window = self.codec.decode(self.ids[self._prefix_offset :])
+            self.text += window[len(prefix) :]
+        return self._emit(len(self.text))
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+        longest = 0
+        for stop in self.stop:
+            for size in range(min(len(stop) - 1, len(self.text)), longest, -1):
+                if self.text.endswith(stop[:size]):
+                    longest = size
+                    break
+        return longest
+
+    def _emit(self, upto: int) -> str:
+        upto = max(upto, self.emitted)
+        piece = self.text[self.emitted : upto]
+        self.emitted = upto
+        return piece
