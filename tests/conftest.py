@@ -1,0 +1,150 @@
+"""Tiny random-weight checkpoints (GPT-2, Llama, Qwen2, Mistral, Phi-3) built here, and their bundles.
+
+Nothing is downloaded: the tokenizer is a byte-level BPE trained on a slice of this interpreter's
+standard library, the models are random configs with seeded weights.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+BOS, EOS = 0, 1
+VOCAB = 384
+ARCHITECTURES = ("gpt2", "llama", "qwen2", "mistral", "phi3")
+# (layers, hidden) per role: the draft is always the smaller.
+SIZES = {"target": (2, 64), "draft": (1, 32)}
+
+
+def build_tokenizer(folder: Path) -> None:
+    import sysconfig
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    corpus = [(stdlib / name).read_text() for name in ("textwrap.py", "bisect.py", "heapq.py", "colorsys.py")]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<s>", "</s>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(corpus, trainer)
+    assert tokenizer.get_vocab_size() == VOCAB
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="</s>")
+    fast.save_pretrained(folder)
+
+
+def model_config(arch: str, layers: int, hidden: int):
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=EOS, initializer_range=0.2)
+    if arch == "gpt2":
+        return tf.GPT2Config(n_layer=layers, n_embd=hidden, n_head=4, n_positions=256, **common)
+    kwargs = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False, **common)
+    if arch == "llama":
+        return tf.LlamaConfig(**kwargs)
+    if arch == "qwen2":
+        return tf.Qwen2Config(**kwargs)
+    if arch == "mistral":
+        return tf.MistralConfig(sliding_window=None, **kwargs)
+    if arch == "phi3":
+        return tf.Phi3Config(original_max_position_embeddings=256, **kwargs)
+    raise ValueError(arch)
+
+
+def build_checkpoint(folder: Path, arch: str, layers: int, hidden: int, seed: int, tokenizer_dir: Path,
+                     noisy_copy_of: Path | None = None, noise: float = 0.0) -> Path:
+    """A random model (or a noisy copy of another, for a draft that agrees partly) plus the tokenizer."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    torch.manual_seed(seed)
+    if noisy_copy_of is not None:
+        model = AutoModelForCausalLM.from_pretrained(noisy_copy_of)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(noise * parameter.std() * torch.randn_like(parameter))
+    else:
+        model = AutoModelForCausalLM.from_config(model_config(arch, layers, hidden))
+    model.generation_config = GenerationConfig(bos_token_id=BOS, eos_token_id=EOS, pad_token_id=EOS)
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tokenizer_dir / name).is_file():
+            shutil.copy2(tokenizer_dir / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tokenizer")
+    build_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory, tokenizer_dir):
+    """arch -> {"target": Path, "draft": Path}; built on first use."""
+    cache: dict[str, dict[str, Path]] = {}
+
+    def get(arch: str) -> dict[str, Path]:
+        if arch not in cache:
+            root = tmp_path_factory.mktemp(f"ckpt-{arch}")
+            cache[arch] = {
+                role: build_checkpoint(root / role, arch, *SIZES[role], seed=1 + i, tokenizer_dir=tokenizer_dir)
+                for i, role in enumerate(("target", "draft"))
+            }
+        return cache[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def bundles(tmp_path_factory, checkpoints):
+    """arch -> an exported fp32 bundle of that architecture's pair; built on first use."""
+    from specdeploy.export import ExportConfig, export_bundle
+
+    cache: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in cache:
+            pair = checkpoints(arch)
+            out = tmp_path_factory.mktemp(f"bundle-{arch}") / "bundle"
+            export_bundle(ExportConfig(target=str(pair["target"]), draft=str(pair["draft"]), out=str(out)))
+            cache[arch] = out
+        return cache[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def agreeing_bundle(tmp_path_factory, checkpoints):
+    """A Llama target with a draft that is the target plus weight noise: partial, realistic acceptance."""
+    from specdeploy.export import ExportConfig, export_bundle
+
+    pair = checkpoints("llama")
+    root = tmp_path_factory.mktemp("agreeing")
+    draft = build_checkpoint(root / "draft", "llama", 0, 0, seed=7, tokenizer_dir=pair["target"],
+                             noisy_copy_of=pair["target"], noise=0.1)
+    out = root / "bundle"
+    export_bundle(ExportConfig(target=str(pair["target"]), draft=str(draft), out=str(out)))
+    return out
+
+
+@pytest.fixture(scope="session")
+def self_draft_bundle(tmp_path_factory, checkpoints):
+    """Draft == target: every draft token is accepted (the bonus-token path every round)."""
+    from specdeploy.export import ExportConfig, export_bundle
+
+    pair = checkpoints("llama")
+    out = tmp_path_factory.mktemp("self") / "bundle"
+    export_bundle(ExportConfig(target=str(pair["target"]), draft=str(pair["target"]), out=str(out)))
+    return out

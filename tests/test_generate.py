@@ -1,0 +1,182 @@
+"""The generate loop: speculative output equals target-only output, stopping, stats, sampling, bad input."""
+
+import itertools
+
+import numpy as np
+import pytest
+from scipy import stats as scipy_stats
+
+import specdeploy
+from specdeploy.errors import SpecdeployError
+from specdeploy.runtime.sampling import SamplingParams, process_logits
+
+from conftest import ARCHITECTURES
+
+PROMPTS = ["def f(x):", "import os\n", "class A:\n    def __init__(self):"]
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_greedy_speculative_equals_target_only(bundles, arch):
+    generator = specdeploy.load(bundles(arch))
+    for prompt in PROMPTS:
+        baseline = generator.generate(prompt, max_new_tokens=24, speculative=False)
+        assert len(baseline.token_ids) == 24
+        for k in (1, 2, 4, 8):
+            out = generator.generate(prompt, max_new_tokens=24, num_draft_tokens=k)
+            assert out.token_ids == baseline.token_ids, (arch, prompt, k)
+            assert out.text == baseline.text
+
+
+@pytest.mark.parametrize("bundle_name", ["agreeing_bundle", "self_draft_bundle"])
+def test_greedy_equivalence_with_accepting_drafts(request, bundle_name):
+    generator = specdeploy.load(request.getfixturevalue(bundle_name))
+    for prompt in PROMPTS:
+        baseline = generator.generate(prompt, max_new_tokens=40, speculative=False)
+        for k in (1, 2, 4, 8):
+            out = generator.generate(prompt, max_new_tokens=40, num_draft_tokens=k)
+            assert out.token_ids == baseline.token_ids, (prompt, k)
+            assert out.stats.accepted > 0
+            if bundle_name == "self_draft_bundle":
+                assert out.stats.acceptance_rate == 1.0
+
+
+def test_rounds_that_end_on_eos(agreeing_bundle):
+    generator = specdeploy.load(agreeing_bundle)
+    baseline = generator.generate(PROMPTS[0], max_new_tokens=30, speculative=False)
+    for index in (3, 10, 17):  # make a token the model really emits play EOS, at several depths
+        eos = baseline.token_ids[index]
+        first = baseline.token_ids.index(eos)
+        generator.eos_token_ids = frozenset({eos})
+        expected = generator.generate(PROMPTS[0], max_new_tokens=30, speculative=False)
+        assert expected.token_ids == baseline.token_ids[: first + 1]
+        assert expected.stats.finish_reason == "eos"
+        for k in (1, 2, 4, 8):
+            out = generator.generate(PROMPTS[0], max_new_tokens=30, num_draft_tokens=k)
+            assert out.token_ids == expected.token_ids
+            assert out.text == expected.text
+            assert out.stats.finish_reason == "eos"
+
+
+def test_stop_strings_cut_inside_accepted_runs(self_draft_bundle):
+    generator = specdeploy.load(self_draft_bundle)
+    baseline = generator.generate(PROMPTS[1], max_new_tokens=40, speculative=False)
+    text = baseline.text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop and stop in text
+    cut = text[: text.index(stop)]
+    for k in (1, 4, 8):
+        out = generator.generate(PROMPTS[1], max_new_tokens=40, num_draft_tokens=k, stop=[stop])
+        assert out.text == cut
+        assert out.stats.finish_reason == "stop"
+        assert out.token_ids == baseline.token_ids[: len(out.token_ids)]
+        streamed = "".join(generator.stream(PROMPTS[1], max_new_tokens=40, num_draft_tokens=k, stop=[stop]))
+        assert streamed == cut
+
+
+def test_stream_pieces_join_to_the_generated_text(agreeing_bundle):
+    generator = specdeploy.load(agreeing_bundle)
+    pieces = list(generator.stream(PROMPTS[2], max_new_tokens=32))
+    assert len(pieces) > 1
+    assert "".join(pieces) == generator.generate(PROMPTS[2], max_new_tokens=32).text
+
+
+def test_token_id_prompt_and_empty_prompt(agreeing_bundle):
+    generator = specdeploy.load(agreeing_bundle)
+    ids = generator.codec.encode(PROMPTS[0])
+    assert generator.generate(ids, max_new_tokens=8).token_ids == generator.generate(PROMPTS[0], max_new_tokens=8).token_ids
+    empty = generator.generate("", max_new_tokens=8)
+    assert empty.stats.prompt_tokens == 1  # BOS
+    assert empty.token_ids == generator.generate([0], max_new_tokens=8, speculative=False).token_ids
+
+
+def test_seeded_sampling_is_deterministic(agreeing_bundle):
+    generator = specdeploy.load(agreeing_bundle)
+    options = dict(max_new_tokens=32, temperature=0.9, top_k=20, top_p=0.95)
+    first = generator.generate(PROMPTS[0], seed=5, **options)
+    assert generator.generate(PROMPTS[0], seed=5, **options).token_ids == first.token_ids
+    others = {tuple(generator.generate(PROMPTS[0], seed=s, **options).token_ids) for s in range(6, 10)}
+    assert len(others) > 1
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_stats_identities(agreeing_bundle, temperature):
+    generator = specdeploy.load(agreeing_bundle)
+    stats = generator.generate(PROMPTS[0], max_new_tokens=48, temperature=temperature, num_draft_tokens=4).stats
+    assert 0 < stats.accepted <= stats.drafted
+    assert stats.mean_accepted_tokens == pytest.approx((stats.accepted + stats.rounds) / stats.rounds)
+    assert sum(stats.accepted_by_position) == stats.accepted
+    assert all(a >= b for a, b in zip(stats.accepted_by_position, stats.accepted_by_position[1:]))
+    assert stats.new_tokens == 48 or stats.finish_reason == "eos"
+    assert stats.draft_ms > 0 and stats.target_ms > 0 and stats.tokens_per_s > 0
+    assert stats.decode_ms >= stats.draft_ms + stats.target_ms
+
+
+@pytest.mark.slow
+def test_sampled_speculative_matches_the_target_distribution(agreeing_bundle):
+    """The first three tokens, over 4,000 seeded runs, against the exact target distribution."""
+    generator = specdeploy.load(agreeing_bundle)
+    params = SamplingParams(temperature=1.0, top_k=3)
+    prompt = generator.codec.encode(PROMPTS[0])
+
+    def target_probs(context):
+        return process_logits(generator.target.logits_after(context)[None], params)[0]
+
+    first = target_probs(prompt)
+    exact = {}
+    for t1 in np.flatnonzero(first):
+        second = target_probs(prompt + [int(t1)])
+        for t2 in np.flatnonzero(second):
+            third = target_probs(prompt + [int(t1), int(t2)])
+            for t3 in np.flatnonzero(third):
+                exact[(int(t1), int(t2), int(t3))] = first[t1] * second[t2] * third[t3]
+    runs = 4000
+    counts = dict.fromkeys(exact, 0)
+    accepted = 0
+    for seed in range(runs):
+        out = generator.generate(prompt, max_new_tokens=3, temperature=1.0, top_k=3, seed=seed, num_draft_tokens=2)
+        counts[tuple(out.token_ids)] += 1
+        accepted += out.stats.accepted
+    assert accepted > runs // 4  # the rejection path and the acceptance path both ran
+    keys = sorted(exact)
+    observed = np.array([counts[key] for key in keys])
+    expected = np.array([exact[key] for key in keys]) * runs
+    assert scipy_stats.chisquare(observed, expected * observed.sum() / expected.sum()).pvalue > 1e-3
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(temperature=-0.1), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-1), "top_k"),
+        (dict(max_new_tokens=-1), "max_new_tokens"),
+        (dict(num_draft_tokens=0), "num_draft_tokens"),
+        (dict(num_draft_tokens=33), "num_draft_tokens"),
+        (dict(bogus=1), "bogus"),
+    ],
+)
+def test_bad_generation_options(agreeing_bundle, options, message):
+    generator = specdeploy.load(agreeing_bundle)
+    with pytest.raises(SpecdeployError, match=message):
+        generator.generate(PROMPTS[0], **options)
+
+
+def test_context_limit(agreeing_bundle):
+    generator = specdeploy.load(agreeing_bundle)
+    limit = generator.max_context
+    with pytest.raises(SpecdeployError, match="max context"):
+        generator.generate([5] * limit)
+    near = [5] * (limit - 6)
+    baseline = generator.generate(near, max_new_tokens=50, speculative=False)
+    assert len(baseline.token_ids) == 6 and baseline.stats.finish_reason == "context"
+    for k in (1, 4, 8):
+        assert generator.generate(near, max_new_tokens=50, num_draft_tokens=k).token_ids == baseline.token_ids
+
+
+def test_prompt_lookup_drafter_is_lossless(agreeing_bundle):
+    model_drafted = specdeploy.load(agreeing_bundle)
+    lookup = specdeploy.load(agreeing_bundle, drafter="prompt-lookup")
+    for prompt, k in itertools.product(PROMPTS, (2, 4)):
+        assert (lookup.generate(prompt, max_new_tokens=40, num_draft_tokens=k).token_ids
+                == model_drafted.generate(prompt, max_new_tokens=40, speculative=False).token_ids)
