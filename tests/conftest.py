@@ -59,8 +59,37 @@ def model_config(arch: str, layers: int, hidden: int):
     raise ValueError(arch)
 
 
+def corpus_ids(tokenizer_dir: Path):
+    import sysconfig
+
+    from tokenizers import Tokenizer
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    text = "".join((stdlib / name).read_text() for name in ("textwrap.py", "bisect.py", "heapq.py", "colorsys.py"))
+    return tokenizer.encode(text).ids
+
+
+def train_briefly(model, tokenizer_dir: Path, steps: int, seed: int) -> None:
+    """A few seconds of next-token training: confident, realistic predictions (random weights are near-flat)."""
+    import torch
+
+    ids = torch.tensor(corpus_ids(tokenizer_dir))
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        starts = torch.randint(0, len(ids) - 65, (16,), generator=generator)
+        batch = torch.stack([ids[s : s + 65] for s in starts])
+        loss = model(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+
+
 def build_checkpoint(folder: Path, arch: str, layers: int, hidden: int, seed: int, tokenizer_dir: Path,
-                     noisy_copy_of: Path | None = None, noise: float = 0.0) -> Path:
+                     noisy_copy_of: Path | None = None, noise: float = 0.0, train_steps: int = 0) -> Path:
     """A random model (or a noisy copy of another, for a draft that agrees partly) plus the tokenizer."""
     import shutil
 
@@ -75,6 +104,8 @@ def build_checkpoint(folder: Path, arch: str, layers: int, hidden: int, seed: in
                 parameter.add_(noise * parameter.std() * torch.randn_like(parameter))
     else:
         model = AutoModelForCausalLM.from_config(model_config(arch, layers, hidden))
+    if train_steps:
+        train_briefly(model, tokenizer_dir, train_steps, seed)
     model.generation_config = GenerationConfig(bos_token_id=BOS, eos_token_id=EOS, pad_token_id=EOS)
     model.save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
@@ -105,6 +136,16 @@ def checkpoints(tmp_path_factory, tokenizer_dir):
         return cache[arch]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def trained_pair(tmp_path_factory, tokenizer_dir):
+    """A Llama target and draft, each trained briefly on the same code: confident and partly agreeing."""
+    root = tmp_path_factory.mktemp("trained")
+    return {
+        role: build_checkpoint(root / role, "llama", *SIZES[role], seed=11 + i, tokenizer_dir=tokenizer_dir, train_steps=150)
+        for i, role in enumerate(("target", "draft"))
+    }
 
 
 @pytest.fixture(scope="session")

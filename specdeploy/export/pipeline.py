@@ -160,7 +160,7 @@ def export_bundle(config: ExportConfig, report: Reporter | None = None) -> Manif
                 convert.quantize_weights(onnx_path, bits=int(config.quantize[3:]))
             spec = _model_spec(role, checkpoint, onnx_path, root, config, max_context, num_parameters)
             report("validate", f"{role}: ONNX Runtime vs PyTorch")
-            parity = check_parity(model, onnx_path, spec)
+            parity = check_parity(model, onnx_path, spec, tokenizer_dirs["target"] / "tokenizer.json")
             del model
             specs[role] = dataclasses.replace(spec, parity=parity)
             if not parity.passed:

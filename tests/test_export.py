@@ -1,0 +1,215 @@
+"""The export stage: every architecture end to end, parity, dtypes, atomic writes, and every bad input."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from specdeploy.bundle import load_manifest
+from specdeploy.export import ExportConfig, export_bundle
+from specdeploy.runtime.engine import OrtEngine
+
+from conftest import ARCHITECTURES, VOCAB, build_checkpoint
+
+
+def cli(*args, **kwargs) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "specdeploy", *args], capture_output=True, text=True, env=env, **kwargs)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_every_architecture_exports_with_parity(bundles, arch):
+    bundle = bundles(arch)
+    manifest = load_manifest(bundle, verify_checksums=True)
+    assert {p.name for p in bundle.iterdir()} == {"specdeploy.json", "target", "draft", "tokenizer"}
+    for spec in (manifest.target, manifest.draft):
+        assert spec.parity.passed and spec.parity.check == "max_abs_diff"
+        assert spec.parity.prefill_max_abs_diff < 1e-3 and spec.parity.verify_max_abs_diff < 1e-3
+        assert spec.vocab_size == VOCAB and spec.dtype == "fp32"
+        names = spec.input_names
+        assert names[0] == "input_ids" and "attention_mask" in names
+        assert f"past_key_values.{spec.num_layers - 1}.value" in names
+        assert spec.num_kv_heads == (4 if arch == "gpt2" else 2)
+        # The ONNX file loads in a plain ONNX Runtime session, with the I/O the manifest names.
+        session = ort.InferenceSession(str(bundle / spec.onnx_path), providers=["CPUExecutionProvider"])
+        assert [i.name for i in session.get_inputs()] == list(names)
+        assert [o.name for o in session.get_outputs()] == [o.name for o in spec.outputs]
+    assert manifest.target.num_layers == 2 and manifest.draft.num_layers == 1
+    assert manifest.tokenizer.eos_token_ids == (1,) and manifest.tokenizer.bos_token_id == 0
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "phi3"])
+def test_multi_token_with_past_equals_no_cache_logits(bundles, arch):
+    """The verify pass (k + 1 tokens on a past) must give the logits of one pass over the whole sequence."""
+    bundle = bundles(arch)
+    spec = load_manifest(bundle).target
+    engine = OrtEngine(bundle / spec.onnx_path, spec)
+    ids = np.random.default_rng(0).integers(2, VOCAB, size=14)
+    whole = engine.forward(ids, engine.new_cache(64))  # [14, vocab], empty past
+    cache = engine.new_cache(64)
+    engine.forward(ids[:6], cache)
+    engine.forward(ids[6:9], cache)
+    stepped = engine.forward(ids[9:], cache)  # 5 tokens on a past of 9
+    np.testing.assert_allclose(stepped, whole[9:], atol=1e-4)
+    cache.truncate(7)  # rollback, then a different continuation
+    np.testing.assert_allclose(engine.forward(ids[7:], cache), whole[7:], atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype, quantize", [("fp16", "none"), ("fp32", "int8"), ("fp32", "int4")])
+def test_fp16_and_weight_only_quantization(trained_pair, tmp_path, dtype, quantize):
+    pair = trained_pair  # random weights are near-flat: rounding flips their argmax, trained ones hold it
+    out = tmp_path / "bundle"
+    manifest = export_bundle(ExportConfig(target=str(pair["target"]), draft=str(pair["draft"]), out=str(out),
+                                          dtype=dtype, quantize=quantize))
+    target = manifest.target
+    assert target.dtype == dtype and target.quantize == quantize
+    assert target.parity.check == "greedy_agreement" and target.parity.passed
+    assert np.isfinite(target.parity.verify_max_abs_diff)
+    import onnx
+
+    graph = onnx.load(out / target.onnx_path, load_external_data=False).graph
+    ops = {node.op_type for node in graph.node}
+    if quantize != "none":
+        assert "MatMulNBits" in ops
+    if dtype == "fp16":
+        assert target.kv_cache.dtype == "float16"
+    import specdeploy
+
+    generator = specdeploy.load(out)
+    spec_out = generator.generate("def f(x):", max_new_tokens=12)
+    assert spec_out.token_ids == generator.generate("def f(x):", max_new_tokens=12, speculative=False).token_ids
+
+
+def test_force_replaces_and_existing_out_is_refused(checkpoints, tmp_path):
+    pair = checkpoints("llama")
+    out = tmp_path / "bundle"
+    out.mkdir()
+    (out / "old.txt").write_text("keep me")
+    result = cli("export", "--target", str(pair["target"]), "--draft", str(pair["draft"]), "--out", str(out))
+    assert result.returncode != 0 and "exists" in result.stderr and "Traceback" not in result.stderr
+    assert (out / "old.txt").read_text() == "keep me"
+    result = cli("export", "--target", str(pair["target"]), "--draft", str(pair["draft"]), "--out", str(out), "--force")
+    assert result.returncode == 0, result.stderr
+    assert not (out / "old.txt").exists() and (out / "specdeploy.json").is_file()
+    assert "parity" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle"]  # no temporary folder left behind
+
+
+def _bad(tmp_path, checkpoints, case):
+    pair = checkpoints("llama")
+    target, draft = str(pair["target"]), str(pair["draft"])
+    extra: list[str] = []
+    if case == "missing folder":
+        target = str(tmp_path / "nope")
+    elif case == "not a folder":
+        (tmp_path / "file.txt").write_text("x")
+        target = str(tmp_path / "file.txt")
+    elif case == "config but no weights":
+        folder = tmp_path / "noweights"
+        folder.mkdir()
+        shutil.copy2(pair["target"] / "config.json", folder / "config.json")
+        target = str(folder)
+    elif case == "not a causal LM":
+        folder = tmp_path / "bert"
+        folder.mkdir()
+        from transformers import BertConfig, BertModel
+
+        BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                             vocab_size=VOCAB)).save_pretrained(folder)
+        target = str(folder)
+    elif case == "unsupported architecture":
+        folder = tmp_path / "custom"
+        shutil.copytree(pair["target"], folder)
+        config = json.loads((folder / "config.json").read_text())
+        config.update(model_type="totally_new_arch", architectures=["TotallyNewForCausalLM"])
+        (folder / "config.json").write_text(json.dumps(config))
+        target = str(folder)
+    elif case == "remote code without the flag":
+        folder = tmp_path / "remote"
+        shutil.copytree(pair["target"], folder)
+        config = json.loads((folder / "config.json").read_text())
+        config["auto_map"] = {"AutoModelForCausalLM": "modeling.MyModel"}
+        (folder / "config.json").write_text(json.dumps(config))
+        target = str(folder)
+    elif case == "mismatched vocabularies":
+        folder = tmp_path / "othervocab"
+        shutil.copytree(pair["draft"], folder)
+        tokenizer = json.loads((folder / "tokenizer.json").read_text())
+        vocab = tokenizer["model"]["vocab"]
+        a, b = sorted(vocab, key=vocab.get)[10:12]
+        vocab[a], vocab[b] = vocab[b], vocab[a]
+        (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+        draft = str(folder)
+    elif case == "mismatched vocab sizes":
+        draft = str(build_checkpoint(tmp_path / "bigvocab", "llama", 1, 32, 3, pair["target"]))
+        config = json.loads((Path(draft) / "config.json").read_text())
+        config["vocab_size"] = VOCAB + 16
+        (Path(draft) / "config.json").write_text(json.dumps(config))
+    elif case == "hub id not cached":
+        target = "some-org/some-model-that-is-not-cached"
+    elif case == "unknown dtype":
+        extra = ["--dtype", "fp8"]
+    elif case == "unknown quantize":
+        extra = ["--quantize", "int3"]
+    elif case == "max context too long":
+        extra = ["--max-context", "100000"]
+    return target, draft, extra
+
+
+BAD_CASES = {
+    "missing folder": "no such folder",
+    "not a folder": "not a folder",
+    "config but no weights": "no weights",
+    "not a causal LM": "not a causal language model",
+    "unsupported architecture": "cannot",
+    "remote code without the flag": "--trust-remote-code",
+    "mismatched vocabularies": "tokenizers differ",
+    "mismatched vocab sizes": "vocab_size",
+    "hub id not cached": "not in the local Hugging Face cache",
+    "unknown dtype": "--dtype",
+    "unknown quantize": "--quantize",
+    "max context too long": "max_position_embeddings",
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CASES))
+def test_bad_input_is_one_line_and_writes_nothing(checkpoints, tmp_path, case):
+    target, draft, extra = _bad(tmp_path, checkpoints, case)
+    out_parent = tmp_path / "out"
+    out_parent.mkdir()
+    result = cli("export", "--target", target, "--draft", draft, "--out", str(out_parent / "bundle"), *extra)
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, result.stderr
+    assert BAD_CASES[case] in lines[0], lines[0]
+    assert "Traceback" not in result.stderr
+    assert list(out_parent.iterdir()) == []
+
+
+def test_interrupted_export_leaves_nothing(checkpoints, tmp_path):
+    pair = checkpoints("phi3")
+    out_parent = tmp_path / "out"
+    out_parent.mkdir()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "specdeploy", "export", "--target", str(pair["target"]), "--draft", str(pair["draft"]),
+         "--out", str(out_parent / "bundle")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    deadline = time.time() + 60
+    while time.time() < deadline and not any(out_parent.iterdir()):
+        time.sleep(0.02)
+    assert any(out_parent.iterdir()), "the export never started writing"
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode != 0
+    assert "Traceback" not in stderr
+    assert list(out_parent.iterdir()) == []
