@@ -126,7 +126,8 @@ class Manifest:
         return self.target if role == "target" else self.draft
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Plain JSON types (tuples become lists), exactly what specdeploy.json holds."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
 
 
 def sha256_file(path: Path) -> str:

@@ -1,0 +1,75 @@
+"""`specdeploy run` as a user runs it: text, stats, JSON, stdin, and one-line errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args, input=None):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "specdeploy", "run", *args], capture_output=True, text=True,
+                          env=env, input=input)
+
+
+def test_run_streams_text_and_prints_stats(agreeing_bundle):
+    result = run(str(agreeing_bundle), "--prompt", "def f(x):", "--max-new-tokens", "24")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+    assert "tok/s" in result.stderr and "acceptance" in result.stderr
+
+
+def test_run_json_matches_the_python_api(agreeing_bundle):
+    import specdeploy
+
+    result = run(str(agreeing_bundle), "--prompt", "def f(x):", "--max-new-tokens", "24", "--json", "-k", "3")
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(result.stdout)
+    assert set(payload) == {"text", "token_ids", "stats"}
+    expected = specdeploy.load(agreeing_bundle).generate("def f(x):", max_new_tokens=24, num_draft_tokens=3)
+    assert payload["token_ids"] == expected.token_ids and payload["text"] == expected.text
+    stats = payload["stats"]
+    for key in ("rounds", "drafted", "accepted", "acceptance_rate", "mean_accepted_tokens", "accepted_by_position",
+                "draft_ms", "target_ms", "other_ms", "tokens_per_s"):
+        assert key in stats
+
+
+def test_run_reads_stdin_and_baseline_flag(agreeing_bundle):
+    result = run(str(agreeing_bundle), "--prompt", "-", "--max-new-tokens", "8", "--json", "--no-speculative",
+                 input="import os\n")
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(result.stdout)
+    assert payload["stats"]["drafted"] == 0 and len(payload["token_ids"]) == 8
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--temperature", "-1"], "temperature"),
+        (["--top-p", "0"], "top_p"),
+        (["--top-k", "-2"], "top_k"),
+        (["--max-new-tokens", "-5"], "max_new_tokens"),
+        (["--num-draft-tokens", "40"], "num_draft_tokens"),
+        (["--device", "tpu"], "unknown device"),
+        (["--device", "cuda"], "onnxruntime-gpu"),
+        (["--drafter", "oracle"], "unknown drafter"),
+    ],
+)
+def test_run_bad_options(agreeing_bundle, args, message):
+    result = run(str(agreeing_bundle), "--prompt", "x", *args)
+    assert result.returncode != 0
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_run_bad_bundles(tmp_path, agreeing_bundle):
+    result = run(str(tmp_path / "nothing"), "--prompt", "x")
+    assert result.returncode != 0 and "bundle not found" in result.stderr
+    (tmp_path / "specdeploy.json").write_text('{"format_version": 0}')
+    result = run(str(tmp_path), "--prompt", "x")
+    assert result.returncode != 0 and "format_version" in result.stderr and "Traceback" not in result.stderr
+    long_prompt = "x = 1\n" * 2000
+    result = run(str(agreeing_bundle), "--prompt", long_prompt)
+    assert result.returncode != 0 and "max context" in result.stderr and "Traceback" not in result.stderr

@@ -1,0 +1,26 @@
+"""The runtime must load and generate without torch, transformers or optimum."""
+
+import subprocess
+import sys
+import textwrap
+
+
+def test_runtime_never_imports_torch(agreeing_bundle):
+    script = textwrap.dedent(f"""
+        import sys
+        class Refuse:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in ("torch", "transformers", "optimum"):
+                    raise ImportError("the runtime imported " + name)
+        sys.meta_path.insert(0, Refuse())
+        import specdeploy
+        from specdeploy import cli
+        gen = specdeploy.load({str(agreeing_bundle)!r})
+        out = gen.generate("def f(x):", max_new_tokens=8, temperature=0.7)
+        assert len(out.token_ids) == 8
+        assert not any(m.split(".")[0] in ("torch", "transformers", "optimum") for m in sys.modules)
+        print("ok")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
