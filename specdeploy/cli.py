@@ -38,9 +38,9 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--target", required=True, help="Target checkpoint folder (Hugging Face format).")
-@click.option("--draft", required=True, help="Draft checkpoint folder (same tokenizer as the target).")
-@click.option("--out", required=True, type=click.Path(), help="Bundle folder to create.")
+@click.option("--target", default=None, help="Target checkpoint folder (Hugging Face format). Default: the demo pair.")
+@click.option("--draft", default=None, help="Draft checkpoint folder (same tokenizer as the target).")
+@click.option("--out", default=None, type=click.Path(), help="Bundle folder to create. Default: the default bundle.")
 @click.option("--dtype", default="fp32", show_default=True, help="fp32 | fp16")
 @click.option("--quantize", default="none", show_default=True, help="none | int8 | int4 (weight-only MatMulNBits)")
 @click.option("--max-context", type=int, default=None, help="Max tokens of context (default: the models' limit).")
@@ -48,13 +48,31 @@ def main() -> None:
 @click.option("--trust-remote-code", is_flag=True, help="Allow checkpoints that ship their own model code.")
 def export(target, draft, out, dtype, quantize, max_context, force, trust_remote_code) -> None:
     """Export a draft and a target checkpoint into a validated bundle."""
+    from .defaults import default_bundle, demo_checkpoints
+
+    if (target is None) != (draft is None):
+        raise SpecdeployError("pass both --target and --draft, or neither (to export the embedded demo pair)")
+    if target is None:
+        target, draft = demo_checkpoints()
+    if out is None:
+        out = str(default_bundle())
+        default_bundle().parent.mkdir(parents=True, exist_ok=True)
+    _export(target, draft, out, dtype=dtype, quantize=quantize, max_context=max_context, force=force,
+            trust_remote_code=trust_remote_code)
+    click.echo(str(Path(out).resolve()))
+
+
+def _export(target: str, draft: str, out: str, **options) -> None:
+    """Run the export stage with a progress display and the parity figures at the end (stderr)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from rich.console import Console
 
-    from .export import ExportConfig, export_bundle
+    try:
+        from .export import ExportConfig, export_bundle
+    except ImportError as exc:
+        raise SpecdeployError(f"exporting needs the export extra (pip install 'specdeploy[export]'): {exc}") from None
 
-    config = ExportConfig(target=target, draft=draft, out=out, dtype=dtype, quantize=quantize,
-                          max_context=max_context, force=force, trust_remote_code=trust_remote_code)
+    config = ExportConfig(target=target, draft=draft, out=out, **options)
     console = Console(stderr=True, log_path=False)
     with console.status("export", spinner="dots") as status:
         def report(stage: str, detail: str) -> None:
@@ -69,7 +87,20 @@ def export(target, draft, out, dtype, quantize, max_context, force, trust_remote
             f"{p.verify_max_abs_diff:.2e}, greedy agreement {p.prefill_greedy_agreement:.2f}/{p.verify_greedy_agreement:.2f} "
             f"({p.check} tolerance {p.tolerance:g}: {'pass' if p.passed else 'FAIL'})"
         )
-    click.echo(str(Path(out).resolve()))
+
+
+def resolve_bundle(bundle: str | None) -> str:
+    """The named bundle, or the default one, exported from the demo pair on first use."""
+    if bundle is not None:
+        return bundle
+    from .defaults import default_bundle, demo_checkpoints
+
+    path = default_bundle()
+    if not (path / "specdeploy.json").is_file():
+        click.echo(f"no bundle named; exporting the embedded demo pair to {path} (first use only)", err=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _export(*demo_checkpoints(), str(path), force=path.exists())
+    return str(path)
 
 
 @main.command()
@@ -116,7 +147,7 @@ def inspect(bundle, as_json, verify) -> None:
 
 
 @main.command()
-@click.argument("bundle", type=click.Path())
+@click.argument("bundle", type=click.Path(), required=False)
 @click.option("--prompt", required=True, help="Prompt text; '-' reads standard input.")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
@@ -132,12 +163,12 @@ def inspect(bundle, as_json, verify) -> None:
 @click.option("--json", "as_json", is_flag=True, help='Print one JSON object {"text", "token_ids", "stats"}.')
 def run(bundle, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_draft_tokens, no_speculative, stop,
         device, drafter, stream, as_json) -> None:
-    """Generate from a prompt with speculative decoding."""
+    """Generate from a prompt with speculative decoding (BUNDLE defaults to the demo bundle)."""
     from .runtime import load
 
     if prompt == "-":
         prompt = sys.stdin.read()
-    generator = load(bundle, device=device, drafter=drafter)
+    generator = load(resolve_bundle(bundle), device=device, drafter=drafter)
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                    num_draft_tokens=num_draft_tokens, speculative=not no_speculative, stop=stop)
     if as_json or not stream:
