@@ -1,15 +1,11 @@
 """Train the small embedded demo draft/target pair shipped under ``specdeploy/demo/``.
 
-Both models are Llama-architecture causal LMs trained from scratch on CPU on the
-running interpreter's own standard-library Python source, sharing one byte-level
-BPE tokenizer (vocab 4096, ``<s>`` = 0, ``</s>`` = 1). The target (~8.5M params)
-is trained on next-token cross-entropy; the draft (~1.4M params) is distilled
-from it (0.5 * CE + 0.5 * KL(target || draft)). Both are saved in fp16 with
-``save_pretrained`` and the script writes ``PROVENANCE.md`` from its own
-measurements (corpus, sizes, settings, losses, greedy acceptance rate).
+Two Llama causal LMs trained from scratch on CPU on the running interpreter's standard-library
+source with one shared byte-level BPE tokenizer (vocab 4096, ``<s>`` = 0, ``</s>`` = 1): a ~8.5M
+param target (next-token CE) and a ~1.4M param draft distilled from it (0.5 CE + 0.5 KL). Both are
+saved in fp16; ``PROVENANCE.md`` is written from this run's own measurements.
 
-Usage:
-    HF_HUB_OFFLINE=1 python scripts/train_demo_pair.py                # full run
+    HF_HUB_OFFLINE=1 python scripts/train_demo_pair.py                  # full run (~21 min)
     HF_HUB_OFFLINE=1 python scripts/train_demo_pair.py --quick --out /tmp/demo-quick
 """
 
@@ -32,14 +28,10 @@ from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig,
 
 VOCAB_SIZE = 4096
 BOS_ID, EOS_ID = 0, 1
-SEQ_LEN = 256
-BATCH = 16
-EVAL_EVERY_NTH_FILE = 40
-SEED = 0
-LOG_EVERY = 25
-WARMUP_STEPS = 30
-MIN_LR_FRAC = 0.1
-EVAL_WINDOWS = 50
+SEQ_LEN, BATCH = 256, 16
+EVAL_EVERY_NTH_FILE, EVAL_WINDOWS = 40, 50
+SEED, LOG_EVERY = 0, 25
+WARMUP_STEPS, MIN_LR_FRAC = 30, 0.1
 ACC_WINDOWS, ACC_PROMPT, ACC_NEW = 40, 64, 32
 SAMPLE_PROMPT, SAMPLE_NEW = "def fibonacci(n):", 40
 COMMON = dict(vocab_size=VOCAB_SIZE, head_dim=64, num_key_value_heads=1, max_position_embeddings=2048,
@@ -133,13 +125,23 @@ def step_loss(model, batch, use_bf16, teacher=None):
         logits = model(input_ids=batch).logits[:, :-1].float()
         ce = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), batch[:, 1:].reshape(-1))
         if teacher is None:
-            return ce
+            return ce, ce
         with torch.no_grad():
             t_logits = teacher(input_ids=batch).logits[:, :-1].float()
     kl = F.kl_div(F.log_softmax(logits, -1).reshape(-1, VOCAB_SIZE),
                   F.log_softmax(t_logits, -1).reshape(-1, VOCAB_SIZE), log_target=True,
                   reduction="batchmean")
-    return 0.5 * ce + 0.5 * kl
+    return 0.5 * ce + 0.5 * kl, ce
+
+
+def train_step(model, opt, batch, use_bf16, teacher=None):
+    """One clipped AdamW update; returns (loss, ce) as floats."""
+    loss, ce = step_loss(model, batch, use_bf16, teacher)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item(), ce.item()
 
 
 def pick_precision(model, stream, teacher=None, steps=3):
@@ -153,10 +155,7 @@ def pick_precision(model, stream, teacher=None, steps=3):
             for i in range(steps + 1):  # first step is warm-up, not timed
                 if i == 1:
                     t0 = time.perf_counter()
-                loss = step_loss(trial, sample_batch(stream, gen), use_bf16, teacher)
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+                train_step(trial, opt, sample_batch(stream, gen), use_bf16, teacher)
             timings["bf16" if use_bf16 else "fp32"] = (time.perf_counter() - t0) / steps
         except RuntimeError as exc:  # bf16 unsupported: fall back to fp32
             print(f"  bf16 autocast failed ({exc}); using fp32")
@@ -169,22 +168,19 @@ def pick_precision(model, stream, teacher=None, steps=3):
 
 def train(name, model, stream, max_steps, minutes, peak_lr, use_bf16, teacher=None):
     """Train until ``max_steps`` or ``minutes`` elapse; the cosine length is fixed after 10 steps
-    from the measured speed. Returns stats (steps, wall time, last-20 train loss)."""
+    from the measured speed. Returns stats (steps, wall time, last-20 train CE and total loss)."""
     torch.manual_seed(SEED)
     gen = torch.Generator().manual_seed(SEED)
     opt = make_optimizer(model, peak_lr)
     model.train()
-    total, losses, budget, t0 = max_steps, [], minutes * 60.0, time.perf_counter()
+    total, losses, ces, budget, t0 = max_steps, [], [], minutes * 60.0, time.perf_counter()
     step = 0
     while step < total:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, total, peak_lr)
-        loss = step_loss(model, sample_batch(stream, gen), use_bf16, teacher)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        loss, ce = train_step(model, opt, sample_batch(stream, gen), use_bf16, teacher)
+        losses.append(loss)
+        ces.append(ce)
         step += 1
         elapsed = time.perf_counter() - t0
         if step == 10:
@@ -192,7 +188,7 @@ def train(name, model, stream, max_steps, minutes, peak_lr, use_bf16, teacher=No
             total = max(step, min(max_steps, reachable))
             print(f"  [{name}] {elapsed / step:.2f} s/step -> schedule fixed at {total} steps")
         if step % LOG_EVERY == 0 or step == total:
-            print(f"  [{name}] step {step}/{total} loss {loss.item():.4f} "
+            print(f"  [{name}] step {step}/{total} loss {loss:.4f} ce {ce:.4f} "
                   f"lr {opt.param_groups[0]['lr']:.2e} {elapsed:.0f}s", flush=True)
         if elapsed > budget:
             print(f"  [{name}] time budget reached at step {step}")
@@ -200,7 +196,8 @@ def train(name, model, stream, max_steps, minutes, peak_lr, use_bf16, teacher=No
     wall = time.perf_counter() - t0
     model.eval()
     return {"steps": step, "planned": total, "wall_s": wall,
-            "train_loss": sum(losses[-20:]) / len(losses[-20:])}
+            "train_loss": sum(ces[-20:]) / len(ces[-20:]),
+            "train_total": sum(losses[-20:]) / len(losses[-20:])}
 
 
 def save_checkpoint(model, tokenizer, folder):
@@ -210,10 +207,6 @@ def save_checkpoint(model, tokenizer, folder):
                                                pad_token_id=EOS_ID)
     model.half().save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
-
-
-def load_fp32(folder):
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
 @torch.no_grad()
@@ -247,13 +240,16 @@ def sample_text(model, tokenizer):
     return tokenizer.decode(greedy_continue(model, ids, SAMPLE_NEW)[0])
 
 
-def file_mb(path):
-    return path.stat().st_size / 1e6
+def cpu_name():
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    names = [ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")]
+    return names[0] if names else platform.processor() or platform.machine()
 
 
 def write_provenance(out, r):
     """PROVENANCE.md from the measurements collected in ``r``."""
     t, d = r["target"], r["draft"]
+    shape = lambda sh: ", ".join(f"{k} {v}" for k, v in sh.items())
     row = lambda n, m: (f"| {n} | {m['params']:,} | {m['fp16_mb']:.2f} | {m['params'] * 4 / 1e6:.2f} "
                         f"| {m['steps']} | {m['wall_s'] / 60:.1f} | {m['train_loss']:.4f} "
                         f"| {m['eval_loss']:.4f} |")
@@ -270,14 +266,14 @@ Generated by `scripts/train_demo_pair.py{r['argv']}` — every number below was 
   `<s>` = {BOS_ID} (BOS), `</s>` = {EOS_ID} (EOS and pad); no BOS post-processor. Shared by both models.
 
 ## Models (Llama architecture, saved in fp16)
-| model | params | fp16 safetensors MB | fp32 MB (params x 4) | steps | wall min | train loss (last 20) | held-out loss |
+| model | params | fp16 safetensors MB | fp32 MB (params x 4) | steps | wall min | train CE (last 20 steps) | held-out CE |
 |---|---|---|---|---|---|---|---|
 {row('target', t)}
 {row('draft', d)}
 
-Total fp16 safetensors: {t['fp16_mb'] + d['fp16_mb']:.2f} MB.
-- target: {TARGET_SHAPE}, head_dim 64, 1 KV head, untied embeddings, max positions 2048.
-- draft: {DRAFT_SHAPE}, head_dim 64, 1 KV head, untied embeddings, max positions 2048.
+Total fp16 safetensors: {t['fp16_mb'] + d['fp16_mb']:.2f} MB. Draft distillation loss (last 20 steps): {d['train_total']:.4f}.
+- Shapes: target {shape(TARGET_SHAPE)}; draft {shape(DRAFT_SHAPE)}; both head_dim 64, 1 KV head,
+  untied embeddings, vocab {VOCAB_SIZE}, max positions 2048, RoPE theta 10000.
 
 ## Training
 - torch {torch.__version__} on CPU ({r['cpu']}), {torch.get_num_threads()} threads; seed {SEED}.
@@ -359,9 +355,10 @@ def main():
 
     save_checkpoint(target, tokenizer, args.out / "target")
     save_checkpoint(draft, tokenizer, args.out / "draft")
-    target, draft = load_fp32(args.out / "target"), load_fp32(args.out / "draft")
+    target, draft = (AutoModelForCausalLM.from_pretrained(args.out / n, dtype=torch.float32).eval()
+                     for n in ("target", "draft"))
     for name, model, stats in (("target", target, t_stats), ("draft", draft, d_stats)):
-        stats["fp16_mb"] = file_mb(args.out / name / "model.safetensors")
+        stats["fp16_mb"] = (args.out / name / "model.safetensors").stat().st_size / 1e6
         stats["eval_loss"] = eval_loss(model, held_ids)
         print(f"{name}: {stats['params']:,} params, fp16 {stats['fp16_mb']:.2f} MB, "
               f"fp32 {stats['params'] * 4 / 1e6:.2f} MB, train loss {stats['train_loss']:.4f}, "
@@ -377,7 +374,7 @@ def main():
     write_provenance(args.out, dict(
         argv=argv, python=platform.python_version(), stdlib=stdlib, n_files=len(files),
         n_train=len(train_files), n_eval=len(held_files), train_tokens=len(train_ids),
-        eval_tokens=len(held_ids), cpu=platform.processor() or platform.machine(),
+        eval_tokens=len(held_ids), cpu=cpu_name(),
         target=t_stats, draft=d_stats, acceptance=acc, sample=sample,
         target_lr=args.target_lr, draft_lr=args.draft_lr,
         target_budget=f"{args.target_steps} steps / {args.target_minutes} min",

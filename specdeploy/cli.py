@@ -194,3 +194,119 @@ def format_stats(stats) -> str:
         line += (f", acceptance {stats.acceptance_rate:.2f}, {stats.mean_accepted_tokens:.2f} tokens/round over "
                  f"{stats.rounds} rounds, by position {stats.accepted_by_position}")
     return line + f"; draft {stats.draft_ms:.0f} ms, target {stats.target_ms:.0f} ms, other {stats.other_ms:.0f} ms [{stats.finish_reason}]"
+
+
+def _parse_draft_tokens(value: str) -> tuple[int, ...] | None:
+    if value == "auto":
+        return None
+    try:
+        ks = tuple(int(v) for v in value.split(","))
+    except ValueError:
+        raise SpecdeployError(f"--num-draft-tokens '{value}': expected K, a list like 2,4,8, or auto") from None
+    if not all(1 <= k <= 32 for k in ks):
+        raise SpecdeployError("--num-draft-tokens: each k must be in 1..32")
+    return ks
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(), required=False)
+@click.option("--prompts", "prompts_file", type=click.Path(), default=None,
+              help="JSON list of prompts, or JSONL with a 'prompt' field (default: 10 built-in code prompts).")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--num-draft-tokens", "-k", default="4", show_default=True, help="K, a list (2,4,8) or auto.")
+@click.option("--temperature", type=float, default=0.0, show_default=True)
+@click.option("--top-k", type=int, default=0, show_default=True)
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--repeat", type=int, default=1, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on the last line of stdout.")
+@click.option("--plot", type=click.Path(), default=None, help="Draw speedup vs k and acceptance by position (PNG).")
+def bench(bundle, prompts_file, max_new_tokens, num_draft_tokens, temperature, top_k, top_p, repeat, seed, device,
+          as_json, plot) -> None:
+    """Target-only vs speculative decoding on the same prompts: speed, acceptance, cost model."""
+    from rich.console import Console
+
+    from .bench import BenchConfig, builtin_prompts, read_prompts, run_bench
+    from .runtime import load
+
+    if repeat < 1 or max_new_tokens < 1:
+        raise SpecdeployError("--repeat and --max-new-tokens must be at least 1")
+    config = BenchConfig(prompts=tuple(read_prompts(prompts_file) if prompts_file else builtin_prompts()),
+                         max_new_tokens=max_new_tokens, num_draft_tokens=_parse_draft_tokens(num_draft_tokens),
+                         temperature=temperature, top_k=top_k, top_p=top_p, repeat=repeat, seed=seed)
+    generator = load(resolve_bundle(bundle), device=device)
+    console = Console(stderr=True)
+    with console.status("bench") as status:
+        report = run_bench(generator, config, progress=lambda message: status.update(message))
+    if plot:
+        _plot(report, plot)
+    if as_json:
+        click.echo(json.dumps(report))
+    else:
+        _print_bench(report)
+
+
+def _print_bench(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    base = report["target_only"]
+    rows = report["by_num_draft_tokens"]
+    table = Table(title=f"{report['prompts']} prompts x {report['max_new_tokens']} new tokens, temperature "
+                        f"{report['temperature']}, repeat {report['repeat']}")
+    table.add_column("")
+    table.add_column("target-only", justify="right")
+    for row in rows:
+        table.add_column(f"k={row['num_draft_tokens']}", justify="right")
+
+    def add(name, base_value, getter):
+        table.add_row(name, base_value, *(getter(row) for row in rows))
+
+    def shares(totals):
+        share = totals["time_share"]
+        return f"{share['draft']:.0%} / {share['target']:.0%} / {share['other']:.0%}"
+
+    add("tokens/s", f"{base['tokens_per_s']:.1f}", lambda r: f"{r['speculative']['tokens_per_s']:.1f}")
+    add("speedup", "1.00", lambda r: f"{r['speedup']:.2f}")
+    add("identical outputs", "", lambda r: "" if r["identical_outputs"] is None else ("yes" if r["identical_outputs"] else "NO"))
+    add("acceptance rate", "", lambda r: f"{r['acceptance_rate']:.2f}")
+    add("tokens per round", "1.00", lambda r: f"{r['mean_accepted_tokens']:.2f}")
+    add("accepted by position", "", lambda r: " ".join(f"{a / max(r['speculative']['rounds'], 1):.2f}" for a in r["accepted_by_position"]))
+    add("draft step cost c", "", lambda r: f"{r['cost_ratio_c']:.3f}")
+    add("verify cost v", "1.00", lambda r: f"{r['verify_cost_v']:.2f}")
+    add("fitted alpha", "", lambda r: f"{r['fitted_alpha']:.2f}")
+    add("Leviathan bound", "", lambda r: f"{r['leviathan_bound']:.2f}")
+    add("efficiency", "", lambda r: f"{r['efficiency']:.0%}")
+    add("time draft/target/other", shares(base), lambda r: shares(r["speculative"]))
+    add("prefill ms (mean)", f"{base['prefill_ms_mean']:.1f}", lambda r: f"{r['speculative']['prefill_ms_mean']:.1f}")
+    console = Console()
+    console.print(table)
+    console.print(f"peak RSS {report['peak_rss_mb']:.0f} MB (fp32 weights + KV caches at max context: "
+                  f"{report['memory_budget_mb']:.0f} MB)")
+
+
+def _plot(report: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SpecdeployError("--plot needs matplotlib (pip install 'specdeploy[bench]')") from None
+    rows = report["by_num_draft_tokens"]
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.plot([r["num_draft_tokens"] for r in rows], [r["speedup"] for r in rows], "o-", label="measured")
+    left.plot([r["num_draft_tokens"] for r in rows], [r["leviathan_bound"] for r in rows], "s--", label="bound")
+    left.set_xlabel("draft tokens k")
+    left.set_ylabel("speedup over target-only")
+    left.legend()
+    for r in rows:
+        rounds = r["speculative"]["rounds"]
+        right.plot(range(1, len(r["accepted_by_position"]) + 1), [a / rounds for a in r["accepted_by_position"]], "o-",
+                   label=f"k={r['num_draft_tokens']}")
+    right.set_xlabel("draft position")
+    right.set_ylabel("fraction of rounds accepted")
+    right.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)

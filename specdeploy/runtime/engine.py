@@ -93,6 +93,7 @@ class OrtEngine:
         self._output_names = ["logits"] + [n for i in range(spec.num_layers) for n in (kv.present_key % i, kv.present_value % i)]
         self.cache_dtype = np.dtype(kv.dtype)
         self.seconds = 0.0  # time spent inside session.run, for the stats
+        self.calls = 0
 
     def new_cache(self, capacity: int) -> KVCache:
         spec = self.spec
@@ -114,6 +115,7 @@ class OrtEngine:
         start = time.perf_counter()
         outputs = self.session.run(self._output_names, feeds)
         self.seconds += time.perf_counter() - start
+        self.calls += 1
         cache.update(outputs[1::2], outputs[2::2])
         logits = outputs[0][0]  # [n, vocab]
         return logits if logits.dtype == np.float32 else logits.astype(np.float32)
@@ -126,6 +128,10 @@ class CachedModel:
         self.engine = engine
         self.cache = engine.new_cache(capacity)
         self.tokens: list[int] = []  # the tokens whose keys and values the cache holds
+
+    def reset(self) -> None:
+        self.cache = self.engine.new_cache(self.cache.capacity)
+        self.tokens = []
 
     def uncached(self, context: list[int]) -> list[int]:
         """Truncate the cache to its longest prefix shared with context, keeping at least one token to run."""

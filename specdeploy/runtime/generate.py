@@ -64,6 +64,8 @@ class GenerationStats:
     accepted: int = 0
     accepted_by_position: list[int] = field(default_factory=list)  # [k]: rounds that kept draft position i
     prefill_ms: float = 0.0
+    draft_calls: int = 0  # draft forward passes during decode
+    target_calls: int = 0
     draft_ms: float = 0.0  # inside the draft's ONNX Runtime calls, decode only
     target_ms: float = 0.0  # inside the target's ONNX Runtime calls, decode only
     other_ms: float = 0.0  # decode time outside both: sampling, acceptance, bookkeeping
@@ -110,6 +112,12 @@ class Generator:
         self.codec = codec
         self.max_context = max_context
         self.eos_token_ids = frozenset(eos_token_ids)
+
+    def reset(self) -> None:
+        """Forget the cached prefixes (the next call prefills from scratch, as a fresh process would)."""
+        for model in (self.target, getattr(self.drafter, "model", None)):
+            if model is not None:
+                model.reset()
 
     def _config(self, kwargs) -> GenerationConfig:
         stop = kwargs.pop("stop", None)
@@ -200,7 +208,7 @@ class Generator:
             drafter.prefill(context[:-1])
         stats.prefill_ms = (time.perf_counter() - start) * 1000
 
-        engine_start = [e.seconds for e in engines]
+        engine_start = [(e.seconds, e.calls) for e in engines]
         decode_start = time.perf_counter()
         generated = 0
         try:
@@ -232,7 +240,9 @@ class Generator:
                 yield new
         finally:
             stats.decode_ms = (time.perf_counter() - decode_start) * 1000
-            spent = [(e.seconds - s) * 1000 for e, s in zip(engines, engine_start)]
-            stats.target_ms = spent[0]
-            stats.draft_ms = spent[1] if len(spent) > 1 else 0.0
+            spent = [(e.seconds - s) * 1000 for e, (s, _) in zip(engines, engine_start)]
+            calls = [e.calls - c for e, (_, c) in zip(engines, engine_start)]
+            stats.target_ms, stats.target_calls = spent[0], calls[0]
+            if len(spent) > 1:
+                stats.draft_ms, stats.draft_calls = spent[1], calls[1]
             stats.other_ms = max(0.0, stats.decode_ms - sum(spent))

@@ -1,0 +1,216 @@
+"""`specdeploy bench`: target-only against speculative decoding on the same prompts, interleaved.
+
+Besides tokens/s it reports the cost model of Leviathan et al. 2023 ("Fast Inference from
+Transformers via Speculative Decoding"): with per-token acceptance alpha, k draft tokens, a draft
+step costing c target steps and a verify pass costing v target steps, a round yields
+(1 - alpha^(k+1)) / (1 - alpha) tokens for k*c + v target steps of time. alpha is fitted to the
+measured tokens per round, so the bound is what the run would reach with no time spent outside
+the two models; efficiency is how close it came.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from .errors import SpecdeployError
+from .runtime.generate import GenerationStats, Generator
+
+
+def builtin_prompts() -> list[str]:
+    """Ten code prompts written for benchmarking (not from the standard library the demo pairs learn)."""
+    return json.loads(resources.files("specdeploy").joinpath("data/code_prompts.json").read_text())
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """A JSON list of strings, or JSONL with a "prompt" field per line."""
+    text = Path(path).read_text()
+    try:
+        data = json.loads(text)
+        prompts = data if isinstance(data, list) else None
+    except json.JSONDecodeError:
+        try:
+            prompts = [json.loads(line)["prompt"] for line in text.splitlines() if line.strip()]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            prompts = None
+    if not prompts or not all(isinstance(p, str) for p in prompts):
+        raise SpecdeployError(f"--prompts {path}: expected a JSON list of strings or JSONL with a 'prompt' field")
+    return prompts
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    prompts: tuple[str, ...]
+    max_new_tokens: int = 128
+    num_draft_tokens: tuple[int, ...] | None = (4,)  # None: choose k from the cost model ("auto")
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repeat: int = 1
+    seed: int = 0
+
+
+@dataclass
+class ModeTotals:
+    """Sums over every run of one mode."""
+
+    runs: int = 0
+    new_tokens: int = 0
+    decode_ms: float = 0.0
+    prefill_ms: float = 0.0
+    draft_ms: float = 0.0
+    target_ms: float = 0.0
+    other_ms: float = 0.0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    draft_calls: int = 0
+    target_calls: int = 0
+    accepted_by_position: list[int] = field(default_factory=list)
+
+    def add(self, stats: GenerationStats) -> None:
+        self.runs += 1
+        for name in ("new_tokens", "decode_ms", "prefill_ms", "draft_ms", "target_ms", "other_ms", "rounds", "drafted",
+                     "accepted", "draft_calls", "target_calls"):
+            setattr(self, name, getattr(self, name) + getattr(stats, name))
+        if len(self.accepted_by_position) < len(stats.accepted_by_position):
+            self.accepted_by_position += [0] * (len(stats.accepted_by_position) - len(self.accepted_by_position))
+        for position, count in enumerate(stats.accepted_by_position):
+            self.accepted_by_position[position] += count
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / (self.decode_ms / 1000) if self.decode_ms else 0.0
+
+    def to_dict(self) -> dict:
+        share = (lambda ms: ms / self.decode_ms if self.decode_ms else 0.0)
+        return {**self.__dict__, "tokens_per_s": self.tokens_per_s, "prefill_ms_mean": self.prefill_ms / max(self.runs, 1),
+                "time_share": {"draft": share(self.draft_ms), "target": share(self.target_ms), "other": share(self.other_ms)}}
+
+
+def tokens_per_round(alpha: float, num_draft: int) -> float:
+    """Expected tokens per round for i.i.d. acceptance alpha: (1 - alpha^(k+1)) / (1 - alpha)."""
+    return num_draft + 1.0 if alpha >= 1.0 else (1 - alpha ** (num_draft + 1)) / (1 - alpha)
+
+
+def fit_alpha(mean_tokens_per_round: float, num_draft: int) -> float:
+    """The alpha whose expected tokens per round equals the measured mean (bisection; it is monotone)."""
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if tokens_per_round(middle, num_draft) < mean_tokens_per_round else (low, middle)
+    return (low + high) / 2
+
+
+@dataclass
+class KResult:
+    num_draft_tokens: int
+    speculative: ModeTotals
+    identical_outputs: bool | None  # greedy only
+
+    def summary(self, baseline: ModeTotals) -> dict:
+        spec = self.speculative
+        target_step_ms = baseline.target_ms / max(baseline.target_calls, 1)
+        cost_ratio = (spec.draft_ms / max(spec.draft_calls, 1)) / target_step_ms  # c
+        verify_cost = (spec.target_ms / max(spec.target_calls, 1)) / target_step_ms  # v
+        mean_tokens = (spec.accepted + spec.rounds) / spec.rounds if spec.rounds else 0.0
+        alpha = fit_alpha(mean_tokens, self.num_draft_tokens)
+        bound = mean_tokens / (self.num_draft_tokens * cost_ratio + verify_cost)
+        speedup = spec.tokens_per_s / baseline.tokens_per_s if baseline.tokens_per_s else 0.0
+        return {
+            "num_draft_tokens": self.num_draft_tokens,
+            "speculative": spec.to_dict(),
+            "speedup": speedup,
+            "identical_outputs": self.identical_outputs,
+            "acceptance_rate": spec.accepted / spec.drafted if spec.drafted else 0.0,
+            "mean_accepted_tokens": mean_tokens,
+            "accepted_by_position": spec.accepted_by_position,
+            "cost_ratio_c": cost_ratio,
+            "verify_cost_v": verify_cost,
+            "fitted_alpha": alpha,
+            "leviathan_bound": bound,
+            "efficiency": speedup / bound if bound else 0.0,
+        }
+
+
+def choose_num_draft(alpha: float, cost_ratio: float, verify_cost_per_token: float, limit: int = 16) -> int:
+    """The k that maximizes tokens per unit time under the cost model (verify cost grows ~linearly in k)."""
+    def speed(k: int) -> float:
+        return tokens_per_round(alpha, k) / (k * cost_ratio + 1.0 + verify_cost_per_token * k)
+
+    return max(range(1, limit + 1), key=speed)
+
+
+def peak_memory_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def memory_budget_mb(generator: Generator) -> float:
+    """fp32 weights of both models plus their KV caches at the maximum context: the figure peak RSS is held to."""
+    manifest = generator.manifest
+    total = 0.0
+    for spec in (manifest.target, manifest.draft):
+        total += spec.num_parameters * 4
+        total += 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * manifest.max_context * 4
+    return total / 2**20
+
+
+def run_bench(generator: Generator, config: BenchConfig, progress=None) -> dict:
+    """Interleaved target-only / speculative runs over every prompt, after a warm-up; returns a JSON-ready dict."""
+    progress = progress or (lambda message: None)
+    options = dict(max_new_tokens=config.max_new_tokens, temperature=config.temperature, top_k=config.top_k,
+                   top_p=config.top_p)
+    greedy = config.temperature == 0.0
+    first = config.prompts[0]
+    generator.generate(first, speculative=False, **options)  # warm-up: sessions, allocator arenas, caches
+    generator.generate(first, num_draft_tokens=4, **options)
+
+    ks = config.num_draft_tokens
+    if ks is None:
+        pilot = KResult(4, ModeTotals(), None)
+        pilot_base = ModeTotals()
+        for prompt in config.prompts[:3]:
+            pilot_base.add(generator.generate(prompt, speculative=False, seed=config.seed, **options).stats)
+            pilot.speculative.add(generator.generate(prompt, num_draft_tokens=4, seed=config.seed, **options).stats)
+        figures = pilot.summary(pilot_base)
+        ks = (choose_num_draft(figures["fitted_alpha"], figures["cost_ratio_c"], (figures["verify_cost_v"] - 1) / 4),)
+        progress(f"auto: alpha {figures['fitted_alpha']:.2f}, c {figures['cost_ratio_c']:.3f}, "
+                 f"v(4) {figures['verify_cost_v']:.2f} -> k = {ks[0]}")
+
+    baseline = ModeTotals()
+    results = {k: KResult(k, ModeTotals(), True if greedy else None) for k in ks}
+    for repeat in range(config.repeat):
+        for index, prompt in enumerate(config.prompts):
+            seed = config.seed + repeat * len(config.prompts) + index
+            generator.reset()  # no run reuses the previous run's prefix
+            reference = generator.generate(prompt, speculative=False, seed=seed, **options)
+            baseline.add(reference.stats)
+            for k in ks:
+                generator.reset()
+                out = generator.generate(prompt, num_draft_tokens=k, seed=seed, **options)
+                results[k].speculative.add(out.stats)
+                if greedy and out.token_ids != reference.token_ids:
+                    results[k].identical_outputs = False
+            progress(f"prompt {index + 1}/{len(config.prompts)}, repeat {repeat + 1}/{config.repeat}")
+
+    by_k = [results[k].summary(baseline) for k in ks]
+    best = max(by_k, key=lambda r: r["speedup"])
+    return {
+        "prompts": len(config.prompts),
+        "max_new_tokens": config.max_new_tokens,
+        "temperature": config.temperature,
+        "repeat": config.repeat,
+        "target_only": baseline.to_dict(),
+        "speculative": best["speculative"],
+        "num_draft_tokens": best["num_draft_tokens"],
+        "speedup": best["speedup"],
+        "identical_outputs": best["identical_outputs"],
+        "acceptance_rate": best["acceptance_rate"],
+        "mean_accepted_tokens": best["mean_accepted_tokens"],
+        "by_num_draft_tokens": by_k,
+        "peak_rss_mb": peak_memory_mb(),
+        "memory_budget_mb": memory_budget_mb(generator),
+    }
