@@ -139,7 +139,7 @@ def test_sampled_speculative_matches_the_target_distribution(agreeing_bundle):
     assert accepted > runs // 4  # the rejection path and the acceptance path both ran
     keys = sorted(exact)
     observed = np.array([counts[key] for key in keys])
-    expected = np.array([exact[key] for key in keys]) * runs
+    expected = np.array([exact[key] for key in keys], dtype=np.float64) * runs
     assert scipy_stats.chisquare(observed, expected * observed.sum() / expected.sum()).pvalue > 1e-3
 
 

@@ -94,30 +94,50 @@ class OrtEngine:
         self.cache_dtype = np.dtype(kv.dtype)
         self.seconds = 0.0  # time spent inside session.run, for the stats
         self.calls = 0
+        self._binding = self.session.io_binding()
+        self._device = "cpu"  # outputs are read by NumPy; CUDA/TensorRT copy them back once, here
+        self._ones = np.ones((1, 0), dtype=np.int64)
+        self._positions = np.zeros((1, 0), dtype=np.int64)
 
     def new_cache(self, capacity: int) -> KVCache:
         spec = self.spec
         return KVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.cache_dtype, capacity)
 
     def forward(self, token_ids: np.ndarray, cache: KVCache) -> np.ndarray:
-        """Run token_ids [n] after the cache's valid positions; returns logits [n, vocab] (float32)."""
+        """Run token_ids [n] after the cache's valid positions; returns logits [n, vocab] (float32).
+
+        IO binding keeps every tensor where ONNX Runtime put it: the presents come back as OrtValues
+        whose memory the cache reads in place (no copy into new NumPy arrays), and they are bound
+        as the next step's past as they are.
+        """
         past_length = cache.length
         count = int(token_ids.shape[0])
-        if past_length + count > cache.capacity:
-            raise SpecdeployError(f"context of {past_length + count} tokens exceeds the bundle's max context {cache.capacity}")
-        feeds = {"input_ids": token_ids.reshape(1, count).astype(np.int64, copy=False)}
+        total = past_length + count
+        if total > cache.capacity:
+            raise SpecdeployError(f"context of {total} tokens exceeds the bundle's max context {cache.capacity}")
+        if self._ones.shape[1] < total:
+            self._ones = np.ones((1, cache.capacity), dtype=np.int64)  # [1, capacity]: slices stay contiguous
+            self._positions = np.arange(cache.capacity, dtype=np.int64)[None]
+        binding = self._binding
+        binding.bind_cpu_input("input_ids", np.ascontiguousarray(token_ids, dtype=np.int64).reshape(1, count))
         if self._has_mask:
-            feeds["attention_mask"] = np.ones((1, past_length + count), dtype=np.int64)
+            binding.bind_cpu_input("attention_mask", self._ones[:, :total])
         if self._has_positions:
-            feeds["position_ids"] = np.arange(past_length, past_length + count, dtype=np.int64).reshape(1, count)
+            binding.bind_cpu_input("position_ids", self._positions[:, past_length:total])
         for layer, (key_name, value_name) in enumerate(self._past_names):
-            feeds[key_name], feeds[value_name] = cache.past(layer)
+            key, value = cache.past(layer)
+            binding.bind_cpu_input(key_name, key)
+            binding.bind_cpu_input(value_name, value)
+        for name in self._output_names:
+            binding.bind_output(name, self._device)
         start = time.perf_counter()
-        outputs = self.session.run(self._output_names, feeds)
+        self.session.run_with_iobinding(binding)
         self.seconds += time.perf_counter() - start
         self.calls += 1
-        cache.update(outputs[1::2], outputs[2::2])
-        logits = outputs[0][0]  # [n, vocab]
+        outputs = binding.get_outputs()  # OrtValues, owned by us from here on
+        arrays = [value.numpy() for value in outputs]  # views on CPU, no copies
+        cache.update(arrays[1::2], arrays[2::2], owners=outputs)
+        logits = arrays[0][0]  # [n, vocab]
         return logits if logits.dtype == np.float32 else logits.astype(np.float32)
 
 

@@ -148,24 +148,22 @@ class Generator:
 
     def stream(self, prompt: str | list[int], **kwargs) -> Iterator[str]:
         """Yield text pieces as tokens are accepted; same arguments as generate."""
-        for piece in self._run(prompt, self._config(kwargs)):
-            if isinstance(piece, str):
-                if piece:
-                    yield piece
+        for item in self._run(prompt, self._config(kwargs), streaming=True):
+            if isinstance(item, str):
+                yield item
 
     def generate(self, prompt: str | list[int], **kwargs) -> GenerationOutput:
         """Generate from a prompt (text or token ids); see GenerationConfig for the arguments."""
-        result = None
-        for item in self._run(prompt, self._config(kwargs)):
-            if isinstance(item, GenerationOutput):
-                result = item
-        return result
+        for _ in self._run(prompt, self._config(kwargs), streaming=False):
+            pass
+        return self.last_output
 
-    def _run(self, prompt, config: GenerationConfig) -> Iterator[str | GenerationOutput]:
+    def _run(self, prompt, config: GenerationConfig, streaming: bool) -> Iterator[str]:
         prompt_ids = self._prompt_ids(prompt)
         stats = GenerationStats(prompt_tokens=len(prompt_ids),
                                 accepted_by_position=[0] * (config.num_draft_tokens if config.speculative else 0))
-        text = TextStream(self.codec, config.stop)
+        # Text is decoded token by token only when someone reads it that way (streaming or stop strings).
+        text = TextStream(self.codec, config.stop) if streaming or config.stop else None
         budget = min(config.max_new_tokens, self.max_context - len(prompt_ids))
         new_tokens: list[int] = []
         finish = "length" if budget == config.max_new_tokens else "context"
@@ -177,20 +175,28 @@ class Generator:
                     if token in self.eos_token_ids:
                         finish = "eos"
                         break
-                    yield text.push(token)
-                    if text.stopped:
-                        finish = "stop"
-                        break
+                    if text is not None:
+                        piece = text.push(token)
+                        if piece and streaming:
+                            yield piece
+                        if text.stopped:
+                            finish = "stop"
+                            break
                 else:
                     continue
                 break
         finally:
             rounds.close()  # settles the timing stats now, not when garbage-collected
-        yield text.finish()
+        if text is not None:
+            piece = text.finish()
+            if piece and streaming:
+                yield piece
+            output_text = text.text
+        else:
+            output_text = self.codec.decode(new_tokens)
         stats.new_tokens = len(new_tokens)
         stats.finish_reason = finish
-        self.last_output = GenerationOutput(text=text.text, token_ids=new_tokens, stats=stats)
-        yield self.last_output
+        self.last_output = GenerationOutput(text=output_text, token_ids=new_tokens, stats=stats)
 
     def _rounds(self, prompt_ids: list[int], budget: int, config: GenerationConfig,
                 stats: GenerationStats) -> Iterator[list[int]]:

@@ -28,9 +28,12 @@ class KVCache:
             value = self.values[layer] = np.ascontiguousarray(value[:, :, : self.length])
         return key, value
 
-    def update(self, keys: list[np.ndarray], values: list[np.ndarray]) -> None:
-        """Take the presents a forward pass returned; they hold the past plus the new positions."""
+    def update(self, keys: list[np.ndarray], values: list[np.ndarray], owners: list | None = None) -> None:
+        """Take the presents a forward pass returned; they hold the past plus the new positions.
+
+        `owners` keeps alive whatever owns their memory (ONNX Runtime's OrtValues)."""
         self.keys, self.values = keys, values
+        self._owners = owners
         self.length = keys[0].shape[2]
 
     def truncate(self, length: int) -> None:
