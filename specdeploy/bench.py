@@ -49,6 +49,7 @@ class BenchConfig:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    draft_confidence: float = 0.0
     repeat: int = 1
     seed: int = 0
 
@@ -163,10 +164,11 @@ def run_bench(generator: Generator, config: BenchConfig, progress=None) -> dict:
     progress = progress or (lambda message: None)
     options = dict(max_new_tokens=config.max_new_tokens, temperature=config.temperature, top_k=config.top_k,
                    top_p=config.top_p)
+    spec_options = dict(options, draft_confidence=config.draft_confidence)
     greedy = config.temperature == 0.0
     first = config.prompts[0]
     generator.generate(first, speculative=False, **options)  # warm-up: sessions, allocator arenas, caches
-    generator.generate(first, num_draft_tokens=4, **options)
+    generator.generate(first, num_draft_tokens=4, **spec_options)
 
     ks = config.num_draft_tokens
     if ks is None:
@@ -174,7 +176,7 @@ def run_bench(generator: Generator, config: BenchConfig, progress=None) -> dict:
         pilot_base = ModeTotals()
         for prompt in config.prompts[:3]:
             pilot_base.add(generator.generate(prompt, speculative=False, seed=config.seed, **options).stats)
-            pilot.speculative.add(generator.generate(prompt, num_draft_tokens=4, seed=config.seed, **options).stats)
+            pilot.speculative.add(generator.generate(prompt, num_draft_tokens=4, seed=config.seed, **spec_options).stats)
         figures = pilot.summary(pilot_base)
         ks = (choose_num_draft(figures["fitted_alpha"], figures["cost_ratio_c"], (figures["verify_cost_v"] - 1) / 4),)
         progress(f"auto: alpha {figures['fitted_alpha']:.2f}, c {figures['cost_ratio_c']:.3f}, "
@@ -190,7 +192,7 @@ def run_bench(generator: Generator, config: BenchConfig, progress=None) -> dict:
             baseline.add(reference.stats)
             for k in ks:
                 generator.reset()
-                out = generator.generate(prompt, num_draft_tokens=k, seed=seed, **options)
+                out = generator.generate(prompt, num_draft_tokens=k, seed=seed, **spec_options)
                 results[k].speculative.add(out.stats)
                 if greedy and out.token_ids != reference.token_ids:
                     results[k].identical_outputs = False

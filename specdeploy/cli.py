@@ -155,14 +155,16 @@ def inspect(bundle, as_json, verify) -> None:
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="1.0 is off.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--num-draft-tokens", "-k", type=int, default=4, show_default=True)
+@click.option("--draft-confidence", type=float, default=0.0, show_default=True,
+              help="Stop drafting once the draft's top probability falls below this (0: always draft k).")
 @click.option("--no-speculative", is_flag=True, help="Target-only decoding (the baseline).")
 @click.option("--stop", multiple=True, help="Stop before this string (repeatable).")
 @click.option("--device", default="cpu", show_default=True, help="cpu | cuda | tensorrt")
 @click.option("--drafter", default="model", show_default=True, help="model | prompt-lookup")
 @click.option("--stream/--no-stream", default=True, show_default=True, help="Print text as it is accepted.")
 @click.option("--json", "as_json", is_flag=True, help='Print one JSON object {"text", "token_ids", "stats"}.')
-def run(bundle, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_draft_tokens, no_speculative, stop,
-        device, drafter, stream, as_json) -> None:
+def run(bundle, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_draft_tokens, draft_confidence,
+        no_speculative, stop, device, drafter, stream, as_json) -> None:
     """Generate from a prompt with speculative decoding (BUNDLE defaults to the demo bundle)."""
     from .runtime import load
 
@@ -170,7 +172,8 @@ def run(bundle, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_dra
         prompt = sys.stdin.read()
     generator = load(resolve_bundle(bundle), device=device, drafter=drafter)
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                   num_draft_tokens=num_draft_tokens, speculative=not no_speculative, stop=stop)
+                   num_draft_tokens=num_draft_tokens, draft_confidence=draft_confidence,
+                   speculative=not no_speculative, stop=stop)
     if as_json or not stream:
         output = generator.generate(prompt, **options)
         if as_json:
@@ -217,13 +220,15 @@ def _parse_draft_tokens(value: str) -> tuple[int, ...] | None:
 @click.option("--temperature", type=float, default=0.0, show_default=True)
 @click.option("--top-k", type=int, default=0, show_default=True)
 @click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--draft-confidence", type=float, default=0.0, show_default=True,
+              help="Stop drafting once the draft's top probability falls below this.")
 @click.option("--repeat", type=int, default=1, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on the last line of stdout.")
 @click.option("--plot", type=click.Path(), default=None, help="Draw speedup vs k and acceptance by position (PNG).")
-def bench(bundle, prompts_file, max_new_tokens, num_draft_tokens, temperature, top_k, top_p, repeat, seed, device,
-          as_json, plot) -> None:
+def bench(bundle, prompts_file, max_new_tokens, num_draft_tokens, temperature, top_k, top_p, draft_confidence, repeat,
+          seed, device, as_json, plot) -> None:
     """Target-only vs speculative decoding on the same prompts: speed, acceptance, cost model."""
     from rich.console import Console
 
@@ -234,7 +239,8 @@ def bench(bundle, prompts_file, max_new_tokens, num_draft_tokens, temperature, t
         raise SpecdeployError("--repeat and --max-new-tokens must be at least 1")
     config = BenchConfig(prompts=tuple(read_prompts(prompts_file) if prompts_file else builtin_prompts()),
                          max_new_tokens=max_new_tokens, num_draft_tokens=_parse_draft_tokens(num_draft_tokens),
-                         temperature=temperature, top_k=top_k, top_p=top_p, repeat=repeat, seed=seed)
+                         temperature=temperature, top_k=top_k, top_p=top_p, draft_confidence=draft_confidence,
+                         repeat=repeat, seed=seed)
     generator = load(resolve_bundle(bundle), device=device)
     console = Console(stderr=True)
     with console.status("bench") as status:

@@ -32,9 +32,9 @@ def test_greedy_equivalence_with_accepting_drafts(request, bundle_name):
     generator = specdeploy.load(request.getfixturevalue(bundle_name))
     for prompt in PROMPTS:
         baseline = generator.generate(prompt, max_new_tokens=40, speculative=False)
-        for k in (1, 2, 4, 8):
-            out = generator.generate(prompt, max_new_tokens=40, num_draft_tokens=k)
-            assert out.token_ids == baseline.token_ids, (prompt, k)
+        for k, confidence in itertools.product((1, 2, 4, 8), (0.0, 0.5)):
+            out = generator.generate(prompt, max_new_tokens=40, num_draft_tokens=k, draft_confidence=confidence)
+            assert out.token_ids == baseline.token_ids, (prompt, k, confidence)
             assert out.stats.accepted > 0
             if bundle_name == "self_draft_bundle":
                 assert out.stats.acceptance_rate == 1.0
@@ -112,8 +112,10 @@ def test_stats_identities(agreeing_bundle, temperature):
 
 
 @pytest.mark.slow
-def test_sampled_speculative_matches_the_target_distribution(agreeing_bundle):
-    """The first three tokens, over 4,000 seeded runs, against the exact target distribution."""
+@pytest.mark.parametrize("draft_confidence", [0.0, 0.6])
+def test_sampled_speculative_matches_the_target_distribution(agreeing_bundle, draft_confidence):
+    """The first three tokens, over 4,000 seeded runs, against the exact target distribution
+    (also when drafting stops early on low draft confidence)."""
     generator = specdeploy.load(agreeing_bundle)
     params = SamplingParams(temperature=1.0, top_k=3)
     prompt = generator.codec.encode(PROMPTS[0])
@@ -133,7 +135,8 @@ def test_sampled_speculative_matches_the_target_distribution(agreeing_bundle):
     counts = dict.fromkeys(exact, 0)
     accepted = 0
     for seed in range(runs):
-        out = generator.generate(prompt, max_new_tokens=3, temperature=1.0, top_k=3, seed=seed, num_draft_tokens=2)
+        out = generator.generate(prompt, max_new_tokens=3, temperature=1.0, top_k=3, seed=seed, num_draft_tokens=2,
+                                 draft_confidence=draft_confidence)
         counts[tuple(out.token_ids)] += 1
         accepted += out.stats.accepted
     assert accepted > runs // 4  # the rejection path and the acceptance path both ran
@@ -153,6 +156,7 @@ def test_sampled_speculative_matches_the_target_distribution(agreeing_bundle):
         (dict(max_new_tokens=-1), "max_new_tokens"),
         (dict(num_draft_tokens=0), "num_draft_tokens"),
         (dict(num_draft_tokens=33), "num_draft_tokens"),
+        (dict(draft_confidence=1.0), "draft_confidence"),
         (dict(bogus=1), "bogus"),
     ],
 )

@@ -17,9 +17,13 @@ from .sampling import SamplingParams, process_logits, sample_token
 
 class Drafter(Protocol):
     def propose(
-        self, context: list[int], num_tokens: int, params: SamplingParams, rng: np.random.Generator
+        self, context: list[int], num_tokens: int, params: SamplingParams, rng: np.random.Generator,
+        min_confidence: float = 0.0,
     ) -> tuple[list[int], np.ndarray | None]:
-        """Draft tokens [k] and the draft_probs [k, vocab] they were drawn from (None when greedy)."""
+        """Up to num_tokens draft tokens and the draft_probs [k, vocab] they were drawn from (None when greedy).
+
+        A drafter may stop early, e.g. once its own top probability falls below min_confidence: how
+        many tokens are proposed never depends on the target, so the acceptance rule stays exact."""
 
     def update(self, num_accepted: int) -> None: ...
 
@@ -35,20 +39,25 @@ class ModelDrafter:
     def prefill(self, context: list[int]) -> None:
         self.model.prefill(context)
 
-    def propose(self, context, num_tokens, params, rng):
+    def propose(self, context, num_tokens, params, rng, min_confidence=0.0):
         logits = self.model.logits_after(context)  # [vocab]
         tokens: list[int] = []
         rows = []
         for position in range(num_tokens):
             if params.greedy:
                 token = int(logits.argmax())
+                # Top probability at temperature 1: 1 / sum(exp(logits - max)).
+                confident = min_confidence <= 0 or np.exp(logits - logits[token]).sum() * min_confidence <= 1.0
             else:
                 probs = process_logits(logits[None], params)[0]  # [vocab]
                 token = sample_token(probs, rng)
                 rows.append(probs)
+                confident = min_confidence <= 0 or probs.max() >= min_confidence
             tokens.append(token)
-            if position + 1 < num_tokens:
+            if position + 1 < num_tokens and confident:
                 logits = self.model.extend([token])[-1]
+            else:
+                break
         return tokens, (None if params.greedy else np.stack(rows))
 
     def update(self, num_accepted: int) -> None:
@@ -71,7 +80,7 @@ class PromptLookupDrafter:
     def prefill(self, context: list[int]) -> None:
         pass
 
-    def propose(self, context, num_tokens, params, rng):
+    def propose(self, context, num_tokens, params, rng, min_confidence=0.0):
         tokens: list[int] = []
         for size in range(min(self.max_ngram, len(context) - 1), self.min_ngram - 1, -1):
             pattern = context[-size:]

@@ -27,6 +27,8 @@ class SessionConfig:
     # Two sessions that spin-wait fight over the same cores when draft and target alternate.
     allow_spinning: bool = False
     graph_optimization: str = "all"  # disable | basic | extended | all
+    # One process-wide ONNX Runtime thread pool for every session (set before the first session).
+    shared_threads: bool = False
     trt_cache_dir: str | None = None  # TensorRT engines are built once and cached here
 
 
@@ -53,10 +55,24 @@ def providers_for(config: SessionConfig) -> list:
     return [("TensorrtExecutionProvider", trt_options), "CUDAExecutionProvider", "CPUExecutionProvider"]
 
 
+_GLOBAL_POOL: list[int] = []  # the size the process-wide pool was created with; ONNX Runtime allows it once
+
+
+def _use_global_pool(threads: int) -> None:
+    import onnxruntime.capi._pybind_state as ort_c
+
+    if not _GLOBAL_POOL:
+        ort_c.set_global_thread_pool_sizes(threads, 1)
+        _GLOBAL_POOL.append(threads)
+
+
 def session_options(config: SessionConfig):
     import onnxruntime as ort
 
     options = ort.SessionOptions()
+    if config.shared_threads:
+        _use_global_pool(config.intra_op_threads)
+        options.use_per_session_threads = False
     levels = {
         "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
         "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,

@@ -34,6 +34,8 @@ class GenerationConfig:
     seed: int | None = 0  # seeds the np.random.Generator every draw comes from
     num_draft_tokens: int = 4  # k: tokens the draft proposes per round
     speculative: bool = True  # False: target-only decoding, the baseline
+    # Stop drafting early once the draft's top probability falls below this (0: always draft k).
+    draft_confidence: float = 0.0
     stop: tuple[str, ...] = ()  # generation ends before the first of these strings
 
     def validate(self) -> None:
@@ -45,6 +47,8 @@ class GenerationConfig:
             raise SpecdeployError(f"top_k must be >= 0 (got {self.top_k})")
         if self.max_new_tokens < 0:
             raise SpecdeployError(f"max_new_tokens must be >= 0 (got {self.max_new_tokens})")
+        if not 0 <= self.draft_confidence < 1:
+            raise SpecdeployError(f"draft_confidence must be in [0, 1) (got {self.draft_confidence})")
         if not 1 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
             raise SpecdeployError(f"num_draft_tokens must be in 1..{MAX_DRAFT_TOKENS} (got {self.num_draft_tokens})")
 
@@ -221,7 +225,8 @@ class Generator:
             while generated < budget:
                 room = self.max_context - len(context)  # the verify pass adds k + 1 positions to len(context) - 1
                 num_draft = min(config.num_draft_tokens, budget - generated - 1, room) if drafter else 0
-                drafts, draft_probs = drafter.propose(context, num_draft, params, rng) if num_draft > 0 else ([], None)
+                drafts, draft_probs = (drafter.propose(context, num_draft, params, rng, config.draft_confidence)
+                                       if num_draft > 0 else ([], None))
                 if drafts:
                     logits = self.target.extend(self.target.uncached(context) + drafts)[-(len(drafts) + 1):]  # [k+1, vocab]
                     if params.greedy:
