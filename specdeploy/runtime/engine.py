@@ -105,19 +105,20 @@ class OrtEngine:
         self._has_mask = "attention_mask" in names
         self._has_positions = "position_ids" in names
         kv = spec.kv_cache
-        self._past_names = [(kv.past_key % i, kv.past_value % i) for i in range(spec.num_layers)]
+        self._past_names = [name for i in range(spec.num_layers) for name in (kv.past_key % i, kv.past_value % i)]
         self._output_names = ["logits"] + [n for i in range(spec.num_layers) for n in (kv.present_key % i, kv.present_value % i)]
         self.cache_dtype = np.dtype(kv.dtype)
         self.seconds = 0.0  # time spent inside session.run, for the stats
         self.calls = 0
         self._binding = self.session.io_binding()
-        self._device = "cpu"  # outputs are read by NumPy; CUDA/TensorRT copy them back once, here
+        # The KV cache stays on the device of the execution provider; only the logits come to NumPy.
+        self._device = "cpu" if config.device == "cpu" else "cuda"
         self._ones = np.ones((1, 0), dtype=np.int64)
         self._positions = np.zeros((1, 0), dtype=np.int64)
 
     def new_cache(self, capacity: int) -> KVCache:
         spec = self.spec
-        return KVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.cache_dtype, capacity)
+        return KVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.cache_dtype, capacity, self._device)
 
     def forward(self, token_ids: np.ndarray, cache: KVCache) -> np.ndarray:
         """Run token_ids [n] after the cache's valid positions; returns logits [n, vocab] (float32).
@@ -140,20 +141,18 @@ class OrtEngine:
             binding.bind_cpu_input("attention_mask", self._ones[:, :total])
         if self._has_positions:
             binding.bind_cpu_input("position_ids", self._positions[:, past_length:total])
-        for layer, (key_name, value_name) in enumerate(self._past_names):
-            key, value = cache.past(layer)
-            binding.bind_cpu_input(key_name, key)
-            binding.bind_cpu_input(value_name, value)
-        for name in self._output_names:
+        for name, tensor in zip(self._past_names, cache.past()):
+            binding.bind_ortvalue_input(name, tensor)
+        binding.bind_output("logits", "cpu")
+        for name in self._output_names[1:]:
             binding.bind_output(name, self._device)
         start = time.perf_counter()
         self.session.run_with_iobinding(binding)
         self.seconds += time.perf_counter() - start
         self.calls += 1
         outputs = binding.get_outputs()  # OrtValues, owned by us from here on
-        arrays = [value.numpy() for value in outputs]  # views on CPU, no copies
-        cache.update(arrays[1::2], arrays[2::2], owners=outputs)
-        logits = arrays[0][0]  # [n, vocab]
+        cache.update(outputs[1:])
+        logits = outputs[0].numpy()[0]  # [n, vocab]; a view on the CPU
         return logits if logits.dtype == np.float32 else logits.astype(np.float32)
 
 

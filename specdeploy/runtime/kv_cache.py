@@ -1,9 +1,11 @@
 """KV caches and the one operation speculative decoding needs from them: truncate to n.
 
 The exported graphs (optimum's layout) take `past_key_values.N.key` of [1, kv_heads, past, head_dim]
-and return `present.N.key` of [1, kv_heads, past + n, head_dim]. The cache keeps the presents it
-was handed and a valid length; rejecting draft tokens only lowers the length, and the stale
-positions are dropped when the next step reads the past.
+and return `present.N.key` of [1, kv_heads, past + n, head_dim]. The cache keeps the presents a
+pass returned as ONNX Runtime OrtValues, on whatever device the pass left them, and binds them as
+the next pass's past as they are: nothing is copied while draft tokens are being accepted.
+Rejecting draft tokens only lowers the valid length; the stale positions are cut off (one copy)
+when the next pass reads the past.
 """
 
 from __future__ import annotations
@@ -12,31 +14,40 @@ import numpy as np
 
 
 class KVCache:
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: np.dtype, capacity: int):
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: np.dtype, capacity: int,
+                 device: str = "cpu"):
+        import onnxruntime as ort
+
+        self._ort = ort
         self.num_layers = num_layers
         self.capacity = capacity
-        empty = np.zeros((1, num_kv_heads, 0, head_dim), dtype=dtype)
-        self.keys: list[np.ndarray] = [empty] * num_layers  # each [1, kv_heads, stored, head_dim]
-        self.values: list[np.ndarray] = [empty] * num_layers
+        self.device = device
+        empty = ort.OrtValue.ortvalue_from_numpy(np.zeros((1, num_kv_heads, 0, head_dim), dtype=dtype), device, 0)
+        self.tensors: list = [empty] * (2 * num_layers)  # OrtValues: key 0, value 0, key 1, ... [1, kv_heads, stored, head_dim]
+        self.stored = 0  # positions the tensors hold
         self.length = 0  # valid positions; stored ones past it are stale
 
-    def past(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        """Key and value of the valid positions, contiguous: [1, kv_heads, length, head_dim] each."""
-        key, value = self.keys[layer], self.values[layer]
-        if key.shape[2] != self.length:
-            key = self.keys[layer] = np.ascontiguousarray(key[:, :, : self.length])
-            value = self.values[layer] = np.ascontiguousarray(value[:, :, : self.length])
-        return key, value
+    def past(self) -> list:
+        """Keys and values of the valid positions, [1, kv_heads, length, head_dim] each, in layer order."""
+        if self.stored != self.length:
+            self._cut()
+        return self.tensors
 
-    def update(self, keys: list[np.ndarray], values: list[np.ndarray], owners: list | None = None) -> None:
-        """Take the presents a forward pass returned; they hold the past plus the new positions.
-
-        `owners` keeps alive whatever owns their memory (ONNX Runtime's OrtValues)."""
-        self.keys, self.values = keys, values
-        self._owners = owners
-        self.length = keys[0].shape[2]
+    def update(self, presents: list) -> None:
+        """Take the presents a forward pass returned (OrtValues); they hold the past plus the new positions."""
+        self.tensors = presents
+        self.stored = self.length = presents[0].shape()[2]
 
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
         self.length = length
+
+    def _cut(self) -> None:
+        # On the CPU .numpy() is a view and only the slice is copied; on a GPU it is a round trip,
+        # paid once per rejection.
+        from_numpy = self._ort.OrtValue.ortvalue_from_numpy
+        self.tensors = [
+            from_numpy(np.ascontiguousarray(tensor.numpy()[:, :, : self.length]), self.device, 0) for tensor in self.tensors
+        ]
+        self.stored = self.length
