@@ -32,7 +32,26 @@ class SessionConfig:
     trt_cache_dir: str | None = None  # TensorRT engines are built once and cached here
 
 
-def providers_for(config: SessionConfig) -> list:
+def trt_profiles(spec: ModelSpec, max_context: int, max_new: int = 33) -> dict[str, str]:
+    """Explicit TensorRT optimization profiles (min/opt/max shapes) for every dynamic input.
+
+    Format from the ONNX Runtime TensorRT EP docs: "name:1x4x0x64,name2:...". Inputs run 1..max_new
+    tokens per pass (k + 1 <= 33), on a past of 0..max_context - 1 positions."""
+    shapes = {"min": [], "opt": [], "max": []}
+    for tensor in spec.inputs:
+        if tensor.name in ("input_ids", "position_ids"):
+            dims = {"min": (1, 1), "opt": (1, 5), "max": (1, max_new)}
+        elif tensor.name == "attention_mask":
+            dims = {"min": (1, 1), "opt": (1, 512), "max": (1, max_context)}
+        else:  # past keys and values [1, kv_heads, past, head_dim]
+            heads, head_dim = tensor.shape[1], tensor.shape[3]
+            dims = {k: (1, heads, past, head_dim) for k, past in (("min", 0), ("opt", 512), ("max", max_context - 1))}
+        for key, value in dims.items():
+            shapes[key].append(f"{tensor.name}:{'x'.join(str(d) for d in value)}")
+    return {f"trt_profile_{key}_shapes": ",".join(items) for key, items in shapes.items()}
+
+
+def providers_for(config: SessionConfig, spec: ModelSpec | None = None) -> list:
     import onnxruntime as ort
 
     if config.device not in DEVICES:
@@ -52,6 +71,8 @@ def providers_for(config: SessionConfig) -> list:
     trt_options = {"trt_fp16_enable": True, "trt_engine_cache_enable": config.trt_cache_dir is not None}
     if config.trt_cache_dir:
         trt_options["trt_engine_cache_path"] = config.trt_cache_dir
+    if spec is not None:
+        trt_options.update(trt_profiles(spec, spec.max_context))
     return [("TensorrtExecutionProvider", trt_options), "CUDAExecutionProvider", "CPUExecutionProvider"]
 
 
@@ -96,7 +117,7 @@ class OrtEngine:
 
         self.spec = spec
         try:
-            self.session = ort.InferenceSession(str(model_path), session_options(config), providers=providers_for(config))
+            self.session = ort.InferenceSession(str(model_path), session_options(config), providers=providers_for(config, spec))
         except SpecdeployError:
             raise
         except Exception as exc:

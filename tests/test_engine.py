@@ -1,0 +1,44 @@
+"""Engine pieces that run without a GPU: KV rollback, the TensorRT profile strings, provider checks."""
+
+import numpy as np
+import pytest
+
+from specdeploy.bundle import load_manifest
+from specdeploy.errors import SpecdeployError
+from specdeploy.runtime.engine import CachedModel, OrtEngine, SessionConfig, providers_for, trt_profiles
+
+
+def test_trt_profiles_cover_every_input(bundles):
+    spec = load_manifest(bundles("qwen2")).target
+    profiles = trt_profiles(spec, 256)
+    assert set(profiles) == {"trt_profile_min_shapes", "trt_profile_opt_shapes", "trt_profile_max_shapes"}
+    for value in profiles.values():
+        entries = dict(item.split(":") for item in value.split(","))
+        assert set(entries) == set(spec.input_names)
+    maximum = dict(item.split(":") for item in profiles["trt_profile_max_shapes"].split(","))
+    assert maximum["attention_mask"] == "1x256"
+    assert maximum["past_key_values.0.key"] == f"1x{spec.num_kv_heads}x255x{spec.head_dim}"
+
+
+def test_gpu_devices_need_onnxruntime_gpu():
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this onnxruntime has CUDA")
+    for device in ("cuda", "tensorrt"):
+        with pytest.raises(SpecdeployError, match="onnxruntime-gpu"):
+            providers_for(SessionConfig(device=device))
+
+
+def test_cached_model_rolls_back_to_the_shared_prefix(bundles):
+    bundle = bundles("mistral")
+    spec = load_manifest(bundle).target
+    model = CachedModel(OrtEngine(bundle / spec.onnx_path, spec), 64)
+    fresh = CachedModel(OrtEngine(bundle / spec.onnx_path, spec), 64)
+    context = [5, 9, 13, 40, 41, 42]
+    model.extend(context + [7, 8, 9])  # a draft run that will be partly rejected
+    logits = model.logits_after(context + [100])  # diverges after the context: positions 6.. are dropped
+    assert model.cache.length == len(context) + 1 == len(model.tokens)
+    np.testing.assert_allclose(logits, fresh.logits_after(context + [100]), atol=1e-5)
+    with pytest.raises(SpecdeployError, match="max context"):
+        model.extend(list(range(70)))
