@@ -148,3 +148,17 @@ def test_sample_tokens_matches_probabilities():
     draws = sample_tokens(np.broadcast_to(probs, (100_000, 4)), rng.random(100_000))
     assert not (draws == 1).any()
     np.testing.assert_allclose(np.bincount(draws, minlength=4) / 100_000, probs, atol=0.006)
+
+
+def test_top_p_with_few_candidates_matches_a_full_sort():
+    rng = np.random.default_rng(8)
+    for scale, top_p in ((0.5, 0.9), (3.0, 0.95), (8.0, 0.5), (0.1, 0.99)):
+        logits = (rng.normal(size=(3, 5000)) * scale).astype(np.float32)
+        ours = process_logits(logits, SamplingParams(temperature=1.0, top_p=top_p))
+        full = process_logits(logits, SamplingParams(temperature=1.0))
+        for row, reference in zip(ours, full):
+            order = np.argsort(-reference, kind="stable")
+            keep = order[(np.cumsum(reference[order]) - reference[order]) < top_p]
+            expected = np.zeros_like(reference)
+            expected[keep] = reference[keep] / reference[keep].sum()
+            np.testing.assert_allclose(row, expected, rtol=1e-5, atol=1e-9)

@@ -37,16 +37,30 @@ def process_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     np.exp(probs, out=probs)
     probs /= probs.sum(axis=-1, keepdims=True)
     if params.top_p < 1.0:
-        order = np.argsort(-probs, axis=-1, kind="stable")  # [n, vocab]
-        sorted_probs = np.take_along_axis(probs, order, axis=-1)
-        # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it is below top_p.
-        mass_before = np.cumsum(sorted_probs, axis=-1) - sorted_probs
-        keep_sorted = mass_before < params.top_p
-        keep = np.zeros_like(keep_sorted)
-        np.put_along_axis(keep, order, keep_sorted, axis=-1)
-        probs[~keep] = 0.0
-        probs /= probs.sum(axis=-1, keepdims=True)
+        for row in probs:
+            _top_p_row(row, params.top_p)
     return probs
+
+
+def _top_p_row(row: np.ndarray, top_p: float, candidates: int = 64) -> None:
+    """Zero, in place, every token outside the smallest most-probable set whose mass reaches top_p; renormalize.
+
+    A token stays if the mass of the tokens ranked before it is below top_p. Only the few most
+    probable tokens are sorted (argpartition), unless they hold less than top_p of the mass.
+    """
+    vocab = row.shape[0]
+    count = min(candidates, vocab)
+    while True:
+        top = np.argpartition(row, vocab - count)[vocab - count :] if count < vocab else np.arange(vocab)
+        top = top[np.argsort(-row[top], kind="stable")]  # [count], most probable first
+        mass_before = np.cumsum(row[top]) - row[top]
+        if count == vocab or mass_before[-1] + row[top[-1]] >= top_p:
+            break
+        count = min(vocab, count * 8)
+    keep = top[mass_before < top_p]
+    kept = row[keep]
+    row[:] = 0.0
+    row[keep] = kept / kept.sum()
 
 
 def sample_tokens(probs: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
