@@ -99,11 +99,12 @@ def sample_batch(stream, gen, batch=BATCH, seq=SEQ_LEN):
     return torch.stack([stream[s:s + seq] for s in starts.tolist()])
 
 
-def lr_at(step, total, peak):
-    """Linear warmup for WARMUP_STEPS, then cosine decay to MIN_LR_FRAC * peak at ``total``."""
+def lr_at(step, progress, warm_progress, peak):
+    """Linear warmup over WARMUP_STEPS, then cosine from peak to MIN_LR_FRAC * peak as training
+    ``progress`` (0..1) goes from ``warm_progress`` (its value when warmup ended) to 1."""
     if step < WARMUP_STEPS:
         return peak * (step + 1) / WARMUP_STEPS
-    frac = min(1.0, (step - WARMUP_STEPS) / max(1, total - WARMUP_STEPS))
+    frac = min(1.0, max(0.0, (progress - warm_progress) / max(1e-9, 1 - warm_progress)))
     return peak * (MIN_LR_FRAC + (1 - MIN_LR_FRAC) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
@@ -145,58 +146,58 @@ def train_step(model, opt, batch, use_bf16, teacher=None):
 
 
 def pick_precision(model, stream, teacher=None, steps=3):
-    """Time a few throwaway steps in fp32 and bf16 autocast on copies; return (use_bf16, timings)."""
-    timings = {}
-    for use_bf16 in (False, True):
-        trial = copy.deepcopy(model)
-        opt = make_optimizer(trial, 1e-4)
-        gen = torch.Generator().manual_seed(SEED)
-        try:
-            for i in range(steps + 1):  # first step is warm-up, not timed
-                if i == 1:
-                    t0 = time.perf_counter()
-                train_step(trial, opt, sample_batch(stream, gen), use_bf16, teacher)
-            timings["bf16" if use_bf16 else "fp32"] = (time.perf_counter() - t0) / steps
-        except RuntimeError as exc:  # bf16 unsupported: fall back to fp32
-            print(f"  bf16 autocast failed ({exc}); using fp32")
-        del trial, opt
+    """Time throwaway steps in fp32 and bf16 autocast on copies, alternating (min per mode, robust
+    to a busy machine); the first step of each is warm-up. Returns (use_bf16, timings)."""
+    trials = {mode: copy.deepcopy(model) for mode in ("fp32", "bf16")}
+    opts = {mode: make_optimizer(m, 1e-4) for mode, m in trials.items()}
+    gen, times = torch.Generator().manual_seed(SEED), {"fp32": [], "bf16": []}
+    for i in range(steps + 1):
+        for mode in list(trials):
+            batch, t0 = sample_batch(stream, gen), time.perf_counter()
+            try:
+                train_step(trials[mode], opts[mode], batch, mode == "bf16", teacher)
+            except RuntimeError as exc:  # bf16 unsupported here: fall back to fp32
+                print(f"  bf16 autocast failed ({exc}); using fp32")
+                del trials[mode], times[mode]
+                continue
+            if i > 0:
+                times[mode].append(time.perf_counter() - t0)
+    timings = {mode: min(ts) for mode, ts in times.items()}
     use_bf16 = "bf16" in timings and timings["bf16"] < timings["fp32"]
-    print("  s/step: " + ", ".join(f"{k} {v:.2f}" for k, v in timings.items())
+    print("  s/step (min of alternating steps): " + ", ".join(f"{k} {v:.2f}" for k, v in timings.items())
           + f" -> {'bf16' if use_bf16 else 'fp32'}")
     return use_bf16, timings
 
 
 def train(name, model, stream, max_steps, minutes, peak_lr, use_bf16, teacher=None):
-    """Train until ``max_steps`` or ``minutes`` elapse; the cosine length is fixed after 10 steps
-    from the measured speed. Returns stats (steps, wall time, last-20 train CE and total loss)."""
+    """Train until ``max_steps`` or ``minutes`` elapse, whichever comes first. Progress is
+    max(step / max_steps, elapsed / budget), so the cosine ends where training actually stops even
+    when CPU speed varies. Returns stats (steps, wall time, last-20 train CE and total loss)."""
     torch.manual_seed(SEED)
     gen = torch.Generator().manual_seed(SEED)
     opt = make_optimizer(model, peak_lr)
     model.train()
-    total, losses, ces, budget, t0 = max_steps, [], [], minutes * 60.0, time.perf_counter()
-    step = 0
-    while step < total:
+    losses, ces, budget, t0 = [], [], minutes * 60.0, time.perf_counter()
+    step, progress, warm_progress = 0, 0.0, None
+    while progress < 1.0:
+        if step == WARMUP_STEPS:
+            warm_progress = progress
+        lr = lr_at(step, progress, warm_progress, peak_lr)
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, total, peak_lr)
+            group["lr"] = lr
         loss, ce = train_step(model, opt, sample_batch(stream, gen), use_bf16, teacher)
         losses.append(loss)
         ces.append(ce)
         step += 1
         elapsed = time.perf_counter() - t0
-        if step == 10:
-            reachable = int(budget / (elapsed / step) * 0.97)
-            total = max(step, min(max_steps, reachable))
-            print(f"  [{name}] {elapsed / step:.2f} s/step -> schedule fixed at {total} steps")
-        if step % LOG_EVERY == 0 or step == total:
-            print(f"  [{name}] step {step}/{total} loss {loss:.4f} ce {ce:.4f} "
-                  f"lr {opt.param_groups[0]['lr']:.2e} {elapsed:.0f}s", flush=True)
-        if elapsed > budget:
-            print(f"  [{name}] time budget reached at step {step}")
-            break
+        progress = max(step / max_steps, elapsed / budget)
+        if step % LOG_EVERY == 0 or progress >= 1.0:
+            print(f"  [{name}] step {step} ({progress:.0%}) loss {loss:.4f} ce {ce:.4f} "
+                  f"lr {lr:.2e} {elapsed:.0f}s", flush=True)
     wall = time.perf_counter() - t0
+    print(f"  [{name}] stopped by {'step limit' if step >= max_steps else 'time budget'}")
     model.eval()
-    return {"steps": step, "planned": total, "wall_s": wall,
-            "train_loss": sum(ces[-20:]) / len(ces[-20:]),
+    return {"steps": step, "wall_s": wall, "train_loss": sum(ces[-20:]) / len(ces[-20:]),
             "train_total": sum(losses[-20:]) / len(losses[-20:])}
 
 
@@ -264,6 +265,7 @@ Generated by `scripts/train_demo_pair.py{r['argv']}` — every number below was 
 - Tokens (each file followed by `</s>`): {r['train_tokens']:,} train, {r['eval_tokens']:,} held out.
 - Tokenizer: byte-level BPE (`tokenizers`), vocab {VOCAB_SIZE}, trained on the train files;
   `<s>` = {BOS_ID} (BOS), `</s>` = {EOS_ID} (EOS and pad); no BOS post-processor. Shared by both models.
+  Tokenizer training + encoding took {r['tok_s']:.0f} s.
 
 ## Models (Llama architecture, saved in fp16)
 | model | params | fp16 safetensors MB | fp32 MB (params x 4) | steps | wall min | train CE (last 20 steps) | held-out CE |
@@ -279,9 +281,10 @@ Total fp16 safetensors: {t['fp16_mb'] + d['fp16_mb']:.2f} MB. Draft distillation
 - torch {torch.__version__} on CPU ({r['cpu']}), {torch.get_num_threads()} threads; seed {SEED}.
 - Batches: {BATCH} x {SEQ_LEN}-token random windows of the train stream (seeded `torch.Generator`).
 - AdamW betas (0.9, 0.95), weight decay 0.1 (matrices), grad clip 1.0; linear warmup {WARMUP_STEPS}
-  steps then cosine to {MIN_LR_FRAC:.0%} of peak, schedule length fixed from the speed of the first 10 steps.
+  steps then cosine to {MIN_LR_FRAC:.0%} of peak over training progress = max(step / step limit,
+  elapsed / time budget), so the decay ends where training stops (whichever limit comes first).
 - Target: next-token cross-entropy, peak lr {r['target_lr']}, budget {r['target_budget']}.
-  Precision: {t['precision']} (s/step measured: {t['timings']}).
+  Precision: {t['precision']} (min s/step measured: {t['timings']}).
 - Draft: distilled from the trained target, loss 0.5 * CE + 0.5 * KL(target || draft), T = 1,
   peak lr {r['draft_lr']}, budget {r['draft_budget']}. Precision: {d['precision']} (s/step: {d['timings']}).
 
@@ -318,7 +321,7 @@ def parse_args():
 def run_phase(name, model, stream, args, teacher=None):
     """Pick precision, train, and report the stats for one model."""
     print(f"{name}: {count_params(model):,} params; measuring fp32 vs bf16 autocast")
-    use_bf16, timings = pick_precision(model, stream, teacher, steps=1 if args.quick else 3)
+    use_bf16, timings = pick_precision(model, stream, teacher, steps=2 if args.quick else 4)
     steps, minutes, lr = ((args.target_steps, args.target_minutes, args.target_lr) if teacher is None
                           else (args.draft_steps, args.draft_minutes, args.draft_lr))
     stats = train(name, model, stream, steps, minutes, lr, use_bf16, teacher)
@@ -343,7 +346,8 @@ def main():
     tokenizer = train_tokenizer([t for _, t in train_files])
     train_ids = encode_stream(tokenizer, [t for _, t in train_files])
     held_ids = encode_stream(tokenizer, [t for _, t in held_files])
-    print(f"tokenizer + encoding {time.perf_counter() - t0:.0f}s: "
+    tok_s = time.perf_counter() - t0
+    print(f"tokenizer + encoding {tok_s:.0f}s: "
           f"{len(train_ids):,} train tokens, {len(held_ids):,} held-out tokens")
 
     torch.manual_seed(SEED)
@@ -374,7 +378,7 @@ def main():
     write_provenance(args.out, dict(
         argv=argv, python=platform.python_version(), stdlib=stdlib, n_files=len(files),
         n_train=len(train_files), n_eval=len(held_files), train_tokens=len(train_ids),
-        eval_tokens=len(held_ids), cpu=cpu_name(),
+        eval_tokens=len(held_ids), cpu=cpu_name(), tok_s=tok_s,
         target=t_stats, draft=d_stats, acceptance=acc, sample=sample,
         target_lr=args.target_lr, draft_lr=args.draft_lr,
         target_budget=f"{args.target_steps} steps / {args.target_minutes} min",
