@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 
 os.environ["HF_HUB_OFFLINE"] = "1"
+# The suite exports and loads bundles in one process; ONNX Runtime's shared pool would refuse the
+# per-session pools optimum's exporter uses (test_runtime_imports covers the shared pool).
+os.environ["SPECDEPLOY_SHARED_THREADS"] = "0"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 BOS, EOS = 0, 1

@@ -1,5 +1,7 @@
 """The runtime must load and generate without torch, transformers or optimum."""
 
+import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -24,3 +26,21 @@ def test_runtime_never_imports_torch(agreeing_bundle):
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+def test_shared_thread_pool_gives_the_same_tokens(agreeing_bundle):
+    """The default process-wide pool (the suite itself runs per-session pools) changes speed, not output."""
+    import specdeploy
+
+    script = textwrap.dedent(f"""
+        import json, specdeploy
+        gen = specdeploy.load({str(agreeing_bundle)!r})
+        from specdeploy.runtime.engine import global_pool_active
+        assert global_pool_active()
+        print(json.dumps(gen.generate("def f(x):", max_new_tokens=24).token_ids))
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "SPECDEPLOY_SHARED_THREADS"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    expected = specdeploy.load(agreeing_bundle).generate("def f(x):", max_new_tokens=24).token_ids
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == expected

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ..bundle import ModelSpec, ParityReport
-from ..runtime.engine import OrtEngine, SessionConfig
+from ..runtime.engine import OrtEngine, SessionConfig, global_pool_active
 
 # Natural text makes the greedy check meaningful for trained models (on random ids every model is
 # unsure, and rounding flips near-ties that no user would see).
@@ -73,7 +73,9 @@ def check_parity(
     with torch.no_grad():
         reference = torch_model(input_ids=torch.from_numpy(ids)[None]).logits[0].float().numpy()  # [P + V, vocab]
 
-    engine = OrtEngine(onnx_path, spec, SessionConfig(device="cpu", allow_spinning=True))
+    # Per-session threads leave the process free for optimum's own sessions, unless a runtime in this
+    # process already switched ONNX Runtime to the shared pool (then optimum cannot run here either).
+    engine = OrtEngine(onnx_path, spec, SessionConfig(device="cpu", shared_threads=global_pool_active()))
     prefill_cache = engine.new_cache(prefill_tokens + verify_tokens)
     prefill_logits = engine.forward(ids[:prefill_tokens], prefill_cache)  # [P, vocab]
     verify_logits = engine.forward(ids[prefill_tokens:], prefill_cache)  # [V, vocab]

@@ -122,6 +122,13 @@ def export_bundle(config: ExportConfig, report: Reporter | None = None) -> Manif
     """Export, validate and write the bundle; returns its manifest. Raises SpecdeployError on bad input."""
     report = report or (lambda stage, detail: None)
     out = _check_options(config)
+    from ..runtime.engine import global_pool_active
+
+    if global_pool_active():
+        raise SpecdeployError(
+            "cannot export in a process where specdeploy.load switched ONNX Runtime to its shared thread pool "
+            "(optimum needs per-session pools): export first, or set SPECDEPLOY_SHARED_THREADS=0"
+        )
     convert.quiet_export_logs()
 
     report("load", "reading checkpoints")

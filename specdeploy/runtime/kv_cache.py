@@ -22,7 +22,8 @@ class KVCache:
         self.num_layers = num_layers
         self.capacity = capacity
         self.device = device
-        empty = ort.OrtValue.ortvalue_from_numpy(np.zeros((1, num_kv_heads, 0, head_dim), dtype=dtype), device, 0)
+        self._backing: list[np.ndarray] = []  # NumPy buffers that CPU OrtValues made by _from_numpy point into
+        empty = self._from_numpy(np.zeros((1, num_kv_heads, 0, head_dim), dtype=dtype))
         self.tensors: list = [empty] * (2 * num_layers)  # OrtValues: key 0, value 0, key 1, ... [1, kv_heads, stored, head_dim]
         self.stored = 0  # positions the tensors hold
         self.length = 0  # valid positions; stored ones past it are stale
@@ -36,6 +37,7 @@ class KVCache:
     def update(self, presents: list) -> None:
         """Take the presents a forward pass returned (OrtValues); they hold the past plus the new positions."""
         self.tensors = presents
+        self._backing = []  # the presents own their memory; the past they were computed from may go
         self.stored = self.length = presents[0].shape()[2]
 
     def truncate(self, length: int) -> None:
@@ -43,11 +45,16 @@ class KVCache:
             raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
         self.length = length
 
+    def _from_numpy(self, array: np.ndarray):
+        """A C-level OrtValue (what IO binding takes and returns) of array on the cache's device.
+
+        On the CPU it points into array's memory, so the array is kept alive beside it."""
+        self._backing.append(array)
+        return self._ort.OrtValue.ortvalue_from_numpy(array, self.device, 0)._ortvalue
+
     def _cut(self) -> None:
         # On the CPU .numpy() is a view and only the slice is copied; on a GPU it is a round trip,
         # paid once per rejection.
-        from_numpy = self._ort.OrtValue.ortvalue_from_numpy
-        self.tensors = [
-            from_numpy(np.ascontiguousarray(tensor.numpy()[:, :, : self.length]), self.device, 0) for tensor in self.tensors
-        ]
+        old, self._backing = self.tensors, []
+        self.tensors = [self._from_numpy(np.ascontiguousarray(t.numpy()[:, :, : self.length])) for t in old]
         self.stored = self.length
