@@ -160,7 +160,7 @@ def inspect(bundle, as_json, verify) -> None:
 @click.option("--no-speculative", is_flag=True, help="Target-only decoding (the baseline).")
 @click.option("--stop", multiple=True, help="Stop before this string (repeatable).")
 @click.option("--device", default="cpu", show_default=True, help="cpu | cuda | tensorrt")
-@click.option("--drafter", default="model", show_default=True, help="model | prompt-lookup")
+@click.option("--drafter", default="hybrid", show_default=True, help="hybrid | model | prompt-lookup")
 @click.option("--stream/--no-stream", default=True, show_default=True, help="Print text as it is accepted.")
 @click.option("--json", "as_json", is_flag=True, help='Print one JSON object {"text", "token_ids", "stats"}.')
 def run(bundle, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_draft_tokens, draft_confidence,
@@ -225,10 +225,11 @@ def _parse_draft_tokens(value: str) -> tuple[int, ...] | None:
 @click.option("--repeat", type=int, default=1, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--device", default="cpu", show_default=True)
+@click.option("--drafter", default="hybrid", show_default=True, help="hybrid | model | prompt-lookup")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on the last line of stdout.")
 @click.option("--plot", type=click.Path(), default=None, help="Draw speedup vs k and acceptance by position (PNG).")
 def bench(bundle, prompts_file, max_new_tokens, num_draft_tokens, temperature, top_k, top_p, draft_confidence, repeat,
-          seed, device, as_json, plot) -> None:
+          seed, device, drafter, as_json, plot) -> None:
     """Target-only vs speculative decoding on the same prompts: speed, acceptance, cost model."""
     from rich.console import Console
 
@@ -241,10 +242,11 @@ def bench(bundle, prompts_file, max_new_tokens, num_draft_tokens, temperature, t
                          max_new_tokens=max_new_tokens, num_draft_tokens=_parse_draft_tokens(num_draft_tokens),
                          temperature=temperature, top_k=top_k, top_p=top_p, draft_confidence=draft_confidence,
                          repeat=repeat, seed=seed)
-    generator = load(resolve_bundle(bundle), device=device)
+    generator = load(resolve_bundle(bundle), device=device, drafter=drafter)
     console = Console(stderr=True)
     with console.status("bench") as status:
         report = run_bench(generator, config, progress=lambda message: status.update(message))
+    report["drafter"] = drafter
     if plot:
         _plot(report, plot)
     if as_json:
@@ -260,7 +262,7 @@ def _print_bench(report: dict) -> None:
     base = report["target_only"]
     rows = report["by_num_draft_tokens"]
     table = Table(title=f"{report['prompts']} prompts x {report['max_new_tokens']} new tokens, temperature "
-                        f"{report['temperature']}, repeat {report['repeat']}")
+                        f"{report['temperature']}, repeat {report['repeat']}, drafter {report.get('drafter', '')}")
     table.add_column("")
     table.add_column("target-only", justify="right")
     for row in rows:
@@ -286,7 +288,7 @@ def _print_bench(report: dict) -> None:
     add("efficiency", "", lambda r: f"{r['efficiency']:.0%}")
     add("time draft/target/other", shares(base), lambda r: shares(r["speculative"]))
     add("prefill ms (mean)", f"{base['prefill_ms_mean']:.1f}", lambda r: f"{r['speculative']['prefill_ms_mean']:.1f}")
-    console = Console()
+    console = Console() if sys.stdout.isatty() else Console(width=130)  # logs and pipes get the whole table
     console.print(table)
     console.print(f"peak RSS {report['peak_rss_mb']:.0f} MB (fp32 weights + KV caches at max context: "
                   f"{report['memory_budget_mb']:.0f} MB)")

@@ -7,17 +7,21 @@ from pathlib import Path
 
 from ..bundle import load_manifest
 from ..errors import SpecdeployError
-from .drafters import ModelDrafter, PromptLookupDrafter
+from .drafters import HybridDrafter, ModelDrafter, PromptLookupDrafter
 from .engine import CachedModel, OrtEngine, SessionConfig
 from .generate import Generator
 from .text import TextCodec
 
-DRAFTERS = ("model", "prompt-lookup")
+DRAFTERS = ("model", "prompt-lookup", "hybrid")
 
 
-def load(bundle: str | Path, device: str = "cpu", drafter: str = "model", verify_checksums: bool = False,
-         session: SessionConfig | None = None) -> Generator:
+def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verify_checksums: bool = False,
+         session: SessionConfig | None = None, lookup_ngram: int = 2) -> Generator:
     """Load a bundle for generation on `device` (cpu | cuda | tensorrt).
+
+    drafter: "hybrid" (default: prompt lookup when an n-gram of `lookup_ngram` tokens recurs, the
+    draft model otherwise), "model" (the draft model every round) or "prompt-lookup" (no model).
+    All three are exact: they change speed, never the output.
 
     By default ONNX Runtime runs on one process-wide thread pool (fastest when draft and target
     alternate); set SPECDEPLOY_SHARED_THREADS=0, or pass a SessionConfig with shared_threads=False,
@@ -32,10 +36,11 @@ def load(bundle: str | Path, device: str = "cpu", drafter: str = "model", verify
         trt_cache_dir=str(bundle / "trt_cache") if device == "tensorrt" else None,
     )
     target = CachedModel(OrtEngine(bundle / manifest.target.onnx_path, manifest.target, config), manifest.max_context)
-    if drafter == "model":
-        draft = CachedModel(OrtEngine(bundle / manifest.draft.onnx_path, manifest.draft, config), manifest.max_context)
-        chosen = ModelDrafter(draft)
+    lookup = PromptLookupDrafter(manifest.target.vocab_size, min_ngram=lookup_ngram)
+    if drafter == "prompt-lookup":
+        chosen = lookup
     else:
-        chosen = PromptLookupDrafter(manifest.target.vocab_size)
+        draft = CachedModel(OrtEngine(bundle / manifest.draft.onnx_path, manifest.draft, config), manifest.max_context)
+        chosen = ModelDrafter(draft) if drafter == "model" else HybridDrafter(ModelDrafter(draft), lookup)
     codec = TextCodec(bundle / manifest.tokenizer.path, manifest.tokenizer)
     return Generator(target, chosen, codec, manifest.max_context, manifest.target.eos_token_ids, manifest)

@@ -65,6 +65,10 @@ def _top_p_row(row: np.ndarray, top_p: float, candidates: int = 64) -> None:
 
 def sample_tokens(probs: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
     """Inverse-CDF draws: probs [n, vocab] (rows sum to 1, up to rounding), uniforms [n] in [0, 1) -> token ids [n]."""
+    if probs.shape[0] == 1:  # the runtime's case: a binary search beats a pass over the vocabulary
+        cdf = np.cumsum(probs[0])
+        index = int(np.searchsorted(cdf, uniforms[0] * cdf[-1], side="right"))
+        return np.array([index if index < len(cdf) else int(np.flatnonzero(probs[0])[-1])])
     cdf = np.cumsum(probs, axis=-1)  # [n, vocab]
     targets = uniforms * cdf[:, -1]
     tokens = (cdf <= targets[:, None]).sum(axis=-1)
@@ -74,5 +78,6 @@ def sample_tokens(probs: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
 
 
 def sample_token(probs: np.ndarray, rng: np.random.Generator) -> int:
-    """One draw from probs [vocab]."""
-    return int(sample_tokens(probs[None], rng.random(1))[0])
+    """One inverse-CDF draw from probs [vocab]: one cumsum and a binary search."""
+    # The first entry past the draw always has mass; only rounding can run off the end.
+    return int(sample_tokens(probs[None], np.array([rng.random()]))[0])
