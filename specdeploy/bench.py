@@ -41,9 +41,22 @@ def read_prompts(path: str | Path) -> list[str]:
     return prompts
 
 
+def lengthen_prompts(prompts: list[str], encode, num_tokens: int) -> list[list[int]]:
+    """Each prompt's token ids preceded by all the prompts' tokens (repeated) until it is num_tokens long.
+
+    For measuring decode speed at a long context with text the model has seen the like of."""
+    ids = [encode(p) for p in prompts]
+    pool = [token for chunk in ids for token in chunk]
+    result = []
+    for own in ids:
+        need = max(0, num_tokens - len(own))
+        result.append((pool * (need // len(pool) + 1))[:need] + own)
+    return result
+
+
 @dataclass(frozen=True)
 class BenchConfig:
-    prompts: tuple[str, ...]
+    prompts: tuple[str | tuple[int, ...], ...]
     max_new_tokens: int = 128
     num_draft_tokens: tuple[int, ...] | None = (4,)  # None: choose k from the cost model ("auto")
     temperature: float = 0.0

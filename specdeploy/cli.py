@@ -216,6 +216,8 @@ def _parse_draft_tokens(value: str) -> tuple[int, ...] | None:
 @click.option("--prompts", "prompts_file", type=click.Path(), default=None,
               help="JSON list of prompts, or JSONL with a 'prompt' field (default: 10 built-in code prompts).")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--prompt-tokens", type=int, default=None,
+              help="Lengthen every prompt to this many tokens (decode speed at a long context).")
 @click.option("--num-draft-tokens", "-k", default="4", show_default=True, help="K, a list (2,4,8) or auto.")
 @click.option("--temperature", type=float, default=0.0, show_default=True)
 @click.option("--top-k", type=int, default=0, show_default=True)
@@ -228,25 +230,31 @@ def _parse_draft_tokens(value: str) -> tuple[int, ...] | None:
 @click.option("--drafter", default="hybrid", show_default=True, help="hybrid | model | prompt-lookup")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on the last line of stdout.")
 @click.option("--plot", type=click.Path(), default=None, help="Draw speedup vs k and acceptance by position (PNG).")
-def bench(bundle, prompts_file, max_new_tokens, num_draft_tokens, temperature, top_k, top_p, draft_confidence, repeat,
+def bench(bundle, prompts_file, max_new_tokens, prompt_tokens, num_draft_tokens, temperature, top_k, top_p, draft_confidence, repeat,
           seed, device, drafter, as_json, plot) -> None:
     """Target-only vs speculative decoding on the same prompts: speed, acceptance, cost model."""
     from rich.console import Console
 
-    from .bench import BenchConfig, builtin_prompts, read_prompts, run_bench
+    from .bench import BenchConfig, builtin_prompts, lengthen_prompts, read_prompts, run_bench
     from .runtime import load
 
     if repeat < 1 or max_new_tokens < 1:
         raise SpecdeployError("--repeat and --max-new-tokens must be at least 1")
-    config = BenchConfig(prompts=tuple(read_prompts(prompts_file) if prompts_file else builtin_prompts()),
+    generator = load(resolve_bundle(bundle), device=device, drafter=drafter)
+    prompts = read_prompts(prompts_file) if prompts_file else builtin_prompts()
+    if prompt_tokens:
+        if prompt_tokens + max_new_tokens > generator.max_context:
+            raise SpecdeployError(f"--prompt-tokens + --max-new-tokens exceed the bundle's max context {generator.max_context}")
+        prompts = [tuple(ids) for ids in lengthen_prompts(prompts, generator.codec.encode, prompt_tokens)]
+    config = BenchConfig(prompts=tuple(prompts),
                          max_new_tokens=max_new_tokens, num_draft_tokens=_parse_draft_tokens(num_draft_tokens),
                          temperature=temperature, top_k=top_k, top_p=top_p, draft_confidence=draft_confidence,
                          repeat=repeat, seed=seed)
-    generator = load(resolve_bundle(bundle), device=device, drafter=drafter)
     console = Console(stderr=True)
     with console.status("bench") as status:
         report = run_bench(generator, config, progress=lambda message: status.update(message))
     report["drafter"] = drafter
+    report["prompt_tokens"] = prompt_tokens
     if plot:
         _plot(report, plot)
     if as_json:

@@ -1,0 +1,59 @@
+"""`specdeploy bench`: the cost model's math, prompt handling, and a smoke run (no timing assertions)."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from specdeploy.bench import choose_num_draft, fit_alpha, lengthen_prompts, read_prompts, tokens_per_round
+from specdeploy.cli import main
+from specdeploy.errors import SpecdeployError
+
+
+def test_tokens_per_round_and_its_inverse():
+    assert tokens_per_round(0.0, 4) == pytest.approx(1.0)
+    assert tokens_per_round(1.0, 4) == 5.0
+    assert tokens_per_round(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    for alpha in (0.1, 0.5, 0.83, 0.97):
+        assert fit_alpha(tokens_per_round(alpha, 4), 4) == pytest.approx(alpha, abs=1e-9)
+
+
+def test_choose_num_draft_follows_the_cost_model():
+    assert choose_num_draft(alpha=0.95, cost_ratio=0.02, verify_cost_per_token=0.01) >= 8
+    assert choose_num_draft(alpha=0.3, cost_ratio=0.3, verify_cost_per_token=0.05) == 1
+
+
+def test_read_prompts_json_and_jsonl(tmp_path):
+    (tmp_path / "a.json").write_text(json.dumps(["x", "y"]))
+    (tmp_path / "b.jsonl").write_text('{"prompt": "x"}\n{"prompt": "y"}\n')
+    assert read_prompts(tmp_path / "a.json") == read_prompts(tmp_path / "b.jsonl") == ["x", "y"]
+    (tmp_path / "c.json").write_text('{"prompt": 1}')
+    with pytest.raises(SpecdeployError, match="JSON list"):
+        read_prompts(tmp_path / "c.json")
+
+
+def test_lengthen_prompts_ends_with_each_prompt():
+    encode = lambda text: [ord(c) for c in text]  # noqa: E731
+    out = lengthen_prompts(["abc", "de"], encode, 9)
+    assert [len(ids) for ids in out] == [9, 9]
+    assert out[0][-3:] == encode("abc") and out[1][-2:] == encode("de")
+
+
+def test_bench_smoke(agreeing_bundle, tmp_path):
+    (tmp_path / "prompts.json").write_text(json.dumps(["def f(x):", "import os\n"]))
+    plot = tmp_path / "bench.png"
+    runner = CliRunner()
+    result = runner.invoke(main, ["bench", str(agreeing_bundle), "--prompts", str(tmp_path / "prompts.json"),
+                                  "--max-new-tokens", "12", "-k", "2,4", "--json", "--plot", str(plot)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output.strip().splitlines()[-1])
+    for key in ("target_only", "speculative", "speedup", "identical_outputs", "acceptance_rate", "mean_accepted_tokens"):
+        assert key in report
+    assert report["identical_outputs"] is True and report["target_only"]["tokens_per_s"] > 0
+    assert [r["num_draft_tokens"] for r in report["by_num_draft_tokens"]] == [2, 4]
+    assert plot.stat().st_size > 0
+    table = runner.invoke(main, ["bench", str(agreeing_bundle), "--prompts", str(tmp_path / "prompts.json"),
+                                 "--max-new-tokens", "8", "--temperature", "0.8", "--prompt-tokens", "40", "-k", "auto",
+                                 "--drafter", "model"])
+    assert table.exit_code == 0, table.output
+    assert "tokens/s" in table.output and "Leviathan bound" in table.output
