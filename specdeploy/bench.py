@@ -132,7 +132,9 @@ class KResult:
         verify_cost = (spec.target_ms / max(spec.target_calls, 1)) / target_step_ms  # v
         mean_tokens = (spec.accepted + spec.rounds) / spec.rounds if spec.rounds else 0.0
         alpha = fit_alpha(mean_tokens, self.num_draft_tokens)
-        bound = mean_tokens / (self.num_draft_tokens * cost_ratio + verify_cost)
+        # Draft passes per round: k for the model drafter, fewer when prompt lookup proposes for free.
+        draft_passes = spec.draft_calls / spec.rounds if spec.rounds else 0.0
+        bound = mean_tokens / (draft_passes * cost_ratio + verify_cost)
         speedup = spec.tokens_per_s / baseline.tokens_per_s if baseline.tokens_per_s else 0.0
         return {
             "num_draft_tokens": self.num_draft_tokens,
@@ -145,6 +147,7 @@ class KResult:
             "cost_ratio_c": cost_ratio,
             "verify_cost_v": verify_cost,
             "fitted_alpha": alpha,
+            "draft_passes_per_round": draft_passes,
             "leviathan_bound": bound,
             "efficiency": speedup / bound if bound else 0.0,
         }
