@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
-	$(BIN)/specdeploy export --force --out $(SPECDEPLOY_HOME)/demo-bundle
+	$(BIN)/specdeploy export --force
 	$(BIN)/specdeploy run --prompt "$$(printf '$(DEMO_PROMPT)')" --max-new-tokens 96
 
 test: $(VENV)/.installed
