@@ -62,9 +62,16 @@ def export(target, draft, out, dtype, quantize, max_context, force, trust_remote
     click.echo(str(Path(out).resolve()))
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def _export(target: str, draft: str, out: str, **options) -> None:
     """Run the export stage with a progress display and the parity figures at the end (stderr)."""
+    import signal
+
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    signal.signal(signal.SIGTERM, _interrupt)  # a terminated export cleans up like Ctrl-C
     from rich.console import Console
 
     try:

@@ -203,6 +203,8 @@ def test_interrupted_export_leaves_nothing(checkpoints, tmp_path):
         [sys.executable, "-m", "specdeploy", "export", "--target", str(pair["target"]), "--draft", str(pair["draft"]),
          "--out", str(out_parent / "bundle")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        # A shell running us in the background ignores SIGINT, and children inherit that: restore it.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.time() + 60
     while time.time() < deadline and not any(out_parent.iterdir()):
