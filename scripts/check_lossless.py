@@ -18,8 +18,8 @@ import numpy as np
 from scipy import stats
 
 import specdeploy
-from specdeploy.bench import builtin_prompts
-from specdeploy.runtime.sampling import SamplingParams, process_logits
+from specdeploy.bench import builtin_prompts, exact_continuation_probs
+from specdeploy.runtime.sampling import SamplingParams
 
 EXTRA_PROMPTS = [
     "def read_lines(path):\n",
@@ -54,17 +54,7 @@ def sampled_distribution(bundle: str, runs: int) -> dict:
     params = SamplingParams(temperature=1.0, top_k=3)
     prompt = generator.codec.encode(builtin_prompts()[0])
 
-    def target_probs(context):
-        return process_logits(generator.target.logits_after(context)[None], params)[0].astype(np.float64)
-
-    exact = {}
-    first = target_probs(prompt)
-    for t1 in np.flatnonzero(first):
-        second = target_probs(prompt + [int(t1)])
-        for t2 in np.flatnonzero(second):
-            third = target_probs(prompt + [int(t1), int(t2)])
-            for t3 in np.flatnonzero(third):
-                exact[(int(t1), int(t2), int(t3))] = first[t1] * second[t2] * third[t3]
+    exact = exact_continuation_probs(generator, prompt, params, 3)
     counts = dict.fromkeys(exact, 0)
     accepted = drafted = 0
     for seed in range(runs):

@@ -16,8 +16,31 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+import numpy as np
+
 from .errors import SpecdeployError
 from .runtime.generate import GenerationStats, Generator
+from .runtime.sampling import SamplingParams, process_logits
+
+
+def exact_continuation_probs(generator: Generator, prompt_ids: list[int], params: SamplingParams,
+                             length: int) -> dict[tuple[int, ...], float]:
+    """The probability of every `length`-token continuation under the target alone (use a small top-k).
+
+    The reference that sampled speculative decoding is tested against: computed from the target's
+    processed distributions, position by position, with no draft involved."""
+    def probs(context: list[int]) -> np.ndarray:
+        return process_logits(generator.target.logits_after(context)[None], params)[0].astype(np.float64)
+
+    result: dict[tuple[int, ...], float] = {(): 1.0}
+    for _ in range(length):
+        extended = {}
+        for sequence, probability in result.items():
+            row = probs(prompt_ids + list(sequence))
+            for token in np.flatnonzero(row):
+                extended[sequence + (int(token),)] = probability * row[token]
+        result = extended
+    return result
 
 
 def builtin_prompts() -> list[str]:

@@ -7,8 +7,9 @@ import pytest
 from scipy import stats as scipy_stats
 
 import specdeploy
+from specdeploy.bench import exact_continuation_probs
 from specdeploy.errors import SpecdeployError
-from specdeploy.runtime.sampling import SamplingParams, process_logits
+from specdeploy.runtime.sampling import SamplingParams
 
 from conftest import ARCHITECTURES
 
@@ -121,17 +122,7 @@ def test_sampled_speculative_matches_the_target_distribution(agreeing_bundle, dr
     params = SamplingParams(temperature=1.0, top_k=3)
     prompt = generator.codec.encode(PROMPTS[0])
 
-    def target_probs(context):
-        return process_logits(generator.target.logits_after(context)[None], params)[0]
-
-    first = target_probs(prompt)
-    exact = {}
-    for t1 in np.flatnonzero(first):
-        second = target_probs(prompt + [int(t1)])
-        for t2 in np.flatnonzero(second):
-            third = target_probs(prompt + [int(t1), int(t2)])
-            for t3 in np.flatnonzero(third):
-                exact[(int(t1), int(t2), int(t3))] = first[t1] * second[t2] * third[t3]
+    exact = exact_continuation_probs(generator, prompt, params, 3)
     runs = 4000
     counts = dict.fromkeys(exact, 0)
     accepted = 0
