@@ -73,3 +73,21 @@ def test_run_bad_bundles(tmp_path, agreeing_bundle):
     long_prompt = "x = 1\n" * 2000
     result = run(str(agreeing_bundle), "--prompt", long_prompt)
     assert result.returncode != 0 and "max context" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_run_without_a_bundle_exports_the_demo_pair_once(tmp_path):
+    env_home = {"SPECDEPLOY_HOME": str(tmp_path / "home")}
+
+    def run_default(*args):
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", **env_home}
+        return subprocess.run([sys.executable, "-m", "specdeploy", "run", *args], capture_output=True, text=True, env=env)
+
+    first = run_default("--prompt", "def add(a, b):\n", "--max-new-tokens", "16", "--json")
+    assert first.returncode == 0, first.stderr
+    assert "exporting the embedded demo pair" in first.stderr
+    assert (tmp_path / "home" / "demo-bundle" / "specdeploy.json").is_file()
+    assert len(json.loads(first.stdout)["token_ids"]) <= 16
+    second = run_default("--prompt", "def add(a, b):\n", "--max-new-tokens", "16", "--json")
+    assert second.returncode == 0 and "exporting" not in second.stderr
+    assert json.loads(second.stdout)["token_ids"] == json.loads(first.stdout)["token_ids"]
