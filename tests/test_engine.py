@@ -42,3 +42,24 @@ def test_cached_model_rolls_back_to_the_shared_prefix(bundles):
     np.testing.assert_allclose(logits, fresh.logits_after(context + [100]), atol=1e-5)
     with pytest.raises(SpecdeployError, match="max context"):
         model.extend(list(range(70)))
+
+
+def test_prompt_lookup_finds_the_latest_earlier_ngram():
+    from specdeploy.runtime.drafters import PromptLookupDrafter
+    from specdeploy.runtime.sampling import SamplingParams
+
+    def reference(context, k, max_ngram=3, min_ngram=1):
+        for size in range(min(max_ngram, len(context) - 1), min_ngram - 1, -1):
+            pattern = context[-size:]
+            for start in range(len(context) - size - 1, -1, -1):
+                if context[start : start + size] == pattern:
+                    return context[start + size : start + size + k]
+        return []
+
+    rng = np.random.default_rng(0)
+    drafter = PromptLookupDrafter(vocab_size=8)
+    greedy = SamplingParams()
+    for length in range(1, 60):
+        context = [int(t) for t in rng.integers(0, 4, size=length)]
+        for k in (1, 4):
+            assert drafter.propose(context, k, greedy, rng)[0] == reference(context, k), (context, k)

@@ -16,6 +16,8 @@ from .sampling import SamplingParams, process_logits, sample_token
 
 
 class Drafter(Protocol):
+    model: CachedModel | None  # the draft model it runs, if any (timed and reset by the generator)
+
     def propose(
         self, context: list[int], num_tokens: int, params: SamplingParams, rng: np.random.Generator,
         min_confidence: float = 0.0,
@@ -74,6 +76,8 @@ class PromptLookupDrafter:
     stays exact: accept x with probability target_probs[x], else draw from the target without x.
     """
 
+    model = None  # no model to run
+
     def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1):
         self.vocab_size = vocab_size
         self.max_ngram = max_ngram
@@ -85,12 +89,9 @@ class PromptLookupDrafter:
     def propose(self, context, num_tokens, params, rng, min_confidence=0.0):
         tokens: list[int] = []
         for size in range(min(self.max_ngram, len(context) - 1), self.min_ngram - 1, -1):
-            pattern = context[-size:]
-            for start in range(len(context) - size - 1, -1, -1):
-                if context[start : start + size] == pattern:
-                    tokens = context[start + size : start + size + num_tokens]
-                    break
-            if tokens:
+            end = _last_earlier_occurrence(context, size)
+            if end is not None:
+                tokens = context[end + 1 : end + 1 + num_tokens]
                 break
         if params.greedy or not tokens:
             return tokens, None
@@ -100,6 +101,24 @@ class PromptLookupDrafter:
 
     def update(self, num_accepted: int) -> None:
         pass
+
+
+def _last_earlier_occurrence(context: list[int], size: int) -> int | None:
+    """End index of the latest earlier occurrence of context's last `size` tokens, or None.
+
+    Candidates are found with list.index (a C scan) on the n-gram's last token, so a round costs
+    one pass over the context rather than a Python-level comparison at every position."""
+    pattern = context[-size:]
+    last = pattern[-1]
+    found = None
+    position = size - 2
+    while True:
+        try:
+            position = context.index(last, position + 1, len(context) - 1)
+        except ValueError:
+            return found
+        if context[position - size + 1 : position + 1] == pattern:
+            found = position
 
 
 class HybridDrafter:

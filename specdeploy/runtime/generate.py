@@ -119,7 +119,7 @@ class Generator:
 
     def reset(self) -> None:
         """Forget the cached prefixes (the next call prefills from scratch, as a fresh process would)."""
-        for model in (self.target, getattr(self.drafter, "model", None)):
+        for model in (self.target, self.drafter.model if self.drafter is not None else None):
             if model is not None:
                 model.reset()
 
@@ -208,7 +208,7 @@ class Generator:
         rng = np.random.default_rng(config.seed)
         params = config.sampling
         drafter = self.drafter if config.speculative else None
-        draft_model = getattr(drafter, "model", None)  # a model drafter has an engine to time
+        draft_model = drafter.model if drafter is not None else None
         engines = [self.target.engine] + ([draft_model.engine] if draft_model is not None else [])
         context = list(prompt_ids)
 
