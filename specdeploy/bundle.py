@@ -51,6 +51,11 @@ class KVCacheSpec:
     present_value: str = "present.%d.value"
     layout: str = "batch,kv_heads,sequence,head_dim"
     dtype: str = "float32"
+    # False (optimum's graphs): present = past + new positions, a new tensor every pass.
+    # True (the fused graphs): past is a preallocated [batch, kv_heads, max_context, head_dim]
+    # buffer, each present output must be bound to its past input's buffer, and the graph writes
+    # the new positions in place; `attention_mask` (ones over past + new) gives the valid length.
+    shared_buffer: bool = False
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,7 @@ class ModelSpec:
     outputs: tuple[TensorSpec, ...]
     kv_cache: KVCacheSpec
     parity: ParityReport
+    graph: str = "optimum"  # "fused" (GroupQueryAttention, in-place KV) or "optimum" (optimum's export)
 
     @property
     def input_names(self) -> tuple[str, ...]:

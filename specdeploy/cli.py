@@ -44,9 +44,12 @@ def main() -> None:
 @click.option("--dtype", default="fp32", show_default=True, help="fp32 | fp16")
 @click.option("--quantize", default="none", show_default=True, help="none | int8 | int4 (weight-only MatMulNBits)")
 @click.option("--max-context", type=int, default=None, help="Max tokens of context (default: the models' limit).")
+@click.option("--graph", default="auto", show_default=True,
+              help="auto | fused | optimum. fused: GroupQueryAttention with an in-place KV cache (Llama, Mistral, "
+                   "Qwen2, Phi-3); optimum: optimum's export (every architecture); auto: fused where it applies.")
 @click.option("--force", is_flag=True, help="Replace --out if it exists.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow checkpoints that ship their own model code.")
-def export(target, draft, out, dtype, quantize, max_context, force, trust_remote_code) -> None:
+def export(target, draft, out, dtype, quantize, max_context, graph, force, trust_remote_code) -> None:
     """Export a draft and a target checkpoint into a validated bundle."""
     from .defaults import default_bundle, demo_checkpoints
 
@@ -57,7 +60,7 @@ def export(target, draft, out, dtype, quantize, max_context, force, trust_remote
     if out is None:
         out = str(default_bundle())
         default_bundle().parent.mkdir(parents=True, exist_ok=True)
-    _export(target, draft, out, dtype=dtype, quantize=quantize, max_context=max_context, force=force,
+    _export(target, draft, out, dtype=dtype, quantize=quantize, max_context=max_context, graph=graph, force=force,
             trust_remote_code=trust_remote_code)
     click.echo(str(Path(out).resolve()))
 
@@ -90,7 +93,7 @@ def _export(target: str, draft: str, out: str, **options) -> None:
     for spec in (manifest.target, manifest.draft):
         p = spec.parity
         console.print(
-            f"{spec.role:<6} parity: prefill max|diff| {p.prefill_max_abs_diff:.2e}, verify max|diff| "
+            f"{spec.role:<6} ({spec.graph} graph) parity: prefill max|diff| {p.prefill_max_abs_diff:.2e}, verify max|diff| "
             f"{p.verify_max_abs_diff:.2e}, greedy agreement {p.prefill_greedy_agreement:.2f}/{p.verify_greedy_agreement:.2f} "
             f"({p.check} tolerance {p.tolerance:g}: {'pass' if p.passed else 'FAIL'})"
         )
@@ -141,6 +144,7 @@ def inspect(bundle, as_json, verify) -> None:
     row("layers x kv heads x head dim", lambda s: f"{s.num_layers} x {s.num_kv_heads} x {s.head_dim}")
     row("vocab", lambda s: s.vocab_size)
     row("dtype / quantize", lambda s: f"{s.dtype} / {s.quantize}")
+    row("graph / KV cache", lambda s: f"{s.graph} / {'shared buffer' if s.kv_cache.shared_buffer else 'concat'}")
     row("files", lambda s: ", ".join(f"{f.path} ({f.size / 1e6:.1f} MB)" for f in s.files))
     row("inputs", lambda s: f"{len(s.inputs)} ({', '.join(s.input_names[:3])}, ...)")
     row("parity prefill max|diff|", lambda s: f"{s.parity.prefill_max_abs_diff:.2e}")

@@ -17,7 +17,13 @@ def test_trt_profiles_cover_every_input(bundles):
         assert set(entries) == set(spec.input_names)
     maximum = dict(item.split(":") for item in profiles["trt_profile_max_shapes"].split(","))
     assert maximum["attention_mask"] == "1x256"
-    assert maximum["past_key_values.0.key"] == f"1x{spec.num_kv_heads}x255x{spec.head_dim}"
+    # The fused graph's past is the whole preallocated buffer; optimum's past grows to max_context - 1.
+    assert spec.kv_cache.shared_buffer
+    assert maximum["past_key_values.0.key"] == f"1x{spec.num_kv_heads}x256x{spec.head_dim}"
+    draft = load_manifest(bundles("qwen2")).draft  # head_dim 8: too small for the fused graph
+    assert not draft.kv_cache.shared_buffer
+    maximum = dict(item.split(":") for item in trt_profiles(draft, 256)["trt_profile_max_shapes"].split(","))
+    assert maximum["past_key_values.0.key"] == f"1x{draft.num_kv_heads}x255x{draft.head_dim}"
 
 
 def test_gpu_devices_need_onnxruntime_gpu():

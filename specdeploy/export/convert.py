@@ -95,7 +95,7 @@ def quantize_weights(path: Path, bits: int, block_size: int = 32) -> None:
     _save(quantizer.model.model, path)
 
 
-def describe_io(path: Path) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...], KVCacheSpec]:
+def describe_io(path: Path, shared_buffer: bool = False) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...], KVCacheSpec]:
     """Inputs, outputs and KV layout as ONNX Runtime sees them, for the manifest."""
     import onnxruntime as ort
 
@@ -115,4 +115,4 @@ def describe_io(path: Path) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, .
     past = {t.name: t for t in inputs}
     if kv.past_key % 0 not in past or kv.present_key % 0 not in {t.name for t in outputs}:
         raise SpecdeployError(f"{path}: the exported graph has no '{kv.past_key % 0}' -> '{kv.present_key % 0}' KV cache")
-    return inputs, outputs, KVCacheSpec(dtype=past[kv.past_key % 0].dtype)
+    return inputs, outputs, KVCacheSpec(dtype=past[kv.past_key % 0].dtype, shared_buffer=shared_buffer)

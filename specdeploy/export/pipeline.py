@@ -19,10 +19,11 @@ from .. import __version__
 from ..bundle import ROLES, FileEntry, Manifest, ModelSpec, ParityReport, TokenizerSpec, file_entry, save_manifest
 from ..errors import SpecdeployError
 from . import checkpoint as ckpt
-from . import convert
+from . import convert, fused
 from .parity import check_parity
 
 DTYPES = ("fp32", "fp16")
+GRAPHS = ("auto", "fused", "optimum")
 QUANTIZE = ("none", "int8", "int4")
 STAGES = ("load", "export", "optimize", "validate", "write")
 
@@ -38,6 +39,9 @@ class ExportConfig:
     force: bool = False  # replace an existing --out
     trust_remote_code: bool = False
     opset: int | None = None  # default: optimum's choice for the architecture
+    # auto: the fused in-place-KV graph where the architecture allows it (fused.unsupported_reason),
+    # optimum's graph elsewhere; fused / optimum force one (fused fails where it cannot apply).
+    graph: str = "auto"
 
 
 # stage name, detail -> None; the CLI draws progress from it, library callers may pass None.
@@ -49,6 +53,8 @@ def _check_options(config: ExportConfig) -> Path:
         raise SpecdeployError(f"unknown --dtype '{config.dtype}' (choose from {', '.join(DTYPES)})")
     if config.quantize not in QUANTIZE:
         raise SpecdeployError(f"unknown --quantize '{config.quantize}' (choose from {', '.join(QUANTIZE)})")
+    if config.graph not in GRAPHS:
+        raise SpecdeployError(f"unknown --graph '{config.graph}' (choose from {', '.join(GRAPHS)})")
     if config.quantize != "none" and config.dtype != "fp32":
         raise SpecdeployError("--quantize int8/int4 quantizes fp32 weights; use it with --dtype fp32")
     if config.max_context is not None and config.max_context < 2:
@@ -71,9 +77,20 @@ def _max_positions(config) -> int | None:
     return None
 
 
+def _choose_graph(model, role: str, requested: str, max_context: int) -> str:
+    if requested == "optimum":
+        return "optimum"
+    reason = fused.unsupported_reason(model, max_context)
+    if reason is None:
+        return "fused"
+    if requested == "fused":
+        raise SpecdeployError(f"--graph fused cannot export the {role}: {reason} (use --graph auto or optimum)")
+    return "optimum"
+
+
 def _model_spec(role: str, checkpoint: ckpt.Checkpoint, onnx_path: Path, root: Path, config: ExportConfig,
-                max_context: int, num_parameters: int) -> ModelSpec:
-    inputs, outputs, kv = convert.describe_io(onnx_path)
+                max_context: int, num_parameters: int, graph: str) -> ModelSpec:
+    inputs, outputs, kv = convert.describe_io(onnx_path, shared_buffer=graph == "fused")
     past = next(t for t in inputs if t.name == kv.past_key % 0)
     hf = checkpoint.config
     num_layers = sum(1 for t in inputs if t.name.startswith("past_key_values.") and t.name.endswith(".key"))
@@ -99,6 +116,7 @@ def _model_spec(role: str, checkpoint: ckpt.Checkpoint, onnx_path: Path, root: P
         bos_token_id=checkpoint.bos_token_id,
         eos_token_ids=checkpoint.eos_token_ids,
         pad_token_id=checkpoint.pad_token_id,
+        graph=graph,
         inputs=inputs,
         outputs=outputs,
         kv_cache=kv,
@@ -155,17 +173,21 @@ def export_bundle(config: ExportConfig, report: Reporter | None = None) -> Manif
             report("load", f"{role}: {checkpoint.path.name}")
             model = convert.load_torch_model(checkpoint.path, role, config.trust_remote_code)
             num_parameters = sum(p.numel() for p in model.parameters())
-            report("export", f"{role}: {num_parameters / 1e6:.1f}M parameters -> ONNX")
+            graph = _choose_graph(model, role, config.graph, max_context)
+            report("export", f"{role}: {num_parameters / 1e6:.1f}M parameters -> ONNX ({graph} graph)")
             model_dir = root / role
             model_dir.mkdir()
-            onnx_path = convert.export_onnx(model, model_dir, config.opset)
+            if graph == "fused":
+                onnx_path = fused.build_fused(model, model_dir / convert.ONNX_NAME, max_context)
+            else:
+                onnx_path = convert.export_onnx(model, model_dir, config.opset)
             if config.dtype == "fp16":
                 report("optimize", f"{role}: fp16")
                 convert.convert_fp16(onnx_path)
             if config.quantize != "none":
                 report("optimize", f"{role}: {config.quantize} weight-only (MatMulNBits)")
                 convert.quantize_weights(onnx_path, bits=int(config.quantize[3:]))
-            spec = _model_spec(role, checkpoint, onnx_path, root, config, max_context, num_parameters)
+            spec = _model_spec(role, checkpoint, onnx_path, root, config, max_context, num_parameters, graph)
             report("validate", f"{role}: ONNX Runtime vs PyTorch")
             parity = check_parity(model, onnx_path, spec, tokenizer_dirs["target"] / "tokenizer.json")
             del model
@@ -192,6 +214,7 @@ def export_bundle(config: ExportConfig, report: Reporter | None = None) -> Manif
                 "quantize": config.quantize,
                 "max_context": max_context,
                 "opset": config.opset,
+                "graph": config.graph,
                 "task": convert.TASK,
                 "trust_remote_code": config.trust_remote_code,
             },

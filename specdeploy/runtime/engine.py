@@ -15,7 +15,7 @@ import numpy as np
 
 from ..bundle import ModelSpec
 from ..errors import SpecdeployError
-from .kv_cache import KVCache
+from .kv_cache import KVCache, SharedKVCache, _ortvalue
 
 DEVICES = ("cpu", "cuda", "tensorrt")
 
@@ -47,9 +47,12 @@ def trt_profiles(spec: ModelSpec, max_context: int, max_new: int = 33) -> dict[s
             dims = {"min": (1, 1), "opt": (1, 5), "max": (1, max_new)}
         elif tensor.name == "attention_mask":
             dims = {"min": (1, 1), "opt": (1, 512), "max": (1, max_context)}
-        else:  # past keys and values [1, kv_heads, past, head_dim]
+        else:  # past keys and values [1, kv_heads, past, head_dim]; a shared buffer is always max_context long
             heads, head_dim = tensor.shape[1], tensor.shape[3]
-            dims = {k: (1, heads, past, head_dim) for k, past in (("min", 0), ("opt", 512), ("max", max_context - 1))}
+            lengths = {"min": 0, "opt": 512, "max": max_context - 1}
+            if spec.kv_cache.shared_buffer:
+                lengths = dict.fromkeys(lengths, max_context)
+            dims = {k: (1, heads, past, head_dim) for k, past in lengths.items()}
         for key, value in dims.items():
             shapes[key].append(f"{tensor.name}:{'x'.join(str(d) for d in value)}")
     return {f"trt_profile_{key}_shapes": ",".join(items) for key, items in shapes.items()}
@@ -139,6 +142,9 @@ class OrtEngine:
         self._past_names = [name for i in range(spec.num_layers) for name in (kv.past_key % i, kv.past_value % i)]
         self._output_names = ["logits"] + [n for i in range(spec.num_layers) for n in (kv.present_key % i, kv.present_value % i)]
         self.cache_dtype = np.dtype(kv.dtype)
+        self.shared_buffer = kv.shared_buffer
+        self._bound = None  # the shared-buffer cache whose buffers the binding holds
+        self._logits_dtype = np.dtype(next(t.dtype for t in spec.outputs if t.name == "logits"))
         self.seconds = 0.0  # time spent inside session.run, for the stats
         self.calls = 0
         from onnxruntime.capi.onnxruntime_inference_collection import OrtDevice
@@ -154,7 +160,8 @@ class OrtEngine:
 
     def new_cache(self, capacity: int) -> KVCache:
         spec = self.spec
-        return KVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.cache_dtype, capacity, self._device)
+        kind = SharedKVCache if self.shared_buffer else KVCache
+        return kind(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.cache_dtype, capacity, self._device)
 
     def forward(self, token_ids: np.ndarray, cache: KVCache) -> np.ndarray:
         """Run token_ids [n] after the cache's valid positions; returns logits [n, vocab] (float32).
@@ -180,6 +187,8 @@ class OrtEngine:
             binding.bind_input("attention_mask", self._ones[:, :total])
         if self._has_positions:
             binding.bind_input("position_ids", self._positions[:, past_length:total])
+        if cache.shared_buffer:
+            return self._forward_shared(count, cache)
         for name, tensor in zip(self._past_names, cache.past()):
             binding.bind_ortvalue_input(name, tensor)
         binding.bind_output("logits", self._cpu)
@@ -194,6 +203,27 @@ class OrtEngine:
         logits = outputs[0].numpy()[0]  # [n, vocab]; a view on the CPU
         return logits if logits.dtype == np.float32 else logits.astype(np.float32)
 
+    def _forward_shared(self, count: int, cache: SharedKVCache) -> np.ndarray:
+        """The fused graphs: each present is bound to its past's buffer and written in place.
+
+        The cache buffers stay bound from one pass to the next; only the token ids, the mask
+        (its width is the valid length) and a fresh logits array are bound per pass."""
+        binding = self._binding
+        if cache is not self._bound:
+            for name, tensor in zip(self._past_names, cache.tensors):
+                binding.bind_ortvalue_input(name, tensor)
+            for name, tensor in zip(self._output_names[1:], cache.tensors):
+                binding.bind_ortvalue_output(name, tensor)
+            self._bound = cache
+        logits = np.empty((1, count, self.spec.vocab_size), dtype=self._logits_dtype)
+        binding.bind_ortvalue_output("logits", _ortvalue(logits, "cpu"))
+        start = time.perf_counter()
+        self._run(binding, None)
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
+        cache.advance(count)
+        return logits[0] if logits.dtype == np.float32 else logits[0].astype(np.float32)
+
 
 class CachedModel:
     """An engine, its KV cache, and the tokens the cache holds (so rollback is automatic)."""
@@ -204,7 +234,7 @@ class CachedModel:
         self.tokens: list[int] = []  # the tokens whose keys and values the cache holds
 
     def reset(self) -> None:
-        self.cache = self.engine.new_cache(self.cache.capacity)
+        self.cache.reset()
         self.tokens = []
 
     def uncached(self, context: list[int]) -> list[int]:

@@ -1,11 +1,15 @@
 """KV caches and the one operation speculative decoding needs from them: truncate to n.
 
-The exported graphs (optimum's layout) take `past_key_values.N.key` of [1, kv_heads, past, head_dim]
-and return `present.N.key` of [1, kv_heads, past + n, head_dim]. The cache keeps the presents a
-pass returned as ONNX Runtime OrtValues, on whatever device the pass left them, and binds them as
-the next pass's past as they are: nothing is copied while draft tokens are being accepted.
-Rejecting draft tokens only lowers the valid length; the stale positions are cut off (one copy)
-when the next pass reads the past.
+Two layouts, named by the manifest's `kv_cache.shared_buffer`:
+
+- shared buffer (the fused graphs): one preallocated [1, kv_heads, capacity, head_dim] tensor per
+  layer's keys and values. Each pass gets the buffer as its past input and the same buffer as its
+  present output; GroupQueryAttention writes the new positions in place. Nothing is copied, ever:
+  accepting tokens and rejecting them are both a change of `length`.
+- concat (optimum's graphs): `past_key_values.N.key` of [1, kv_heads, past, head_dim] in,
+  `present.N.key` of [1, kv_heads, past + n, head_dim] out. The cache keeps the presents a pass
+  returned as OrtValues and binds them as the next pass's past as they are; rejected positions
+  are cut off (one copy) when the next pass reads the past.
 """
 
 from __future__ import annotations
@@ -13,18 +17,31 @@ from __future__ import annotations
 import numpy as np
 
 
+def _ortvalue(array: np.ndarray, device: str):
+    """A C-level OrtValue (what IO binding takes) holding array on device; on the CPU it shares array's memory."""
+    import onnxruntime as ort
+
+    return ort.OrtValue.ortvalue_from_numpy(array, device, 0)._ortvalue
+
+
 class KVCache:
+    """optimum's layout: the past grows by concatenation inside the graph."""
+
+    shared_buffer = False
+
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: np.dtype, capacity: int,
                  device: str = "cpu"):
-        import onnxruntime as ort
-
-        self._ort = ort
         self.num_layers = num_layers
         self.capacity = capacity
         self.device = device
+        self._shape = (1, num_kv_heads, 0, head_dim)
+        self._dtype = dtype
+        self.reset()
+
+    def reset(self) -> None:
         self._backing: list[np.ndarray] = []  # NumPy buffers that CPU OrtValues made by _from_numpy point into
-        empty = self._from_numpy(np.zeros((1, num_kv_heads, 0, head_dim), dtype=dtype))
-        self.tensors: list = [empty] * (2 * num_layers)  # OrtValues: key 0, value 0, key 1, ... [1, kv_heads, stored, head_dim]
+        empty = self._from_numpy(np.zeros(self._shape, dtype=self._dtype))
+        self.tensors: list = [empty] * (2 * self.num_layers)  # key 0, value 0, key 1, ... [1, kv_heads, stored, head_dim]
         self.stored = 0  # positions the tensors hold
         self.length = 0  # valid positions; stored ones past it are stale
 
@@ -46,11 +63,8 @@ class KVCache:
         self.length = length
 
     def _from_numpy(self, array: np.ndarray):
-        """A C-level OrtValue (what IO binding takes and returns) of array on the cache's device.
-
-        On the CPU it points into array's memory, so the array is kept alive beside it."""
         self._backing.append(array)
-        return self._ort.OrtValue.ortvalue_from_numpy(array, self.device, 0)._ortvalue
+        return _ortvalue(array, self.device)
 
     def _cut(self) -> None:
         # On the CPU .numpy() is a view and only the slice is copied; on a GPU it is a round trip,
@@ -58,3 +72,41 @@ class KVCache:
         old, self._backing = self.tensors, []
         self.tensors = [self._from_numpy(np.ascontiguousarray(t.numpy()[:, :, : self.length])) for t in old]
         self.stored = self.length
+
+
+class SharedKVCache:
+    """The fused graphs' layout: fixed buffers that every pass reads and writes in place."""
+
+    shared_buffer = True
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: np.dtype, capacity: int,
+                 device: str = "cpu"):
+        self.num_layers = num_layers
+        self.capacity = capacity
+        self.device = device
+        shape = (1, num_kv_heads, capacity, head_dim)
+        if device == "cpu":
+            # np.zeros maps untouched pages lazily: memory grows with the context actually used.
+            self._backing = [np.zeros(shape, dtype=dtype) for _ in range(2 * num_layers)]
+            self.tensors = [_ortvalue(a, device) for a in self._backing]
+        else:
+            import onnxruntime as ort
+
+            self.tensors = [ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, device, 0)._ortvalue
+                            for _ in range(2 * num_layers)]
+        self.length = 0  # valid positions; the graph reads only these (attention_mask says how many)
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def past(self) -> list:
+        return self.tensors
+
+    def advance(self, count: int) -> None:
+        """A pass wrote count more positions into the buffers."""
+        self.length += count
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
+        self.length = length
