@@ -162,3 +162,33 @@ def test_top_p_with_few_candidates_matches_a_full_sort():
             expected = np.zeros_like(reference)
             expected[keep] = reference[keep] / reference[keep].sum()
             np.testing.assert_allclose(row, expected, rtol=1e-5, atol=1e-9)
+
+
+def test_blocked_draw_is_the_inverse_cdf():
+    """The two-level draw picks exactly the token a full cumulative sum would, on any vocabulary size."""
+    from specdeploy.runtime.sampling import draw
+
+    rng = np.random.default_rng(9)
+    for vocab in (5, 64, 200, 8192):
+        weights = rng.random(vocab) ** 8  # uneven, some near zero
+        weights[rng.integers(0, vocab, size=vocab // 3)] = 0.0
+        weights[-1] = 0.0  # mass must never land on an empty tail
+        cdf = np.cumsum(weights)
+        for u in np.concatenate([rng.random(300), [0.0, 1.0 - 1e-16]]):
+            token = draw(weights, float(u))
+            assert weights[token] > 0
+            expected = min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), int(np.flatnonzero(weights)[-1]))
+            # Summation order differs between the two; only a draw within rounding of a boundary may differ.
+            if token != expected:
+                assert abs(cdf[min(token, expected)] - u * cdf[-1]) <= 1e-9 * cdf[-1]
+
+
+def test_blocked_draw_follows_the_distribution():
+    from specdeploy.runtime.sampling import draw
+
+    rng = np.random.default_rng(10)
+    probs = np.zeros(300)
+    probs[[0, 63, 64, 150, 299]] = [0.1, 0.2, 0.3, 0.15, 0.25]  # block edges and the ragged tail
+    counts = np.bincount([draw(probs, u) for u in rng.random(40_000)], minlength=300)
+    assert counts.sum() == counts[[0, 63, 64, 150, 299]].sum()
+    assert stats.chisquare(counts[[0, 63, 64, 150, 299]], 40_000 * probs[[0, 63, 64, 150, 299]]).pvalue > 1e-3

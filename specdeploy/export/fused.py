@@ -109,7 +109,6 @@ class _Graph:
 
 def build_fused(model, path: Path, max_context: int) -> Path:
     """Write the fused fp32 graph for model (see the module docstring) to path."""
-    import onnx
     from onnx import TensorProto, helper
 
     config = model.config
@@ -202,6 +201,7 @@ def build_fused(model, path: Path, max_context: int) -> Path:
         graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)], producer_name="specdeploy"
     )
     proto.ir_version = 8
-    large = proto.ByteSize() > 1_800_000_000
-    onnx.save_model(proto, path, save_as_external_data=large, location=path.name + "_data" if large else None)
+    from .convert import save_model
+
+    save_model(proto, path)
     return path

@@ -187,6 +187,8 @@ def export_bundle(config: ExportConfig, report: Reporter | None = None) -> Manif
             if config.quantize != "none":
                 report("optimize", f"{role}: {config.quantize} weight-only (MatMulNBits)")
                 convert.quantize_weights(onnx_path, bits=int(config.quantize[3:]))
+            elif graph == "optimum" and config.dtype == "fp32":
+                convert.externalize(onnx_path)  # the other paths already saved the weights beside the graph
             spec = _model_spec(role, checkpoint, onnx_path, root, config, max_context, num_parameters, graph)
             report("validate", f"{role}: ONNX Runtime vs PyTorch")
             parity = check_parity(model, onnx_path, spec, tokenizer_dirs["target"] / "tokenizer.json")

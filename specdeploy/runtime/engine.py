@@ -215,7 +215,9 @@ class OrtEngine:
             for name, tensor in zip(self._output_names[1:], cache.tensors):
                 binding.bind_ortvalue_output(name, tensor)
             self._bound = cache
-        logits = np.empty((1, count, self.spec.vocab_size), dtype=self._logits_dtype)
+        # A fresh array per pass: callers may keep earlier logits. The engine holds the latest, whose
+        # memory the binding points into, until the next pass rebinds it.
+        self._logits = logits = np.empty((1, count, self.spec.vocab_size), dtype=self._logits_dtype)
         binding.bind_ortvalue_output("logits", _ortvalue(logits, "cpu"))
         start = time.perf_counter()
         self._run(binding, None)
