@@ -26,7 +26,8 @@ Run (from the repo root)::
     .venv-peers/bin/python scripts/bench_peers.py \
         --target ../shared/models/codepair/target --draft ../shared/models/codepair/draft \
         [--prompts specdeploy/data/code_prompts.json] [--max-new-tokens 128] \
-        [--num-draft-tokens 4] [--temperature 0.8] [--repeat 1] [--work .peers-work]
+        [--num-draft-tokens 4] [--temperature 0.8] [--repeat 1] [--work .peers-work] \
+        [--ours BUNDLE]   # also `specdeploy bench BUNDLE` (main .venv), with ratios against each peer
 
 Built ONNX models and the composed configs go to ``--work`` (default
 ``.peers-work/`` in the repo root)::
@@ -533,6 +534,40 @@ def machine_info(threads: int) -> dict:
     return info
 
 
+def bench_ours(args) -> dict:
+    """`specdeploy bench` on the bundle, greedy then sampled, in the main venv (a subprocess: this venv
+    has transformers 5). Same prompts file, token budget, K and temperature as the peers."""
+    res: dict = {"bundle": str(args.ours)}
+    for mode, temperature in (("greedy", 0.0), ("sampled", args.temperature)):
+        cmd = [str(args.ours_python), "-m", "specdeploy", "bench", str(args.ours), "--prompts", str(args.prompts),
+               "--max-new-tokens", str(args.max_new_tokens), "-k", str(args.num_draft_tokens),
+               "--temperature", str(temperature), "--top-k", str(args.top_k), "--repeat", str(args.repeat), "--json"]
+        log(f"specdeploy {mode}: {' '.join(cmd)}")
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=REPO).stdout
+        report = json.loads(out.strip().splitlines()[-1])
+        res[mode] = {key: report[key] for key in ("target_only", "speculative", "speedup", "identical_outputs",
+                                                  "acceptance_rate", "mean_accepted_tokens", "peak_rss_mb",
+                                                  "memory_budget_mb", "drafter")}
+        res["command_" + mode] = " ".join(cmd)
+    return res
+
+
+def ratios(result: dict) -> dict:
+    """specdeploy against each peer, decode tokens/s over decode tokens/s (the issue's targets)."""
+    ours = result.get("specdeploy", {})
+    out: dict = {}
+    for key in ("ort_genai", "hf_assisted"):
+        peer = result.get(key, {})
+        for mode in ("greedy", "sampled"):
+            if mode not in ours or mode not in peer:
+                continue
+            for variant in ("target_only", "speculative"):
+                a, b = ours[mode][variant]["tokens_per_s"], peer[mode][variant]["tokens_per_s"]
+                if a and b:
+                    out[f"{mode}_{variant}_vs_{key}"] = round(a / b, 3)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", type=Path, required=True, help="HF folder of the target model")
@@ -550,6 +585,10 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2, help="ORT intra-op threads and torch threads")
     ap.add_argument("--systems", default="ort,hf", help="comma list of: ort, hf")
     ap.add_argument("--rebuild", action="store_true", help="rebuild the ONNX models even if up to date")
+    ap.add_argument("--ours", type=Path, default=None,
+                    help="a specdeploy bundle of the same pair: run `specdeploy bench` on it in the same run")
+    ap.add_argument("--ours-python", type=Path, default=REPO / ".venv" / "bin" / "python",
+                    help="the interpreter with specdeploy installed (the main venv)")
     args = ap.parse_args()
 
     prompts = load_prompts(args.prompts)
@@ -578,6 +617,9 @@ def main() -> int:
         except Exception as exc:  # noqa: BLE001
             log(traceback.format_exc())
             result[key] = {"error": f"{type(exc).__name__}: {exc}"}
+    if args.ours is not None:
+        result["specdeploy"] = bench_ours(args)
+        result["specdeploy_vs_peers"] = ratios(result)
     ort, hf = result.get("ort_genai", {}), result.get("hf_assisted", {})
     if "token_ids" in ort and "token_ids" in hf:
         a, b = ort["token_ids"]["greedy_target_only"], hf["token_ids"]["greedy_target_only"]
