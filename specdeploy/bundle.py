@@ -14,7 +14,6 @@ imports torch, transformers or onnx.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,6 +136,8 @@ class Manifest:
 
 
 def sha256_file(path: Path) -> str:
+    import hashlib  # here, not at the top: it maps libcrypto (3 MB resident) that a runtime never needs
+
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         for chunk in iter(lambda: handle.read(1 << 20), b""):

@@ -69,3 +69,18 @@ def test_prompt_lookup_finds_the_latest_earlier_ngram():
         context = [int(t) for t in rng.integers(0, 4, size=length)]
         for k in (1, 4):
             assert drafter.propose(context, k, greedy, rng)[0] == reference(context, k), (context, k)
+
+
+@pytest.mark.parametrize("role", ["target", "draft"])  # fused (shared buffer) and optimum (concat) layouts
+def test_chunked_prefill_equals_one_pass(bundles, role):
+    from specdeploy.runtime.engine import PREFILL_CHUNK
+
+    bundle = bundles("llama")
+    spec = load_manifest(bundle).model(role)
+    engine = OrtEngine(bundle / spec.onnx_path, spec)
+    ids = list(np.random.default_rng(4).integers(2, 300, size=2 * PREFILL_CHUNK + 7))
+    whole = engine.forward(np.asarray(ids), engine.new_cache(256))
+    model = CachedModel(engine, 256)
+    model.prefill(ids[:-1])
+    assert model.cache.length == len(ids) - 1 and engine.calls == 1 + 3  # the whole pass, then three chunks
+    np.testing.assert_allclose(model.logits_after(ids), whole[-1], atol=1e-4)

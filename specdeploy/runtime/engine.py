@@ -18,6 +18,7 @@ from ..errors import SpecdeployError
 from .kv_cache import KVCache, SharedKVCache, _ortvalue
 
 DEVICES = ("cpu", "cuda", "tensorrt")
+PREFILL_CHUNK = 64  # tokens per prefill pass (see CachedModel.prefill)
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,9 @@ class SessionConfig:
     # it is off for engines built directly and on for `specdeploy.load` (see there).
     shared_threads: bool = False
     trt_cache_dir: str | None = None  # TensorRT engines are built once and cached here
+    # ONNX Runtime's CPU arena keeps freed activation memory for reuse; without it the fused graphs
+    # ran at the same speed (1,241 vs 1,234 tok/s speculative on codepair) with a lower peak.
+    memory_arena: bool = False
 
 
 def trt_profiles(spec: ModelSpec, max_context: int, max_new: int = 33) -> dict[str, str]:
@@ -117,6 +121,8 @@ def session_options(config: SessionConfig):
         options.intra_op_num_threads = config.intra_op_threads
         options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.enable_cpu_mem_arena = config.memory_arena
+
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if config.allow_spinning else "0")
     options.log_severity_level = 3
     return options
@@ -244,10 +250,14 @@ class CachedModel:
         return self._sync(context, len(context) - 1)
 
     def prefill(self, context: list[int]) -> None:
-        """Make the cache hold exactly context (reusing whatever prefix it already holds)."""
+        """Make the cache hold exactly context (reusing whatever prefix it already holds).
+
+        Long contexts go in chunks of PREFILL_CHUNK tokens: the graphs compute logits at every
+        position, and a 1,920-token prompt in one pass held 63 MB of target logits (and as much
+        for the draft) that nobody reads."""
         rest = self._sync(context, len(context))
-        if rest:
-            self.extend(rest)
+        for start in range(0, len(rest), PREFILL_CHUNK):
+            self.extend(rest[start : start + PREFILL_CHUNK])
 
     def _sync(self, context: list[int], max_shared: int) -> list[int]:
         limit = min(len(self.tokens), max_shared)
