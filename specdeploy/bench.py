@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import resource
+import sys
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -185,7 +186,20 @@ def choose_num_draft(alpha: float, cost_ratio: float, verify_cost_per_token: flo
 
 
 def peak_memory_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    """This process's peak resident memory in MiB.
+
+    /proc/self/status VmHWM where there is one: Linux carries ru_maxrss across exec, so a bench
+    started by a big parent (scripts/bench_peers.py holds PyTorch models) reported the parent's
+    546 MB as its own."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 1024 if sys.platform != "darwin" else peak / 2**20  # KiB on Linux, bytes on macOS
 
 
 def memory_budget_mb(generator: Generator) -> float:

@@ -42,14 +42,17 @@ def main() -> None:
 @click.option("--draft", default=None, help="Draft checkpoint folder (same tokenizer as the target).")
 @click.option("--out", default=None, type=click.Path(), help="Bundle folder to create. Default: the default bundle.")
 @click.option("--dtype", default="fp32", show_default=True, help="fp32 | fp16")
-@click.option("--quantize", default="none", show_default=True, help="none | int8 | int4 (weight-only MatMulNBits)")
+@click.option("--quantize", default="none", show_default=True, help="none | int8 | int4 (weight-only MatMulNBits), both models")
+@click.option("--draft-quantize", default="auto", show_default=True,
+              help="auto | none | int8 | int4 for the draft alone; auto: int8 for an fp32 export (kept fp32 if that "
+                   "fails parity), else as --quantize. Output is unchanged either way: the target checks every token.")
 @click.option("--max-context", type=int, default=None, help="Max tokens of context (default: the models' limit).")
 @click.option("--graph", default="auto", show_default=True,
               help="auto | fused | optimum. fused: GroupQueryAttention with an in-place KV cache (Llama, Mistral, "
                    "Qwen2, Phi-3); optimum: optimum's export (every architecture); auto: fused where it applies.")
 @click.option("--force", is_flag=True, help="Replace --out if it exists.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow checkpoints that ship their own model code.")
-def export(target, draft, out, dtype, quantize, max_context, graph, force, trust_remote_code) -> None:
+def export(target, draft, out, dtype, quantize, draft_quantize, max_context, graph, force, trust_remote_code) -> None:
     """Export a draft and a target checkpoint into a validated bundle."""
     from .defaults import default_bundle, demo_checkpoints
 
@@ -60,7 +63,8 @@ def export(target, draft, out, dtype, quantize, max_context, graph, force, trust
     if out is None:
         out = str(default_bundle())
         default_bundle().parent.mkdir(parents=True, exist_ok=True)
-    _export(target, draft, out, dtype=dtype, quantize=quantize, max_context=max_context, graph=graph, force=force,
+    _export(target, draft, out, dtype=dtype, quantize=quantize, draft_quantize=draft_quantize, max_context=max_context,
+            graph=graph, force=force,
             trust_remote_code=trust_remote_code)
     click.echo(str(Path(out).resolve()))
 

@@ -30,9 +30,16 @@ def test_every_architecture_exports_with_parity(bundles, arch):
     bundle = bundles(arch)
     manifest = load_manifest(bundle, verify_checksums=True)
     assert {p.name for p in bundle.iterdir()} == {"specdeploy.json", "target", "draft", "tokenizer"}
+    # An fp32 export quantizes the draft to int8 (--draft-quantize auto): its check is then greedy agreement.
+    assert manifest.target.quantize == "none" and manifest.draft.quantize in ("int8", "none")
+    assert manifest.export_options["draft_quantize"] == "auto"
     for spec in (manifest.target, manifest.draft):
-        assert spec.parity.passed and spec.parity.check == "max_abs_diff"
-        assert spec.parity.prefill_max_abs_diff < 1e-3 and spec.parity.verify_max_abs_diff < 1e-3
+        assert spec.parity.passed
+        if spec.quantize == "none":
+            assert spec.parity.check == "max_abs_diff"
+            assert spec.parity.prefill_max_abs_diff < 1e-3 and spec.parity.verify_max_abs_diff < 1e-3
+        else:
+            assert spec.parity.check == "greedy_agreement" and spec.parity.tolerance == 0.8
         assert spec.vocab_size == VOCAB and spec.dtype == "fp32"
         names = spec.input_names
         assert names[0] == "input_ids" and "attention_mask" in names
@@ -215,3 +222,36 @@ def test_interrupted_export_leaves_nothing(checkpoints, tmp_path):
     assert process.returncode != 0
     assert "Traceback" not in stderr
     assert list(out_parent.iterdir()) == []
+
+
+def test_draft_quantize_options_and_fallback(checkpoints, tmp_path, monkeypatch):
+    from specdeploy.errors import SpecdeployError
+    from specdeploy.export import convert
+
+    pair = checkpoints("llama")
+    with pytest.raises(SpecdeployError, match="unknown --draft-quantize 'int2'"):
+        export_bundle(ExportConfig(target=str(pair["target"]), draft=str(pair["draft"]), out=str(tmp_path / "a"),
+                                   draft_quantize="int2"))
+    with pytest.raises(SpecdeployError, match="use them with --dtype fp32"):
+        export_bundle(ExportConfig(target=str(pair["target"]), draft=str(pair["draft"]), out=str(tmp_path / "a"),
+                                   dtype="fp16", draft_quantize="int4"))
+
+    def broken_quantizer(path, bits, block_size=32):
+        """A quantizer that wrecks the weights: the draft it leaves cannot pass its parity check."""
+        import onnx
+        from onnx import numpy_helper
+
+        model = onnx.load(path)
+        for tensor in model.graph.initializer:
+            array = numpy_helper.to_array(tensor)
+            if array.ndim == 2 and array.dtype == np.float32:
+                tensor.CopyFrom(numpy_helper.from_array(np.random.default_rng(0).normal(size=array.shape).astype(np.float32) * 5, tensor.name))
+        convert.save_model(model, path)
+
+    monkeypatch.setattr(convert, "quantize_weights", broken_quantizer)
+    manifest = export_bundle(ExportConfig(target=str(pair["target"]), draft=str(pair["draft"]), out=str(tmp_path / "b")))
+    assert manifest.draft.quantize == "none" and manifest.draft.parity.check == "max_abs_diff" and manifest.draft.parity.passed
+    with pytest.raises(SpecdeployError, match="parity check failed for the draft: greedy agreement"):
+        export_bundle(ExportConfig(target=str(pair["target"]), draft=str(pair["draft"]), out=str(tmp_path / "c"),
+                                   draft_quantize="int8"))
+    assert not (tmp_path / "c").exists()

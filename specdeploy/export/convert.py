@@ -98,12 +98,18 @@ def convert_fp16(path: Path) -> None:
 
 
 def quantize_weights(path: Path, bits: int, block_size: int = 32) -> None:
-    """Weight-only MatMulNBits (int8 or int4 blocks, symmetric) with onnxruntime's quantizer."""
+    """Weight-only MatMulNBits (int8 or int4 blocks, symmetric) with onnxruntime's quantizer.
+
+    accuracy_level 4: ONNX Runtime multiplies in int8 (activations quantized per block on the fly)
+    with its VNNI/AVX-512 kernels. The default level dequantizes to fp32 first and was measured
+    slower than fp32 itself on the benchmark pair (int8 target step 19 ms against 1.9 ms fp32;
+    level 4: 0.93 ms; int4 draft step 0.14 ms against 0.38 ms fp32)."""
     import onnx
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
-    config = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=True, bits=bits)
-    quantizer = MatMulNBitsQuantizer(onnx.load(path), bits=bits, block_size=block_size, is_symmetric=True, algo_config=config)
+    config = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=True, bits=bits, accuracy_level=4)
+    quantizer = MatMulNBitsQuantizer(onnx.load(path), bits=bits, block_size=block_size, is_symmetric=True,
+                                     accuracy_level=4, algo_config=config)
     quantizer.process()
     save_model(quantizer.model.model, path)
 

@@ -34,7 +34,13 @@ class ExportConfig:
     draft: str
     out: str  # the bundle folder to create
     dtype: str = "fp32"  # fp32 | fp16
-    quantize: str = "none"  # none | int8 | int4 (weight-only MatMulNBits)
+    quantize: str = "none"  # none | int8 | int4 (weight-only MatMulNBits), both models
+    # The draft alone: none | int8 | int4, or auto. The draft's numbers never reach the output (the
+    # target verifies every token), so a quantized draft only trades a little acceptance for a
+    # cheaper step. auto: int8 when the export is fp32 and unquantized (measured on codepair: draft
+    # step 0.38 -> 0.17 ms, speculative greedy 1.12x and sampled 1.14x faster, same output), kept in
+    # fp32 if the quantized draft fails its parity check; otherwise as quantize.
+    draft_quantize: str = "auto"
     max_context: int | None = None  # default: the smaller max_position_embeddings of the two
     force: bool = False  # replace an existing --out
     trust_remote_code: bool = False
@@ -53,10 +59,14 @@ def _check_options(config: ExportConfig) -> Path:
         raise SpecdeployError(f"unknown --dtype '{config.dtype}' (choose from {', '.join(DTYPES)})")
     if config.quantize not in QUANTIZE:
         raise SpecdeployError(f"unknown --quantize '{config.quantize}' (choose from {', '.join(QUANTIZE)})")
+    if config.draft_quantize not in ("auto", *QUANTIZE):
+        raise SpecdeployError(
+            f"unknown --draft-quantize '{config.draft_quantize}' (choose from auto, {', '.join(QUANTIZE)})"
+        )
     if config.graph not in GRAPHS:
         raise SpecdeployError(f"unknown --graph '{config.graph}' (choose from {', '.join(GRAPHS)})")
-    if config.quantize != "none" and config.dtype != "fp32":
-        raise SpecdeployError("--quantize int8/int4 quantizes fp32 weights; use it with --dtype fp32")
+    if config.dtype != "fp32" and (config.quantize != "none" or config.draft_quantize not in ("auto", "none")):
+        raise SpecdeployError("--quantize/--draft-quantize int8/int4 quantize fp32 weights; use them with --dtype fp32")
     if config.max_context is not None and config.max_context < 2:
         raise SpecdeployError("--max-context must be at least 2")
     out = Path(config.out).expanduser().resolve()
@@ -77,6 +87,14 @@ def _max_positions(config) -> int | None:
     return None
 
 
+def _quantize_for(role: str, config: ExportConfig) -> str:
+    if role == "target":
+        return config.quantize
+    if config.draft_quantize != "auto":
+        return config.draft_quantize
+    return "int8" if config.dtype == "fp32" and config.quantize == "none" else config.quantize
+
+
 def _choose_graph(model, role: str, requested: str, max_context: int) -> str:
     if requested == "optimum":
         return "optimum"
@@ -89,7 +107,7 @@ def _choose_graph(model, role: str, requested: str, max_context: int) -> str:
 
 
 def _model_spec(role: str, checkpoint: ckpt.Checkpoint, onnx_path: Path, root: Path, config: ExportConfig,
-                max_context: int, num_parameters: int, graph: str) -> ModelSpec:
+                max_context: int, num_parameters: int, graph: str, quantize: str) -> ModelSpec:
     inputs, outputs, kv = convert.describe_io(onnx_path, shared_buffer=graph == "fused")
     past = next(t for t in inputs if t.name == kv.past_key % 0)
     hf = checkpoint.config
@@ -111,7 +129,7 @@ def _model_spec(role: str, checkpoint: ckpt.Checkpoint, onnx_path: Path, root: P
         hidden_size=int(getattr(hf, "hidden_size", 0) or getattr(hf, "n_embd", 0)),
         vocab_size=int(logits.shape[-1]) if isinstance(logits.shape[-1], int) else int(hf.vocab_size),
         dtype=config.dtype,
-        quantize=config.quantize,
+        quantize=quantize,
         max_context=max_context,
         bos_token_id=checkpoint.bos_token_id,
         eos_token_ids=checkpoint.eos_token_ids,
@@ -122,6 +140,36 @@ def _model_spec(role: str, checkpoint: ckpt.Checkpoint, onnx_path: Path, root: P
         kv_cache=kv,
         parity=ParityReport(0, 0, 0, float("nan"), float("nan"), 0.0, 0.0, "pending", 0.0, False),
     )
+
+
+def _build_model(role: str, quantize: str, model, checkpoint, root: Path, config: ExportConfig, max_context: int,
+                 num_parameters: int, graph: str, tokenizer_dir: Path, report: Reporter) -> ModelSpec:
+    """Export one model into root/role, optimize it, and measure its parity (the spec carries the figures)."""
+    report("export", f"{role}: {num_parameters / 1e6:.1f}M parameters -> ONNX ({graph} graph)")
+    model_dir = root / role
+    model_dir.mkdir()
+    if graph == "fused":
+        onnx_path = fused.build_fused(model, model_dir / convert.ONNX_NAME, max_context)
+    else:
+        onnx_path = convert.export_onnx(model, model_dir, config.opset)
+    if config.dtype == "fp16":
+        report("optimize", f"{role}: fp16")
+        convert.convert_fp16(onnx_path)
+    if quantize != "none":
+        report("optimize", f"{role}: {quantize} weight-only (MatMulNBits)")
+        convert.quantize_weights(onnx_path, bits=int(quantize[3:]))
+    elif graph == "optimum" and config.dtype == "fp32":
+        convert.externalize(onnx_path)  # the other paths already saved the weights beside the graph
+    spec = _model_spec(role, checkpoint, onnx_path, root, config, max_context, num_parameters, graph, quantize)
+    report("validate", f"{role}: ONNX Runtime vs PyTorch")
+    parity = check_parity(model, onnx_path, spec, tokenizer_dir / "tokenizer.json")
+    return dataclasses.replace(spec, parity=parity)
+
+
+def _parity_failure(parity: ParityReport) -> str:
+    if parity.check == "max_abs_diff":
+        return f"max |diff| {max(parity.prefill_max_abs_diff, parity.verify_max_abs_diff):.2e} > {parity.tolerance:g}"
+    return f"greedy agreement {min(parity.prefill_greedy_agreement, parity.verify_greedy_agreement):.2f} < {parity.tolerance:g}"
 
 
 def _tool_versions() -> dict[str, str]:
@@ -174,33 +222,18 @@ def export_bundle(config: ExportConfig, report: Reporter | None = None) -> Manif
             model = convert.load_torch_model(checkpoint.path, role, config.trust_remote_code)
             num_parameters = sum(p.numel() for p in model.parameters())
             graph = _choose_graph(model, role, config.graph, max_context)
-            report("export", f"{role}: {num_parameters / 1e6:.1f}M parameters -> ONNX ({graph} graph)")
-            model_dir = root / role
-            model_dir.mkdir()
-            if graph == "fused":
-                onnx_path = fused.build_fused(model, model_dir / convert.ONNX_NAME, max_context)
-            else:
-                onnx_path = convert.export_onnx(model, model_dir, config.opset)
-            if config.dtype == "fp16":
-                report("optimize", f"{role}: fp16")
-                convert.convert_fp16(onnx_path)
-            if config.quantize != "none":
-                report("optimize", f"{role}: {config.quantize} weight-only (MatMulNBits)")
-                convert.quantize_weights(onnx_path, bits=int(config.quantize[3:]))
-            elif graph == "optimum" and config.dtype == "fp32":
-                convert.externalize(onnx_path)  # the other paths already saved the weights beside the graph
-            spec = _model_spec(role, checkpoint, onnx_path, root, config, max_context, num_parameters, graph)
-            report("validate", f"{role}: ONNX Runtime vs PyTorch")
-            parity = check_parity(model, onnx_path, spec, tokenizer_dirs["target"] / "tokenizer.json")
+            quantize = _quantize_for(role, config)
+            build = (model, checkpoint, root, config, max_context, num_parameters, graph, tokenizer_dirs["target"], report)
+            spec = _build_model(role, quantize, *build)
+            if not spec.parity.passed and role == "draft" and config.draft_quantize == "auto" and quantize != "none":
+                # The draft's numbers never reach the output; a draft the quantizer broke is kept in fp32.
+                report("optimize", f"draft: {quantize} fails its parity check ({_parity_failure(spec.parity)}); keeping fp32")
+                shutil.rmtree(root / role)
+                spec = _build_model(role, "none", *build)
             del model
-            specs[role] = dataclasses.replace(spec, parity=parity)
-            if not parity.passed:
-                worst = (
-                    f"max |diff| {max(parity.prefill_max_abs_diff, parity.verify_max_abs_diff):.2e} > {parity.tolerance:g}"
-                    if parity.check == "max_abs_diff"
-                    else f"greedy agreement {min(parity.prefill_greedy_agreement, parity.verify_greedy_agreement):.2f} < {parity.tolerance:g}"
-                )
-                raise SpecdeployError(f"parity check failed for the {role}: {worst}; nothing was written")
+            specs[role] = spec
+            if not spec.parity.passed:
+                raise SpecdeployError(f"parity check failed for the {role}: {_parity_failure(spec.parity)}; nothing was written")
 
         report("write", "tokenizer and manifest")
         manifest = Manifest(
@@ -214,6 +247,7 @@ def export_bundle(config: ExportConfig, report: Reporter | None = None) -> Manif
             export_options={
                 "dtype": config.dtype,
                 "quantize": config.quantize,
+                "draft_quantize": config.draft_quantize,
                 "max_context": max_context,
                 "opset": config.opset,
                 "graph": config.graph,
