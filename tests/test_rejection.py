@@ -192,3 +192,34 @@ def test_blocked_draw_follows_the_distribution():
     counts = np.bincount([draw(probs, u) for u in rng.random(40_000)], minlength=300)
     assert counts.sum() == counts[[0, 63, 64, 150, 299]].sum()
     assert stats.chisquare(counts[[0, 63, 64, 150, 299]], 40_000 * probs[[0, 63, 64, 150, 299]]).pvalue > 1e-3
+
+
+def test_lazy_rejection_sampler_equals_the_batched_one():
+    """The runtime's one-sequence sampler returns exactly what rejection_sample returns from the same generator state,
+    and never forms target rows past the first rejection."""
+    from specdeploy.runtime.rejection import rejection_sample_lazy
+
+    rng = np.random.default_rng(12)
+    for trial in range(3000):
+        vocab, k = int(rng.integers(2, 9)), int(rng.integers(1, 6))
+        target = rng.dirichlet(np.full(vocab, 0.5), size=k + 1).astype(np.float32)
+        if trial % 3 == 0:  # prompt lookup: one-hot drafts
+            tokens = rng.integers(0, vocab, size=k)
+            draft = np.zeros((k, vocab))
+            draft[np.arange(k), tokens] = 1.0
+        else:
+            draft = rng.dirichlet(np.full(vocab, 0.5), size=k).astype(np.float32)
+            if trial % 7 == 0:
+                draft[0] = target[0]  # zero residual mass at a rejection
+            tokens = np.array([rng.choice(vocab, p=row / row.sum()) for row in draft])
+        seed = int(rng.integers(1 << 30))
+        expected = rejection_sample(tokens[None], draft[None], target[None], np.random.default_rng(seed))
+        formed = []
+
+        def row(i):
+            formed.append(i)
+            return target[i]
+
+        got = rejection_sample_lazy(list(tokens), draft, row, np.random.default_rng(seed))
+        assert got == (int(expected[0][0]), int(expected[1][0]))
+        assert formed == list(range(got[0] + 1))

@@ -18,7 +18,7 @@ import numpy as np
 from ..errors import SpecdeployError
 from .drafters import Drafter
 from .engine import CachedModel
-from .rejection import greedy_accept, rejection_sample
+from .rejection import greedy_accept, rejection_sample_lazy
 from .sampling import SamplingParams, process_logits, sample_token
 from .text import TextCodec, TextStream
 
@@ -232,9 +232,8 @@ class Generator:
                     if params.greedy:
                         num_accepted, token = greedy_accept(np.asarray(drafts), logits)
                     else:
-                        target_probs = process_logits(logits, params)  # [k + 1, vocab]
-                        accepted, tokens = rejection_sample(np.asarray([drafts]), draft_probs[None], target_probs[None], rng)
-                        num_accepted, token = int(accepted[0]), int(tokens[0])
+                        num_accepted, token = rejection_sample_lazy(
+                            drafts, draft_probs, lambda i: process_logits(logits[i : i + 1], params)[0], rng)
                     drafter.update(num_accepted)
                     stats.drafted += len(drafts)
                     stats.accepted += num_accepted
