@@ -57,14 +57,15 @@ def test_fused_graph_equals_optimum_graph(checkpoints, bundles, tmp_path):
 
 def test_tied_embeddings_share_one_table(tokenizer_dir, tmp_path):
     """A tied lm_head reads the embedding table transposed (FusedMatMul) instead of storing it twice; the
-    rotary tables come from the model's own module, scaling included."""
+    rotary tables come from the model's own module, scaling included; q/k/v/o and MLP biases."""
     import transformers as tf
 
     from conftest import BOS, EOS
 
     config = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
-                            tie_word_embeddings=True, rope_scaling={"rope_type": "linear", "factor": 2.0}, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=EOS,
+                            tie_word_embeddings=True, rope_scaling={"rope_type": "linear", "factor": 2.0},
+                            attention_bias=True, mlp_bias=True, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=EOS,
                             initializer_range=0.2)
     folder = tmp_path / "tied"
     import torch
@@ -75,7 +76,8 @@ def test_tied_embeddings_share_one_table(tokenizer_dir, tmp_path):
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         (folder / name).write_bytes((tokenizer_dir / name).read_bytes())
     out = tmp_path / "bundle"
-    manifest = export_bundle(ExportConfig(target=str(folder), draft=str(folder), out=str(out), graph="fused"))
+    manifest = export_bundle(ExportConfig(target=str(folder), draft=str(folder), out=str(out), graph="fused",
+                                          draft_quantize="none"))
     spec = manifest.target
     assert spec.graph == "fused" and spec.parity.passed and spec.parity.verify_max_abs_diff < 1e-3
     graph = onnx.load(out / spec.onnx_path, load_external_data=False).graph

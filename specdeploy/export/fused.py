@@ -38,10 +38,9 @@ def unsupported_reason(model, max_context: int) -> str | None:
         return f"{name} is not in the fused family ({', '.join(ARCHITECTURES)})"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"activation {config.hidden_act}"
-    if getattr(config, "mlp_bias", False):
-        return "MLP biases"
-    if getattr(config, "attention_bias", False) and name != "Qwen2ForCausalLM":
-        return "attention biases"
+    mlp = model.model.layers[0].mlp
+    if getattr(getattr(mlp, "gate_up_proj", None), "bias", None) is not None:
+        return "a biased packed gate/up projection"
     window = getattr(config, "sliding_window", None)
     if name == "Qwen2ForCausalLM" and not getattr(config, "use_sliding_window", False):
         window = None
