@@ -117,6 +117,13 @@ def build_checkpoint(folder: Path, arch: str, layers: int, hidden: int, seed: in
     return folder
 
 
+def export_pair(pair: dict, out: Path, **options):
+    """export_bundle on a {"target": folder, "draft": folder} pair; returns the manifest."""
+    from specdeploy.export import ExportConfig, export_bundle
+
+    return export_bundle(ExportConfig(target=str(pair["target"]), draft=str(pair["draft"]), out=str(out), **options))
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("tokenizer")

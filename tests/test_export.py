@@ -17,7 +17,7 @@ from specdeploy.bundle import load_manifest
 from specdeploy.export import ExportConfig, export_bundle
 from specdeploy.runtime.engine import OrtEngine
 
-from conftest import ARCHITECTURES, VOCAB, build_checkpoint
+from conftest import ARCHITECTURES, VOCAB, build_checkpoint, export_pair
 
 
 def cli(*args, **kwargs) -> subprocess.CompletedProcess:
@@ -245,11 +245,9 @@ def test_draft_quantize_options_and_fallback(checkpoints, tmp_path, monkeypatch)
 
     pair = checkpoints("llama")
     with pytest.raises(SpecdeployError, match="unknown --draft-quantize 'int2'"):
-        export_bundle(ExportConfig(target=str(pair["target"]), draft=str(pair["draft"]), out=str(tmp_path / "a"),
-                                   draft_quantize="int2"))
+        export_pair(pair, tmp_path / "a", draft_quantize="int2")
     with pytest.raises(SpecdeployError, match="use them with --dtype fp32"):
-        export_bundle(ExportConfig(target=str(pair["target"]), draft=str(pair["draft"]), out=str(tmp_path / "a"),
-                                   dtype="fp16", draft_quantize="int4"))
+        export_pair(pair, tmp_path / "a", dtype="fp16", draft_quantize="int4")
 
     def broken_quantizer(path, bits, block_size=32):
         """A quantizer that wrecks the weights: the draft it leaves cannot pass its parity check."""
@@ -264,9 +262,8 @@ def test_draft_quantize_options_and_fallback(checkpoints, tmp_path, monkeypatch)
         convert.save_model(model, path)
 
     monkeypatch.setattr(convert, "quantize_weights", broken_quantizer)
-    manifest = export_bundle(ExportConfig(target=str(pair["target"]), draft=str(pair["draft"]), out=str(tmp_path / "b")))
+    manifest = export_pair(pair, tmp_path / "b")
     assert manifest.draft.quantize == "none" and manifest.draft.parity.check == "max_abs_diff" and manifest.draft.parity.passed
     with pytest.raises(SpecdeployError, match="parity check failed for the draft: greedy agreement"):
-        export_bundle(ExportConfig(target=str(pair["target"]), draft=str(pair["draft"]), out=str(tmp_path / "c"),
-                                   draft_quantize="int8"))
+        export_pair(pair, tmp_path / "c", draft_quantize="int8")
     assert not (tmp_path / "c").exists()

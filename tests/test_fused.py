@@ -12,7 +12,7 @@ from specdeploy.export import ExportConfig, export_bundle
 from specdeploy.runtime.engine import OrtEngine
 from specdeploy.runtime.loader import load
 
-from conftest import VOCAB, build_checkpoint
+from conftest import VOCAB, export_pair
 
 
 def test_fused_and_optimum_layouts_are_chosen_and_recorded(bundles):
@@ -37,7 +37,7 @@ def test_fused_graph_equals_optimum_graph(checkpoints, bundles, tmp_path):
     """The same checkpoint through both graphs: the same logits, prefill, verify and after a rollback."""
     pair = checkpoints("qwen2")  # q/k/v biases
     out = tmp_path / "optimum"
-    export_bundle(ExportConfig(target=str(pair["target"]), draft=str(pair["draft"]), out=str(out), graph="optimum"))
+    export_pair(pair, out, graph="optimum")
     concat = load_manifest(out).target
     fused = load_manifest(bundles("qwen2")).target
     assert not concat.kv_cache.shared_buffer and fused.kv_cache.shared_buffer
@@ -92,15 +92,12 @@ def test_tied_embeddings_share_one_table(tokenizer_dir, tmp_path):
 def test_graph_option_errors(checkpoints, tmp_path):
     gpt2 = checkpoints("gpt2")
     with pytest.raises(SpecdeployError, match="--graph fused cannot export the target: GPT2LMHeadModel"):
-        export_bundle(ExportConfig(target=str(gpt2["target"]), draft=str(gpt2["draft"]), out=str(tmp_path / "a"),
-                                   graph="fused"))
+        export_pair(gpt2, tmp_path / "a", graph="fused")
     llama = checkpoints("llama")
     with pytest.raises(SpecdeployError, match="--graph fused cannot export the draft: head_dim 8"):
-        export_bundle(ExportConfig(target=str(llama["target"]), draft=str(llama["draft"]), out=str(tmp_path / "b"),
-                                   graph="fused"))
+        export_pair(llama, tmp_path / "b", graph="fused")
     with pytest.raises(SpecdeployError, match="unknown --graph 'static'"):
-        export_bundle(ExportConfig(target=str(llama["target"]), draft=str(llama["draft"]), out=str(tmp_path / "c"),
-                                   graph="static"))
+        export_pair(llama, tmp_path / "c", graph="static")
     assert not any(tmp_path.iterdir())
 
 
