@@ -84,3 +84,53 @@ def test_chunked_prefill_equals_one_pass(bundles, role):
     model.prefill(ids[:-1])
     assert model.cache.length == len(ids) - 1 and engine.calls == 1 + 3  # the whole pass, then three chunks
     np.testing.assert_allclose(model.logits_after(ids), whole[-1], atol=1e-4)
+
+
+def test_long_catch_up_goes_in_chunks(bundles):
+    """logits_after on a context far ahead of the cache (a draft after many prompt-lookup rounds)."""
+    from specdeploy.runtime.engine import PREFILL_CHUNK
+
+    bundle = bundles("llama")
+    spec = load_manifest(bundle).target
+    engine = OrtEngine(bundle / spec.onnx_path, spec)
+    ids = list(np.random.default_rng(5).integers(2, 300, size=2 * PREFILL_CHUNK + 20))
+    whole = engine.forward(np.asarray(ids), engine.new_cache(256))
+    model = CachedModel(engine, 256)
+    model.prefill(ids[:10])
+    calls = engine.calls
+    np.testing.assert_allclose(model.logits_after(ids), whole[-1], atol=1e-4)
+    assert engine.calls - calls == 3 and model.tokens == ids  # 64 + 64 + 14 (the last one's logits)
+
+
+def test_a_failed_pass_leaves_tokens_and_cache_in_step(bundles, monkeypatch):
+    bundle = bundles("llama")
+    spec = load_manifest(bundle).target
+    engine = OrtEngine(bundle / spec.onnx_path, spec)
+    model = CachedModel(engine, 64, min_pass_tokens=2)  # the re-run path shortens the cache first
+    model.prefill([5, 9, 13, 40])
+    real_run = engine._run
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine, "_run", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        model.logits_after([5, 9, 13, 40, 41])
+    assert len(model.tokens) == model.cache.length == 3
+    monkeypatch.setattr(engine, "_run", real_run)
+    fresh = CachedModel(engine, 64)
+    np.testing.assert_allclose(model.logits_after([5, 9, 13, 40, 41]), fresh.logits_after([5, 9, 13, 40, 41]), atol=1e-5)
+
+
+def test_cache_capacity_and_gpu_checks(bundles, monkeypatch):
+    import onnxruntime as ort
+
+    bundle = bundles("llama")
+    spec = load_manifest(bundle).target
+    engine = OrtEngine(bundle / spec.onnx_path, spec)
+    with pytest.raises(SpecdeployError, match="exceeds the target's max context"):
+        engine.new_cache(spec.max_context + 1)
+    # An fp32 fused graph on a GPU device is refused (ONNX Runtime's CUDA GroupQueryAttention is fp16/bf16).
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    with pytest.raises(SpecdeployError, match="fp32 fused graph"):
+        OrtEngine(bundle / spec.onnx_path, spec, SessionConfig(device="cuda"))

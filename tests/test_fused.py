@@ -116,3 +116,21 @@ def test_sliding_window_and_rope_scaling_fall_back(tokenizer_dir, tmp_path):
     assert "rope scaling 'dynamic'" in fused.unsupported_reason(dynamic, 256)
     linear = tf.LlamaForCausalLM(tf.LlamaConfig(rope_scaling={"rope_type": "linear", "factor": 2.0}, **base))
     assert fused.unsupported_reason(linear, 256) is None
+
+
+def test_checkpoint_code_and_short_contexts(checkpoints, tmp_path):
+    """A class from the checkpoint's own code goes through optimum; a context shorter than the parity
+    check still exports (the check shrinks to fit)."""
+    import transformers as tf
+
+    from specdeploy.export import fused
+
+    class LlamaForCausalLM(tf.LlamaForCausalLM):  # as remote code would define it
+        pass
+
+    config = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                            num_attention_heads=4, num_key_value_heads=2)
+    assert "checkpoint's own code" in fused.unsupported_reason(LlamaForCausalLM(config), 256)
+    manifest = export_pair(checkpoints("llama"), tmp_path / "short", max_context=16)
+    assert manifest.target.graph == "fused" and manifest.target.parity.passed
+    assert manifest.target.parity.prefill_tokens + manifest.target.parity.verify_tokens <= 16

@@ -36,6 +36,15 @@ def unsupported_reason(model, max_context: int) -> str | None:
     name = type(model).__name__
     if name not in ARCHITECTURES:
         return f"{name} is not in the fused family ({', '.join(ARCHITECTURES)})"
+    if not type(model).__module__.startswith("transformers."):
+        return f"{name} comes from the checkpoint's own code, not transformers'"
+    try:
+        return _unsupported_layout(model, config, name, max_context)
+    except AttributeError as exc:  # a layout the builder does not know
+        return f"unexpected module layout ({exc})"
+
+
+def _unsupported_layout(model, config, name: str, max_context: int) -> str | None:
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"activation {config.hidden_act}"
     mlp = model.model.layers[0].mlp

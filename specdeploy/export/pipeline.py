@@ -224,12 +224,22 @@ def export_bundle(config: ExportConfig, report: Reporter | None = None) -> Manif
             graph = _choose_graph(model, role, config.graph, max_context)
             quantize = _quantize_for(role, config)
             build = (model, checkpoint, root, config, max_context, num_parameters, graph, tokenizer_dirs["target"], report)
-            spec = _build_model(role, quantize, *build)
-            if not spec.parity.passed and role == "draft" and config.draft_quantize == "auto" and quantize != "none":
-                # The draft's numbers never reach the output; a draft the quantizer broke is kept in fp32.
-                report("optimize", f"draft: {quantize} fails its parity check ({_parity_failure(spec.parity)}); keeping fp32")
-                shutil.rmtree(root / role)
-                spec = _build_model(role, "none", *build)
+            if role == "draft" and config.draft_quantize == "auto" and quantize != "none":
+                # The draft's numbers never reach the output; a draft the quantizer breaks (or cannot
+                # handle) is kept in fp32.
+                try:
+                    spec = _build_model(role, quantize, *build)
+                    problem = None if spec.parity.passed else f"fails its parity check ({_parity_failure(spec.parity)})"
+                except SpecdeployError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - any quantizer failure: fall back, say why
+                    problem = f"failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+                if problem:
+                    report("optimize", f"draft: {quantize} {problem}; keeping fp32")
+                    shutil.rmtree(root / role, ignore_errors=True)
+                    spec = _build_model(role, "none", *build)
+            else:
+                spec = _build_model(role, quantize, *build)
             del model
             specs[role] = spec
             if not spec.parity.passed:

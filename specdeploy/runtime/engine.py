@@ -19,6 +19,7 @@ from .kv_cache import KVCache, SharedKVCache, _ortvalue
 
 DEVICES = ("cpu", "cuda", "tensorrt")
 PREFILL_CHUNK = 64  # tokens per prefill pass (see CachedModel.prefill)
+BOUND_IDS = 64  # passes up to this many tokens bind their ids from a fixed buffer (see OrtEngine)
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ def trt_profiles(spec: ModelSpec, max_context: int, max_new: int = 33) -> dict[s
     shapes = {"min": [], "opt": [], "max": []}
     for tensor in spec.inputs:
         if tensor.name in ("input_ids", "position_ids"):
-            dims = {"min": (1, 1), "opt": (1, 5), "max": (1, max_new)}
+            dims = {"min": (1, 1), "opt": (1, 5), "max": (1, max(max_new, PREFILL_CHUNK))}
         elif tensor.name == "attention_mask":
             dims = {"min": (1, 1), "opt": (1, 512), "max": (1, max_context)}
         else:  # past keys and values [1, kv_heads, past, head_dim]; a shared buffer is always max_context long
@@ -135,8 +136,16 @@ class OrtEngine:
         import onnxruntime as ort
 
         self.spec = spec
+        providers = providers_for(config, spec)  # validates the device first
+        if config.device != "cpu" and spec.graph == "fused" and spec.dtype == "fp32":
+            # ONNX Runtime's CUDA GroupQueryAttention runs fp16/bf16 only: an fp32 fused graph would
+            # send every attention node, and the KV buffers with it, back to the CPU each pass.
+            raise SpecdeployError(
+                f"the {spec.role} is an fp32 fused graph, which ONNX Runtime's GPU kernels do not run: "
+                "export with --dtype fp16 (or --graph optimum) for --device cuda/tensorrt"
+            )
         try:
-            self.session = ort.InferenceSession(str(model_path), session_options(config), providers=providers_for(config, spec))
+            self.session = ort.InferenceSession(str(model_path), session_options(config), providers=providers)
         except SpecdeployError:
             raise
         except Exception as exc:
@@ -163,9 +172,17 @@ class OrtEngine:
         self._cache_device = OrtDevice.make(self._device, 0)._get_c_device()
         self._ones = np.ones((1, 0), dtype=np.int64)
         self._positions = np.zeros((1, 0), dtype=np.int64)
+        # Shared-buffer graphs: OrtValues over fixed buffers for the token ids (one per pass length)
+        # and the mask (one per valid length), made once. Binding one costs ~0.3 us against ~2.5 us
+        # for binding a NumPy array, on passes whose Python side is the "other" time of a round.
+        self._ids = np.zeros((1, BOUND_IDS), dtype=np.int64)
+        self._ids_values = [_ortvalue(self._ids[:, :n], "cpu") if n else None for n in range(BOUND_IDS + 1)]
+        self._mask_values: list = []
 
     def new_cache(self, capacity: int) -> KVCache:
         spec = self.spec
+        if capacity > spec.max_context:
+            raise SpecdeployError(f"a cache of {capacity} positions exceeds the {spec.role}'s max context {spec.max_context}")
         kind = SharedKVCache if self.shared_buffer else KVCache
         return kind(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.cache_dtype, capacity, self._device)
 
@@ -184,6 +201,9 @@ class OrtEngine:
         if self._ones.shape[1] < total:
             self._ones = np.ones((1, cache.capacity), dtype=np.int64)  # [1, capacity]: slices stay contiguous
             self._positions = np.arange(cache.capacity, dtype=np.int64)[None]
+            self._mask_values = [None] * (cache.capacity + 1)  # views of the old array go with it
+        if cache.shared_buffer:
+            return self._forward_shared(token_ids, count, total, cache)
         # The C-level binding skips the Python wrappers' per-call bookkeeping: draft steps are
         # short enough (~0.6 ms) for that to show. Bound NumPy arrays must outlive the run.
         binding = self._binding
@@ -193,8 +213,6 @@ class OrtEngine:
             binding.bind_input("attention_mask", self._ones[:, :total])
         if self._has_positions:
             binding.bind_input("position_ids", self._positions[:, past_length:total])
-        if cache.shared_buffer:
-            return self._forward_shared(count, cache)
         for name, tensor in zip(self._past_names, cache.past()):
             binding.bind_ortvalue_input(name, tensor)
         binding.bind_output("logits", self._cpu)
@@ -209,12 +227,21 @@ class OrtEngine:
         logits = outputs[0].numpy()[0]  # [n, vocab]; a view on the CPU
         return logits if logits.dtype == np.float32 else logits.astype(np.float32)
 
-    def _forward_shared(self, count: int, cache: SharedKVCache) -> np.ndarray:
+    def _forward_shared(self, token_ids: np.ndarray, count: int, total: int, cache: SharedKVCache) -> np.ndarray:
         """The fused graphs: each present is bound to its past's buffer and written in place.
 
         The cache buffers stay bound from one pass to the next; only the token ids, the mask
         (its width is the valid length) and a fresh logits array are bound per pass."""
         binding = self._binding
+        if count <= BOUND_IDS:
+            self._ids[0, :count] = token_ids
+            binding.bind_ortvalue_input("input_ids", self._ids_values[count])
+        else:
+            binding.bind_input("input_ids", np.ascontiguousarray(token_ids, dtype=np.int64).reshape(1, count))
+        mask = self._mask_values[total]
+        if mask is None:
+            mask = self._mask_values[total] = _ortvalue(self._ones[:, :total], "cpu")
+        binding.bind_ortvalue_input("attention_mask", mask)
         if cache is not self._bound:
             for name, tensor in zip(self._past_names, cache.tensors):
                 binding.bind_ortvalue_input(name, tensor)
@@ -240,15 +267,16 @@ class CachedModel:
         self.engine = engine
         self.cache = engine.new_cache(capacity)
         self.tokens: list[int] = []  # the tokens whose keys and values the cache holds
-        # ONNX Runtime's kernels take a separate path for a single row: in fp32 its results differ
-        # from a multi-token pass by ~6e-6, but the int8-compute MatMulNBits kernels (quantized
-        # models) fall back to fp32 for one row and differ by ~3e-2, enough to flip greedy near-ties
-        # between target-only decoding (one token per pass) and verification (k + 1). Passes of two
-        # or more tokens agree bit for bit whatever their length, so a quantized model never runs
-        # a single-token pass: the previous token is run again beside it (its keys and values are
-        # rewritten with the same bits). Costs ~15% per target-only step of an int8 target.
+        # ONNX Runtime's kernels take a separate path for a single row. In fp32 its logits differ
+        # from a multi-token pass by 6e-6 to 6e-5; in fp16 by ~5e-3, and the int8-compute
+        # MatMulNBits kernels (quantized models) fall back to fp32 for one row and differ by ~3e-2:
+        # enough to flip greedy near-ties between target-only decoding (one token per pass) and
+        # verification (k + 1). Passes of two or more tokens agree bit for bit whatever their
+        # length, so an fp16 or quantized model never runs a single-token pass: the previous token
+        # is run again beside it (its keys and values are rewritten with the same bits). Costs
+        # ~15% per target-only step of an int8 target; fp32 keeps single-token passes (6% faster).
         if min_pass_tokens is None:
-            min_pass_tokens = 2 if engine.spec.quantize != "none" else 1
+            min_pass_tokens = 2 if engine.spec.quantize != "none" or engine.spec.dtype != "fp32" else 1
         self.min_pass_tokens = min_pass_tokens
 
     def reset(self) -> None:
@@ -281,6 +309,15 @@ class CachedModel:
 
     def extend(self, token_ids: list[int]) -> np.ndarray:
         """Append tokens to the cache; returns their logits [n, vocab]."""
+        try:
+            return self._extend(token_ids)
+        except BaseException:
+            # An error or Ctrl-C mid-pass: keep the token list in step with what the cache holds,
+            # so the next call on this model resyncs instead of writing one slot off.
+            del self.tokens[self.cache.length :]
+            raise
+
+    def _extend(self, token_ids: list[int]) -> np.ndarray:
         if 0 < len(token_ids) < self.min_pass_tokens:
             if self.tokens:  # run the previous token again in front
                 self.cache.truncate(len(self.tokens) - 1)
@@ -294,5 +331,9 @@ class CachedModel:
         return logits
 
     def logits_after(self, context: list[int]) -> np.ndarray:
-        """Logits [vocab] of the token that follows context."""
-        return self.extend(self.uncached(context))[-1]
+        """Logits [vocab] of the token that follows context (a long catch-up goes in prefill chunks)."""
+        rest = self.uncached(context)
+        while len(rest) > PREFILL_CHUNK:
+            self.extend(rest[:PREFILL_CHUNK])
+            rest = rest[PREFILL_CHUNK:]
+        return self.extend(rest)[-1]
