@@ -86,19 +86,44 @@ def _np(tensor) -> np.ndarray:
 
 
 class _Graph:
-    def __init__(self):
+    """Nodes, and initializers written straight into the external data file as they come.
+
+    A weight never sits in the protobuf: each is copied once (transposed to [in, out]) and
+    written, so exporting takes about one model's worth of memory beyond PyTorch's copy rather
+    than three. Large tensors start on 4 KiB boundaries, where ONNX Runtime can map them directly."""
+
+    def __init__(self, data_path: Path):
         from onnx import helper
 
         self.helper = helper
         self.nodes: list = []
         self.initializers: list = []
         self._count = 0
+        self._data_path = data_path
+        self._data = open(data_path, "wb")
 
     def weight(self, name: str, array: np.ndarray) -> str:
-        from onnx import numpy_helper
+        from onnx import TensorProto, helper, numpy_helper
 
-        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        array = np.ascontiguousarray(array)
+        if array.nbytes < 1024:
+            self.initializers.append(numpy_helper.from_array(array, name))
+            return name
+        alignment = 4096 if array.nbytes >= 65536 else 64
+        offset = -(-self._data.tell() // alignment) * alignment
+        self._data.write(b"\0" * (offset - self._data.tell()))
+        self._data.write(memoryview(array).cast("B"))
+        tensor = TensorProto(name=name, dims=array.shape, data_type=helper.np_dtype_to_tensor_dtype(array.dtype))
+        tensor.data_location = TensorProto.EXTERNAL
+        for key, value in (("location", self._data_path.name), ("offset", str(offset)), ("length", str(array.nbytes))):
+            entry = tensor.external_data.add()
+            entry.key, entry.value = key, value
+        self.initializers.append(tensor)
         return name
+
+    def close(self) -> None:
+        self._data.close()
+        self._data_path.chmod(0o644)
 
     def node(self, op: str, inputs: list[str], outputs: int | list[str] = 1, domain: str = "", **attrs) -> list[str]:
         self._count += 1
@@ -117,7 +142,8 @@ class _Graph:
 
 def build_fused(model, path: Path, max_context: int) -> Path:
     """Write the fused fp32 graph for model (see the module docstring) to path."""
-    from onnx import TensorProto, helper
+    import onnx
+    from onnx import helper
 
     config = model.config
     layers = model.model.layers
@@ -127,8 +153,29 @@ def build_fused(model, path: Path, max_context: int) -> Path:
     head_dim = attention0.head_dim
     eps = float(config.rms_norm_eps)
     vocab = config.vocab_size
-    g = _Graph()
+    for stale in (path.with_name(path.name + ".data"), path.with_name(path.name + "_data")):
+        if stale.exists():
+            stale.unlink()
+    g = _Graph(path.with_name(path.name + ".data"))
+    try:
+        _emit(g, model, max_context, heads, kv_heads, head_dim, eps, vocab)
+    finally:
+        g.close()
 
+    graph = helper.make_graph(g.nodes, "specdeploy-fused", g.inputs, g.outputs, g.initializers)
+    proto = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)], producer_name="specdeploy"
+    )
+    proto.ir_version = 8
+    onnx.save_model(proto, path)  # the graph only: its initializers already point into path + ".data"
+    return path
+
+
+def _emit(g: _Graph, model, max_context: int, heads: int, kv_heads: int, head_dim: int, eps: float, vocab: int) -> None:
+    """The nodes and weights of the fused graph (see the module docstring) into g."""
+    from onnx import TensorProto, helper
+
+    layers = model.model.layers
     inputs = [
         helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_size", "sequence_length"]),
         helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch_size", "total_sequence_length"]),
@@ -204,12 +251,4 @@ def build_fused(model, path: Path, max_context: int) -> Path:
     else:
         g.nodes.append(helper.make_node("MatMul", [final, g.weight("lm_head.weight", _np(head.weight).T)], ["logits"], name="lm_head"))
 
-    graph = helper.make_graph(g.nodes, "specdeploy-fused", inputs, outputs, g.initializers)
-    proto = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)], producer_name="specdeploy"
-    )
-    proto.ir_version = 8
-    from .convert import save_model
-
-    save_model(proto, path)
-    return path
+    g.inputs, g.outputs = inputs, outputs
