@@ -102,12 +102,15 @@ def test_long_catch_up_goes_in_chunks(bundles):
     assert engine.calls - calls == 3 and model.tokens == ids  # 64 + 64 + 14 (the last one's logits)
 
 
-def test_a_failed_pass_leaves_tokens_and_cache_in_step(bundles, monkeypatch):
-    bundle = bundles("llama")
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])  # shared-buffer and concat caches
+def test_a_failed_pass_leaves_tokens_and_cache_in_step(bundles, monkeypatch, arch):
+    bundle = bundles(arch)
     spec = load_manifest(bundle).target
     engine = OrtEngine(bundle / spec.onnx_path, spec)
     model = CachedModel(engine, 64, min_pass_tokens=2)  # the re-run path shortens the cache first
-    model.prefill([5, 9, 13, 40])
+    model.prefill([5, 9, 13, 40, 50, 51])
+    model.cache.truncate(5)  # a rejection: the concat cache cuts its stale position on the next pass
+    del model.tokens[5:]
     real_run = engine._run
 
     def interrupted(*args):
@@ -115,11 +118,21 @@ def test_a_failed_pass_leaves_tokens_and_cache_in_step(bundles, monkeypatch):
 
     monkeypatch.setattr(engine, "_run", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        model.logits_after([5, 9, 13, 40, 41])
-    assert len(model.tokens) == model.cache.length == 3
+        model.logits_after([5, 9, 13, 40, 50, 41])
+    assert len(model.tokens) == model.cache.length == 4
     monkeypatch.setattr(engine, "_run", real_run)
     fresh = CachedModel(engine, 64)
-    np.testing.assert_allclose(model.logits_after([5, 9, 13, 40, 41]), fresh.logits_after([5, 9, 13, 40, 41]), atol=1e-5)
+    context = [5, 9, 13, 60, 61]  # diverges before the failed pass: a second cut, of the first cut's copies
+    np.testing.assert_allclose(model.logits_after(context), fresh.logits_after(context), atol=1e-5)
+
+
+def test_long_passes_take_any_integer_ids(bundles):
+    bundle = bundles("llama")
+    spec = load_manifest(bundle).target
+    engine = OrtEngine(bundle / spec.onnx_path, spec)
+    ids = np.random.default_rng(6).integers(2, 300, size=100)
+    expected = engine.forward(ids, engine.new_cache(128))
+    np.testing.assert_allclose(engine.forward(ids.astype(np.int32), engine.new_cache(128)), expected, atol=1e-6)
 
 
 def test_cache_capacity_and_gpu_checks(bundles, monkeypatch):

@@ -264,6 +264,17 @@ def test_draft_quantize_options_and_fallback(checkpoints, tmp_path, monkeypatch)
     monkeypatch.setattr(convert, "quantize_weights", broken_quantizer)
     manifest = export_pair(pair, tmp_path / "b")
     assert manifest.draft.quantize == "none" and manifest.draft.parity.check == "max_abs_diff" and manifest.draft.parity.passed
+    assert manifest.target.quantize == "none"
+
+    def failing_quantizer(path, bits, block_size=32):
+        raise RuntimeError("this quantizer cannot handle the model")
+
+    monkeypatch.setattr(convert, "quantize_weights", failing_quantizer)
+    for arch, out in (("llama", tmp_path / "d"), ("gpt2", tmp_path / "e")):  # fused and optimum drafts
+        manifest = export_pair(checkpoints(arch), out)
+        assert manifest.draft.quantize == "none" and manifest.draft.parity.passed
+        assert load_manifest(out, verify_checksums=True).draft.quantize == "none"
+    monkeypatch.setattr(convert, "quantize_weights", broken_quantizer)
     with pytest.raises(SpecdeployError, match="parity check failed for the draft: greedy agreement"):
         export_pair(pair, tmp_path / "c", draft_quantize="int8")
     assert not (tmp_path / "c").exists()

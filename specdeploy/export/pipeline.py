@@ -143,8 +143,13 @@ def _model_spec(role: str, checkpoint: ckpt.Checkpoint, onnx_path: Path, root: P
 
 
 def _build_model(role: str, quantize: str, model, checkpoint, root: Path, config: ExportConfig, max_context: int,
-                 num_parameters: int, graph: str, tokenizer_dir: Path, report: Reporter) -> ModelSpec:
-    """Export one model into root/role, optimize it, and measure its parity (the spec carries the figures)."""
+                 num_parameters: int, graph: str, tokenizer_dir: Path, report: Reporter,
+                 fallback_to_fp32: bool = False) -> ModelSpec:
+    """Export one model into root/role, optimize it, and measure its parity (the spec carries the figures).
+
+    fallback_to_fp32 (the draft under --draft-quantize auto): if quantizing fails, or the quantized
+    model fails its parity check, the fp32 export made just before is kept instead. The draft's
+    numbers never reach the output, so that only costs speed."""
     report("export", f"{role}: {num_parameters / 1e6:.1f}M parameters -> ONNX ({graph} graph)")
     model_dir = root / role
     model_dir.mkdir()
@@ -155,15 +160,37 @@ def _build_model(role: str, quantize: str, model, checkpoint, root: Path, config
     if config.dtype == "fp16":
         report("optimize", f"{role}: fp16")
         convert.convert_fp16(onnx_path)
-    if quantize != "none":
-        report("optimize", f"{role}: {quantize} weight-only (MatMulNBits)")
+    if quantize == "none" and graph == "optimum" and config.dtype == "fp32":
+        convert.externalize(onnx_path)  # the other paths save the weights beside the graph themselves
+
+    def validate(quantized: str) -> ModelSpec:
+        spec = _model_spec(role, checkpoint, onnx_path, root, config, max_context, num_parameters, graph, quantized)
+        report("validate", f"{role}: ONNX Runtime vs PyTorch")
+        return dataclasses.replace(spec, parity=check_parity(model, onnx_path, spec, tokenizer_dir / "tokenizer.json"))
+
+    if quantize == "none":
+        return validate("none")
+    backup = None
+    if fallback_to_fp32:
+        if graph == "optimum":
+            convert.externalize(onnx_path)
+        backup = root.parent / f"{role}-fp32"
+        shutil.copytree(model_dir, backup)
+    report("optimize", f"{role}: {quantize} weight-only (MatMulNBits)")
+    try:
         convert.quantize_weights(onnx_path, bits=int(quantize[3:]))
-    elif graph == "optimum" and config.dtype == "fp32":
-        convert.externalize(onnx_path)  # the other paths already saved the weights beside the graph
-    spec = _model_spec(role, checkpoint, onnx_path, root, config, max_context, num_parameters, graph, quantize)
-    report("validate", f"{role}: ONNX Runtime vs PyTorch")
-    parity = check_parity(model, onnx_path, spec, tokenizer_dir / "tokenizer.json")
-    return dataclasses.replace(spec, parity=parity)
+        spec = validate(quantize)
+        problem = None if spec.parity.passed else f"fails its parity check ({_parity_failure(spec.parity)})"
+    except Exception as exc:  # noqa: BLE001 - with a fallback, any failure of the quantized model falls back
+        if backup is None:
+            raise
+        problem = f"failed ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+    if backup is None or problem is None:
+        return spec
+    report("optimize", f"{role}: {quantize} {problem}; keeping fp32")
+    shutil.rmtree(model_dir)
+    backup.rename(model_dir)
+    return validate("none")
 
 
 def _parity_failure(parity: ParityReport) -> str:
@@ -223,23 +250,9 @@ def export_bundle(config: ExportConfig, report: Reporter | None = None) -> Manif
             num_parameters = sum(p.numel() for p in model.parameters())
             graph = _choose_graph(model, role, config.graph, max_context)
             quantize = _quantize_for(role, config)
-            build = (model, checkpoint, root, config, max_context, num_parameters, graph, tokenizer_dirs["target"], report)
-            if role == "draft" and config.draft_quantize == "auto" and quantize != "none":
-                # The draft's numbers never reach the output; a draft the quantizer breaks (or cannot
-                # handle) is kept in fp32.
-                try:
-                    spec = _build_model(role, quantize, *build)
-                    problem = None if spec.parity.passed else f"fails its parity check ({_parity_failure(spec.parity)})"
-                except SpecdeployError:
-                    raise
-                except Exception as exc:  # noqa: BLE001 - any quantizer failure: fall back, say why
-                    problem = f"failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
-                if problem:
-                    report("optimize", f"draft: {quantize} {problem}; keeping fp32")
-                    shutil.rmtree(root / role, ignore_errors=True)
-                    spec = _build_model(role, "none", *build)
-            else:
-                spec = _build_model(role, quantize, *build)
+            auto = role == "draft" and config.draft_quantize == "auto" and config.quantize == "none"
+            spec = _build_model(role, quantize, model, checkpoint, root, config, max_context, num_parameters, graph,
+                                tokenizer_dirs["target"], report, fallback_to_fp32=auto and quantize != "none")
             del model
             specs[role] = spec
             if not spec.parity.passed:

@@ -236,8 +236,9 @@ class OrtEngine:
         if count <= BOUND_IDS:
             self._ids[0, :count] = token_ids
             binding.bind_ortvalue_input("input_ids", self._ids_values[count])
-        else:
-            binding.bind_input("input_ids", np.ascontiguousarray(token_ids, dtype=np.int64).reshape(1, count))
+        else:  # the binding does not keep the array alive: the engine does, until the next pass
+            self._long_ids = np.ascontiguousarray(token_ids, dtype=np.int64).reshape(1, count)
+            binding.bind_input("input_ids", self._long_ids)
         mask = self._mask_values[total]
         if mask is None:
             mask = self._mask_values[total] = _ortvalue(self._ones[:, :total], "cpu")
@@ -275,8 +276,12 @@ class CachedModel:
         # length, so an fp16 or quantized model never runs a single-token pass: the previous token
         # is run again beside it (its keys and values are rewritten with the same bits). Costs
         # ~15% per target-only step of an int8 target; fp32 keeps single-token passes (6% faster).
+        # The rule needs a free rollback: with optimum's concatenating graphs, stepping back one
+        # position copies the whole cache (and on a GPU round-trips it through the host) every
+        # step, so those keep single-token passes and only near-ties may differ.
         if min_pass_tokens is None:
-            min_pass_tokens = 2 if engine.spec.quantize != "none" or engine.spec.dtype != "fp32" else 1
+            rounded = engine.spec.quantize != "none" or engine.spec.dtype != "fp32"
+            min_pass_tokens = 2 if rounded and engine.shared_buffer else 1
         self.min_pass_tokens = min_pass_tokens
 
     def reset(self) -> None:
@@ -312,9 +317,11 @@ class CachedModel:
         try:
             return self._extend(token_ids)
         except BaseException:
-            # An error or Ctrl-C mid-pass: keep the token list in step with what the cache holds,
-            # so the next call on this model resyncs instead of writing one slot off.
-            del self.tokens[self.cache.length :]
+            # An error or Ctrl-C mid-pass: bring the token list and the cache back in step (to the
+            # shorter of the two), so the next call resyncs instead of writing one slot off.
+            valid = min(len(self.tokens), self.cache.length)
+            del self.tokens[valid:]
+            self.cache.truncate(valid)
             raise
 
     def _extend(self, token_ids: list[int]) -> np.ndarray:

@@ -79,9 +79,12 @@ class KVCache:
     def _cut(self) -> None:
         # On the CPU .numpy() is a view and only the slice is copied; on a GPU it is a round trip,
         # paid once per rejection.
-        old, self._backing = self.tensors, []
+        # The old tensors may themselves point into NumPy arrays of a previous cut (when no pass
+        # succeeded since): those stay alive until the copies are made.
+        old, old_backing, self._backing = self.tensors, self._backing, []
         self.tensors = [self._from_numpy(np.ascontiguousarray(t.numpy()[:, :, : self.length])) for t in old]
         self.stored = self.length
+        del old_backing
 
 
 class SharedKVCache:
