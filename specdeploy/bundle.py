@@ -99,6 +99,7 @@ class ModelSpec:
     kv_cache: KVCacheSpec
     parity: ParityReport
     graph: str = "optimum"  # "fused" (GroupQueryAttention, in-place KV) or "optimum" (optimum's export)
+    attention_window: int | None = None  # each query attends to its last this-many positions (None: all)
 
     @property
     def input_names(self) -> tuple[str, ...]:

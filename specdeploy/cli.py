@@ -47,12 +47,16 @@ def main() -> None:
               help="auto | none | int8 | int4 for the draft alone; auto: int8 for an fp32 export (kept fp32 if that "
                    "fails parity), else as --quantize. Output is unchanged either way: the target checks every token.")
 @click.option("--max-context", type=int, default=None, help="Max tokens of context (default: the models' limit).")
+@click.option("--draft-window", type=int, default=None,
+              help="Each draft query attends to its last N positions (fused graph; default: all). Output is "
+                   "unchanged; a draft trained on short windows proposes better past them.")
 @click.option("--graph", default="auto", show_default=True,
               help="auto | fused | optimum. fused: GroupQueryAttention with an in-place KV cache (Llama, Mistral, "
                    "Qwen2, Phi-3); optimum: optimum's export (every architecture); auto: fused where it applies.")
 @click.option("--force", is_flag=True, help="Replace --out if it exists.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow checkpoints that ship their own model code.")
-def export(target, draft, out, dtype, quantize, draft_quantize, max_context, graph, force, trust_remote_code) -> None:
+def export(target, draft, out, dtype, quantize, draft_quantize, max_context, draft_window, graph, force,
+           trust_remote_code) -> None:
     """Export a draft and a target checkpoint into a validated bundle."""
     from .defaults import default_bundle, demo_checkpoints
 
@@ -64,7 +68,7 @@ def export(target, draft, out, dtype, quantize, draft_quantize, max_context, gra
         out = str(default_bundle())
         default_bundle().parent.mkdir(parents=True, exist_ok=True)
     _export(target, draft, out, dtype=dtype, quantize=quantize, draft_quantize=draft_quantize, max_context=max_context,
-            graph=graph, force=force,
+            draft_window=draft_window, graph=graph, force=force,
             trust_remote_code=trust_remote_code)
     click.echo(str(Path(out).resolve()))
 
@@ -164,7 +168,8 @@ def inspect(bundle, as_json, verify) -> None:
     row("layers x kv heads x head dim", lambda s: f"{s.num_layers} x {s.num_kv_heads} x {s.head_dim}")
     row("vocab", lambda s: s.vocab_size)
     row("dtype / quantize", lambda s: f"{s.dtype} / {s.quantize}")
-    row("graph / KV cache", lambda s: f"{s.graph} / {'shared buffer' if s.kv_cache.shared_buffer else 'concat'}")
+    row("graph / KV cache", lambda s: f"{s.graph} / {'shared buffer' if s.kv_cache.shared_buffer else 'concat'}"
+        + (f", window {s.attention_window}" if s.attention_window else ""))
     row("files", lambda s: ", ".join(f"{f.path} ({f.size / 1e6:.1f} MB)" for f in s.files))
     row("inputs", lambda s: f"{len(s.inputs)} ({', '.join(s.input_names[:3])}, ...)")
     row("parity prefill max|diff|", lambda s: f"{s.parity.prefill_max_abs_diff:.2e}")

@@ -134,3 +134,39 @@ def test_checkpoint_code_and_short_contexts(checkpoints, tmp_path):
     manifest = export_pair(checkpoints("llama"), tmp_path / "short", max_context=16)
     assert manifest.target.graph == "fused" and manifest.target.parity.passed
     assert manifest.target.parity.prefill_tokens + manifest.target.parity.verify_tokens <= 16
+
+
+def test_draft_window_keeps_output_exact(checkpoints, tmp_path):
+    """A windowed draft proposes from the last N tokens only; the target still decides every token."""
+    from conftest import build_checkpoint
+
+    pair = checkpoints("llama")
+    draft = build_checkpoint(tmp_path / "draft", "llama", 0, 0, seed=7, tokenizer_dir=pair["target"],
+                             noisy_copy_of=pair["target"], noise=0.1)  # head_dim 16: fused
+    out = tmp_path / "windowed"
+    manifest = export_pair({"target": pair["target"], "draft": draft}, out, draft_window=64, draft_quantize="none")
+    assert manifest.draft.attention_window == 64 and manifest.target.attention_window is None
+    assert manifest.draft.parity.passed and manifest.draft.parity.verify_max_abs_diff < 1e-3  # window > check
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ids = np.random.default_rng(8).integers(2, VOCAB, size=150)
+    engine = OrtEngine(out / manifest.draft.onnx_path, manifest.draft)
+    windowed = engine.forward(ids, engine.new_cache(256))
+    with torch.no_grad():
+        full = AutoModelForCausalLM.from_pretrained(draft).eval()(torch.from_numpy(ids)[None]).logits[0].numpy()
+    np.testing.assert_allclose(windowed[:64], full[:64], atol=1e-4)  # inside the window: the model itself
+    assert np.abs(windowed[64:] - full[64:]).max() > 1e-3  # a query sees its last 64 positions, itself included
+    cache = engine.new_cache(256)  # the same window whether positions come in one pass, chunks or one by one
+    engine.forward(ids[:90], cache)
+    stepped = np.stack([engine.forward(ids[i : i + 1], cache)[0] for i in range(90, 100)])
+    np.testing.assert_allclose(np.concatenate([stepped, engine.forward(ids[100:], cache)]), windowed[90:], atol=1e-4)
+    generator = load(out, drafter="model")
+    prompt = list(range(5, 205))  # 200 tokens: far past the window
+    expected = generator.generate(prompt, max_new_tokens=40, speculative=False).token_ids
+    out_ids = generator.generate(prompt, max_new_tokens=40, num_draft_tokens=4)
+    assert out_ids.token_ids == expected and out_ids.stats.accepted > 0
+    with pytest.raises(SpecdeployError, match="--draft-window must be at least 64"):
+        export_pair(pair, tmp_path / "a", draft_window=16)
+    with pytest.raises(SpecdeployError, match="--draft-window needs the fused graph for the draft.*head_dim 8"):
+        export_pair(pair, tmp_path / "b", draft_window=128)

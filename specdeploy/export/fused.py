@@ -140,8 +140,12 @@ class _Graph:
         return out
 
 
-def build_fused(model, path: Path, max_context: int) -> Path:
-    """Write the fused fp32 graph for model (see the module docstring) to path."""
+def build_fused(model, path: Path, max_context: int, window: int | None = None) -> Path:
+    """Write the fused fp32 graph for model (see the module docstring) to path.
+
+    window: each query attends to its last `window` positions, itself included (GroupQueryAttention's
+    local_window_size, measured); None: the whole context. Only for drafts, whose numbers never reach the
+    output: a draft trained on short windows proposes better, and reads less, with one."""
     import onnx
     from onnx import helper
 
@@ -158,7 +162,7 @@ def build_fused(model, path: Path, max_context: int) -> Path:
             stale.unlink()
     g = _Graph(path.with_name(path.name + ".data"))
     try:
-        _emit(g, model, max_context, heads, kv_heads, head_dim, eps, vocab)
+        _emit(g, model, max_context, heads, kv_heads, head_dim, eps, vocab, window or -1)
     finally:
         g.close()
 
@@ -171,7 +175,8 @@ def build_fused(model, path: Path, max_context: int) -> Path:
     return path
 
 
-def _emit(g: _Graph, model, max_context: int, heads: int, kv_heads: int, head_dim: int, eps: float, vocab: int) -> None:
+def _emit(g: _Graph, model, max_context: int, heads: int, kv_heads: int, head_dim: int, eps: float, vocab: int,
+          window: int) -> None:
     """The nodes and weights of the fused graph (see the module docstring) into g."""
     from onnx import TensorProto, helper
 
@@ -228,7 +233,7 @@ def _emit(g: _Graph, model, max_context: int, heads: int, kv_heads: int, head_di
             [qkv, "", "", f"past_key_values.{i}.key", f"past_key_values.{i}.value", seqlens, total, cos_name, sin_name],
             [f"/layers.{i}/attn/out", f"present.{i}.key", f"present.{i}.value"],
             domain=MS, num_heads=heads, kv_num_heads=kv_heads, scale=float(attn.scaling),
-            do_rotary=1, rotary_interleaved=0, local_window_size=-1,
+            do_rotary=1, rotary_interleaved=0, local_window_size=window,
         )[0]
         delta = g.linear(context, f"layers.{i}.o_proj", attn.o_proj)
         normed = norm(delta, layer.post_attention_layernorm, f"layers.{i}.post_attention_layernorm")
