@@ -170,3 +170,27 @@ def test_draft_window_keeps_output_exact(checkpoints, tmp_path):
         export_pair(pair, tmp_path / "a", draft_window=16)
     with pytest.raises(SpecdeployError, match="--draft-window needs the fused graph for the draft.*head_dim 8"):
         export_pair(pair, tmp_path / "b", draft_window=128)
+
+
+def test_partial_rotary_phi3(tokenizer_dir, tmp_path):
+    """Phi-3 with rotary on half of each head (GroupQueryAttention rotates the first rotary_dim dims)."""
+    import torch
+    import transformers as tf
+
+    from conftest import BOS, EOS
+
+    config = tf.Phi3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                           original_max_position_embeddings=128, partial_rotary_factor=0.5, tie_word_embeddings=False,
+                           bos_token_id=BOS, eos_token_id=EOS, pad_token_id=EOS, initializer_range=0.2)
+    from specdeploy.export import fused
+
+    folder = tmp_path / "phi3"
+    torch.manual_seed(9)
+    model = tf.Phi3ForCausalLM(config)
+    assert fused._rotary_tables(model, 4)[0].shape == (4, 8)  # rotary on 16 of 32 dims
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (folder / name).write_bytes((tokenizer_dir / name).read_bytes())
+    manifest = export_pair({"target": folder, "draft": folder}, tmp_path / "bundle", graph="fused", draft_quantize="none")
+    assert manifest.target.graph == "fused" and manifest.target.parity.verify_max_abs_diff < 1e-3
