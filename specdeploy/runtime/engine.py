@@ -218,14 +218,17 @@ class OrtEngine:
         binding.bind_output("logits", self._cpu)
         for name in self._output_names[1:]:
             binding.bind_output(name, self._cache_device)
-        start = time.perf_counter()
-        self._run(binding, None)
-        self.seconds += time.perf_counter() - start
-        self.calls += 1
+        self._timed_run()
         outputs = binding.get_outputs()  # C OrtValues, owned by us from here on
         cache.update([outputs[i] for i in range(1, len(outputs))])
         logits = outputs[0].numpy()[0]  # [n, vocab]; a view on the CPU
         return logits if logits.dtype == np.float32 else logits.astype(np.float32)
+
+    def _timed_run(self) -> None:
+        start = time.perf_counter()
+        self._run(self._binding, None)
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
 
     def _forward_shared(self, token_ids: np.ndarray, count: int, total: int, cache: SharedKVCache) -> np.ndarray:
         """The fused graphs: each present is bound to its past's buffer and written in place.
@@ -253,10 +256,7 @@ class OrtEngine:
         # memory the binding points into, until the next pass rebinds it.
         self._logits = logits = np.empty((1, count, self.spec.vocab_size), dtype=self._logits_dtype)
         binding.bind_ortvalue_output("logits", _ortvalue(logits, "cpu"))
-        start = time.perf_counter()
-        self._run(binding, None)
-        self.seconds += time.perf_counter() - start
-        self.calls += 1
+        self._timed_run()
         cache.advance(count)
         return logits[0] if logits.dtype == np.float32 else logits[0].astype(np.float32)
 

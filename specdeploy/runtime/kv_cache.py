@@ -34,16 +34,32 @@ def _ortvalue(array: np.ndarray, device: str):
     return entry[0](array, entry[1])
 
 
-class KVCache:
-    """optimum's layout: the past grows by concatenation inside the graph."""
+class _Cache:
+    """What both layouts share: their size, their device, and rollback as a shorter valid length."""
 
-    shared_buffer = False
+    shared_buffer: bool
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: np.dtype, capacity: int,
                  device: str = "cpu"):
         self.num_layers = num_layers
         self.capacity = capacity
         self.device = device
+        self.length = 0  # valid positions
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
+        self.length = length
+
+
+class KVCache(_Cache):
+    """optimum's layout: the past grows by concatenation inside the graph."""
+
+    shared_buffer = False
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: np.dtype, capacity: int,
+                 device: str = "cpu"):
+        super().__init__(num_layers, num_kv_heads, head_dim, dtype, capacity, device)
         self._shape = (1, num_kv_heads, 0, head_dim)
         self._dtype = dtype
         self.reset()
@@ -67,11 +83,6 @@ class KVCache:
         self._backing = []  # the presents own their memory; the past they were computed from may go
         self.stored = self.length = presents[0].shape()[2]
 
-    def truncate(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
-        self.length = length
-
     def _from_numpy(self, array: np.ndarray):
         self._backing.append(array)
         return _ortvalue(array, self.device)
@@ -87,16 +98,14 @@ class KVCache:
         del old_backing
 
 
-class SharedKVCache:
+class SharedKVCache(_Cache):
     """The fused graphs' layout: fixed buffers that every pass reads and writes in place."""
 
     shared_buffer = True
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: np.dtype, capacity: int,
                  device: str = "cpu"):
-        self.num_layers = num_layers
-        self.capacity = capacity
-        self.device = device
+        super().__init__(num_layers, num_kv_heads, head_dim, dtype, capacity, device)
         shape = (1, num_kv_heads, capacity, head_dim)
         if device == "cpu":
             # np.zeros maps untouched pages lazily: memory grows with the context actually used.
@@ -107,7 +116,6 @@ class SharedKVCache:
 
             self.tensors = [ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, device, 0)._ortvalue
                             for _ in range(2 * num_layers)]
-        self.length = 0  # valid positions; the graph reads only these (attention_mask says how many)
 
     def reset(self) -> None:
         self.length = 0
@@ -118,8 +126,3 @@ class SharedKVCache:
     def advance(self, count: int) -> None:
         """A pass wrote count more positions into the buffers."""
         self.length += count
-
-    def truncate(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
-        self.length = length
