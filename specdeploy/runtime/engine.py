@@ -279,9 +279,11 @@ class CachedModel:
         # The rule needs a free rollback: with optimum's concatenating graphs, stepping back one
         # position copies the whole cache (and on a GPU round-trips it through the host) every
         # step, so those keep single-token passes and only near-ties may differ.
+        # A draft's numbers never reach the output, so drafts keep single-token passes.
         if min_pass_tokens is None:
-            rounded = engine.spec.quantize != "none" or engine.spec.dtype != "fp32"
-            min_pass_tokens = 2 if rounded and engine.shared_buffer else 1
+            spec = engine.spec
+            rounded = spec.quantize != "none" or spec.dtype != "fp32"
+            min_pass_tokens = 2 if rounded and engine.shared_buffer and spec.role == "target" else 1
         self.min_pass_tokens = min_pass_tokens
 
     def reset(self) -> None:

@@ -40,9 +40,7 @@ def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verif
     if drafter == "prompt-lookup":
         chosen = lookup
     else:
-        # The draft's numbers never reach the output, so it may take single-token passes (see CachedModel).
-        draft = CachedModel(OrtEngine(bundle / manifest.draft.onnx_path, manifest.draft, config), manifest.max_context,
-                            min_pass_tokens=1)
+        draft = CachedModel(OrtEngine(bundle / manifest.draft.onnx_path, manifest.draft, config), manifest.max_context)
         chosen = ModelDrafter(draft) if drafter == "model" else HybridDrafter(ModelDrafter(draft), lookup)
     codec = TextCodec(bundle / manifest.tokenizer.path, manifest.tokenizer)
     return Generator(target, chosen, codec, manifest.max_context, manifest.target.eos_token_ids, manifest)

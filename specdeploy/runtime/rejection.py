@@ -23,7 +23,7 @@ from typing import Callable
 
 import numpy as np
 
-from .sampling import sample_tokens
+from .sampling import draw, sample_tokens
 
 
 def greedy_accept(draft_token_ids: np.ndarray, target_logits: np.ndarray) -> tuple[int, int]:
@@ -88,5 +88,5 @@ def rejection_sample_lazy(
         residual = np.maximum(target - draft_probs[position], 0.0)
         mass = residual.sum()
         final = residual / mass if mass > 0 else target  # zero mass: rounding, the rows are equal
-        return position, int(sample_tokens(final[None], rng.random(1))[0])
-    return num_draft, int(sample_tokens(target_row(num_draft)[None], rng.random(1))[0])
+        return position, draw(final, rng.random())
+    return num_draft, draw(target_row(num_draft), rng.random())
