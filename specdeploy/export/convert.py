@@ -65,6 +65,17 @@ def export_onnx(model, out_dir: Path, opset: int | None = None) -> Path:
     return out_dir / ONNX_NAME
 
 
+def weights_path(path: Path) -> Path:
+    """Where a model's weights go (path + '.data'), cleared of any earlier data file.
+
+    Cleared because onnx appends to an existing data file; optimum's own name (model.onnx_data)
+    goes too."""
+    for stale in (path.with_name(path.name + ".data"), path.with_name(path.name + "_data")):
+        if stale.exists():
+            stale.unlink()
+    return path.with_name(path.name + ".data")
+
+
 def save_model(model_proto, path: Path) -> None:
     """The graph in path, every weight in path + '.data' beside it (one file, 64-byte aligned offsets).
 
@@ -73,12 +84,10 @@ def save_model(model_proto, path: Path) -> None:
     150 MB with the weights inside the protobuf (which is parsed, copied, then prepacked)."""
     import onnx
 
-    for stale in (path.with_name(path.name + ".data"), path.with_name(path.name + "_data")):
-        if stale.exists():
-            stale.unlink()  # onnx appends to an existing data file
+    data = weights_path(path)
     onnx.save_model(model_proto, path, save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=path.name + ".data", size_threshold=1024)
-    path.with_name(path.name + ".data").chmod(0o644)  # onnx creates it owner-only; a bundle is for others to read
+                    location=data.name, size_threshold=1024)
+    data.chmod(0o644)  # onnx creates it owner-only; a bundle is for others to read
 
 
 def externalize(path: Path) -> None:

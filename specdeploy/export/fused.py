@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .convert import weights_path
+
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Phi3ForCausalLM")
 MS = "com.microsoft"
 OPSET = 17
@@ -123,7 +125,7 @@ class _Graph:
 
     def close(self) -> None:
         self._data.close()
-        self._data_path.chmod(0o644)
+        self._data_path.chmod(0o644)  # open() honours the umask; a bundle is for others to read
 
     def node(self, op: str, inputs: list[str], outputs: int | list[str] = 1, domain: str = "", **attrs) -> list[str]:
         self._count += 1
@@ -149,20 +151,9 @@ def build_fused(model, path: Path, max_context: int, window: int | None = None) 
     import onnx
     from onnx import helper
 
-    config = model.config
-    layers = model.model.layers
-    attention0 = layers[0].self_attn
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = attention0.head_dim
-    eps = float(config.rms_norm_eps)
-    vocab = config.vocab_size
-    for stale in (path.with_name(path.name + ".data"), path.with_name(path.name + "_data")):
-        if stale.exists():
-            stale.unlink()
-    g = _Graph(path.with_name(path.name + ".data"))
+    g = _Graph(weights_path(path))
     try:
-        _emit(g, model, max_context, heads, kv_heads, head_dim, eps, vocab, window or -1)
+        _emit(g, model, max_context, window or -1)
     finally:
         g.close()
 
@@ -175,12 +166,17 @@ def build_fused(model, path: Path, max_context: int, window: int | None = None) 
     return path
 
 
-def _emit(g: _Graph, model, max_context: int, heads: int, kv_heads: int, head_dim: int, eps: float, vocab: int,
-          window: int) -> None:
+def _emit(g: _Graph, model, max_context: int, window: int) -> None:
     """The nodes and weights of the fused graph (see the module docstring) into g."""
     from onnx import TensorProto, helper
 
+    config = model.config
     layers = model.model.layers
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = layers[0].self_attn.head_dim
+    eps = float(config.rms_norm_eps)
+    vocab = config.vocab_size
     inputs = [
         helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_size", "sequence_length"]),
         helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch_size", "total_sequence_length"]),
