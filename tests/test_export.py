@@ -125,6 +125,19 @@ def test_force_replaces_and_existing_out_is_refused(checkpoints, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle"]  # no temporary folder left behind
 
 
+def _edit_json(path: Path, edit) -> None:
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+def _copy_with_config(source: Path, folder: Path, **changes) -> str:
+    """A copy of a checkpoint folder with config.json entries replaced."""
+    shutil.copytree(source, folder)
+    _edit_json(folder / "config.json", lambda config: config.update(changes))
+    return str(folder)
+
+
 def _bad(tmp_path, checkpoints, case):
     pair = checkpoints("llama")
     target, draft = str(pair["target"]), str(pair["draft"])
@@ -148,33 +161,25 @@ def _bad(tmp_path, checkpoints, case):
                              vocab_size=VOCAB)).save_pretrained(folder)
         target = str(folder)
     elif case == "unsupported architecture":
-        folder = tmp_path / "custom"
-        shutil.copytree(pair["target"], folder)
-        config = json.loads((folder / "config.json").read_text())
-        config.update(model_type="totally_new_arch", architectures=["TotallyNewForCausalLM"])
-        (folder / "config.json").write_text(json.dumps(config))
-        target = str(folder)
+        target = _copy_with_config(pair["target"], tmp_path / "custom", model_type="totally_new_arch",
+                                   architectures=["TotallyNewForCausalLM"])
     elif case == "remote code without the flag":
-        folder = tmp_path / "remote"
-        shutil.copytree(pair["target"], folder)
-        config = json.loads((folder / "config.json").read_text())
-        config["auto_map"] = {"AutoModelForCausalLM": "modeling.MyModel"}
-        (folder / "config.json").write_text(json.dumps(config))
-        target = str(folder)
+        target = _copy_with_config(pair["target"], tmp_path / "remote",
+                                   auto_map={"AutoModelForCausalLM": "modeling.MyModel"})
     elif case == "mismatched vocabularies":
         folder = tmp_path / "othervocab"
         shutil.copytree(pair["draft"], folder)
-        tokenizer = json.loads((folder / "tokenizer.json").read_text())
-        vocab = tokenizer["model"]["vocab"]
-        a, b = sorted(vocab, key=vocab.get)[10:12]
-        vocab[a], vocab[b] = vocab[b], vocab[a]
-        (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+
+        def swap_two_ids(tokenizer):
+            vocab = tokenizer["model"]["vocab"]
+            a, b = sorted(vocab, key=vocab.get)[10:12]
+            vocab[a], vocab[b] = vocab[b], vocab[a]
+
+        _edit_json(folder / "tokenizer.json", swap_two_ids)
         draft = str(folder)
     elif case == "mismatched vocab sizes":
         draft = str(build_checkpoint(tmp_path / "bigvocab", "llama", 1, 32, 3, pair["target"]))
-        config = json.loads((Path(draft) / "config.json").read_text())
-        config["vocab_size"] = VOCAB + 16
-        (Path(draft) / "config.json").write_text(json.dumps(config))
+        _edit_json(Path(draft) / "config.json", lambda config: config.update(vocab_size=VOCAB + 16))
     elif case == "hub id not cached":
         target = "some-org/some-model-that-is-not-cached"
     elif case == "unknown dtype":
