@@ -43,7 +43,7 @@ def process_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         probs[probs < kth] = -np.inf
     probs -= probs.max(axis=-1, keepdims=True)
     np.exp(probs, out=probs)
-    probs /= probs.sum(axis=-1, keepdims=True)
+    probs *= np.float32(1.0) / probs.sum(axis=-1, keepdims=True, dtype=np.float32)  # as the one-row path
     if params.top_p < 1.0:
         for row in probs:
             _top_p_row(row, params.top_p)
