@@ -95,12 +95,15 @@ def _max_positions(config) -> int | None:
     return None
 
 
-def _quantize_for(role: str, config: ExportConfig) -> str:
+def _quantize_for(role: str, config: ExportConfig) -> tuple[str, bool]:
+    """The model's weight quantization, and whether auto chose it (then an fp32 fallback is allowed)."""
     if role == "target":
-        return config.quantize
+        return config.quantize, False
     if config.draft_quantize != "auto":
-        return config.draft_quantize
-    return "int8" if config.dtype == "fp32" and config.quantize == "none" else config.quantize
+        return config.draft_quantize, False
+    if config.dtype == "fp32" and config.quantize == "none":
+        return "int8", True
+    return config.quantize, False
 
 
 def _choose_graph(model, role: str, requested: str, max_context: int) -> str:
@@ -264,10 +267,9 @@ def export_bundle(config: ExportConfig, report: Reporter | None = None) -> Manif
                     f"--draft-window needs the fused graph for the draft, which cannot take it: "
                     f"{fused.unsupported_reason(model, max_context) or '--graph optimum was asked for'}"
                 )
-            quantize = _quantize_for(role, config)
-            auto = role == "draft" and config.draft_quantize == "auto" and config.quantize == "none"
+            quantize, chosen_by_auto = _quantize_for(role, config)
             spec = _build_model(role, quantize, model, checkpoint, root, config, max_context, num_parameters, graph,
-                                tokenizer_dirs["target"], report, fallback_to_fp32=auto and quantize != "none")
+                                tokenizer_dirs["target"], report, fallback_to_fp32=chosen_by_auto)
             del model
             specs[role] = spec
             if not spec.parity.passed:
