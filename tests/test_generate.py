@@ -9,6 +9,7 @@ from scipy import stats as scipy_stats
 import specdeploy
 from specdeploy.bench import exact_continuation_probs
 from specdeploy.errors import SpecdeployError
+from specdeploy.runtime import sampling
 from specdeploy.runtime.sampling import SamplingParams
 
 from conftest import ARCHITECTURES
@@ -114,10 +115,12 @@ def test_stats_identities(agreeing_bundle, temperature):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("draft_confidence", [0.0, 0.6])
-def test_sampled_speculative_matches_the_target_distribution(agreeing_bundle, draft_confidence):
+@pytest.mark.parametrize("draft_confidence, sampler", [(0.0, "c"), (0.6, "c"), (0.0, "numpy")])
+def test_sampled_speculative_matches_the_target_distribution(agreeing_bundle, monkeypatch, draft_confidence, sampler):
     """The first three tokens, over 4,000 seeded runs, against the exact target distribution
-    (also when drafting stops early on low draft confidence)."""
+    (also when drafting stops early on low draft confidence, and with NumPy's sampler instead of the C kernel)."""
+    if sampler == "numpy":
+        monkeypatch.setattr(sampling, "_fastsample", None)
     generator = specdeploy.load(agreeing_bundle)
     params = SamplingParams(temperature=1.0, top_k=3)
     prompt = generator.codec.encode(PROMPTS[0])
@@ -142,6 +145,8 @@ def test_sampled_speculative_matches_the_target_distribution(agreeing_bundle, dr
     "options, message",
     [
         (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=1e-9), "temperature"),
+        (dict(temperature=float("inf")), "temperature"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),
         (dict(top_k=-1), "top_k"),

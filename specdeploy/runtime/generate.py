@@ -19,10 +19,11 @@ from ..errors import SpecdeployError
 from .drafters import Drafter
 from .engine import CachedModel
 from .rejection import greedy_accept, rejection_sample_lazy
-from .sampling import SamplingParams, process_logits, sample_token
+from .sampling import SamplingParams, distribution, sample_logits
 from .text import TextCodec, TextStream
 
 MAX_DRAFT_TOKENS = 32
+MIN_TEMPERATURE = 1e-6  # below this, logits / temperature can overflow float32
 
 
 @dataclass(frozen=True)
@@ -39,8 +40,8 @@ class GenerationConfig:
     stop: tuple[str, ...] = ()  # generation ends before the first of these strings
 
     def validate(self) -> None:
-        if not self.temperature >= 0:
-            raise SpecdeployError(f"temperature must be >= 0 (got {self.temperature})")
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < float("inf")):
+            raise SpecdeployError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE} (got {self.temperature})")
         if not 0 < self.top_p <= 1:
             raise SpecdeployError(f"top_p must be in (0, 1] (got {self.top_p})")
         if self.top_k < 0:
@@ -211,6 +212,9 @@ class Generator:
         draft_model = drafter.model if drafter is not None else None
         engines = [self.target.engine] + ([draft_model.engine] if draft_model is not None else [])
         context = list(prompt_ids)
+        # The target's distributions of a round, written in place ([k + 1, vocab]; unused when greedy).
+        target_probs = None if params.greedy else np.empty((config.num_draft_tokens + 1, self.target.engine.spec.vocab_size),
+                                                           dtype=np.float32)
 
         start = time.perf_counter()
         self.target.prefill(context[:-1])
@@ -230,10 +234,10 @@ class Generator:
                 if drafts:
                     logits = self.target.extend(self.target.uncached(context) + drafts)[-(len(drafts) + 1):]  # [k+1, vocab]
                     if params.greedy:
-                        num_accepted, token = greedy_accept(np.asarray(drafts), logits)
+                        num_accepted, token = greedy_accept(drafts, logits)
                     else:
                         num_accepted, token = rejection_sample_lazy(
-                            drafts, draft_probs, lambda i: process_logits(logits[i : i + 1], params)[0], rng)
+                            drafts, draft_probs, lambda i: distribution(logits[i], params, target_probs[i]), rng)
                     drafter.update(num_accepted)
                     stats.drafted += len(drafts)
                     stats.accepted += num_accepted
@@ -242,7 +246,7 @@ class Generator:
                     new = drafts[:num_accepted] + [token]
                 else:
                     logits = self.target.logits_after(context)  # [vocab]
-                    token = int(logits.argmax()) if params.greedy else sample_token(process_logits(logits[None], params)[0], rng)
+                    token = int(logits.argmax()) if params.greedy else sample_logits(logits, params, rng, target_probs[0])
                     new = [token]
                 stats.rounds += 1
                 context.extend(new)

@@ -23,16 +23,19 @@ from typing import Callable
 
 import numpy as np
 
-from .sampling import draw, sample_tokens
+from .sampling import draw, residual_draw, sample_tokens
 
 
-def greedy_accept(draft_token_ids: np.ndarray, target_logits: np.ndarray) -> tuple[int, int]:
-    """draft_token_ids [k], target_logits [k + 1, vocab] -> (num_accepted, next_token)."""
-    target_choice = target_logits.argmax(axis=-1)  # [k + 1]
+def greedy_accept(draft_token_ids, target_logits: np.ndarray) -> tuple[int, int]:
+    """draft_token_ids [k], target_logits [k + 1, vocab] -> (num_accepted, next_token).
+
+    Rows are scanned up to the first mismatch only, as the sampled scan does."""
+    for position, token in enumerate(draft_token_ids):
+        choice = int(target_logits[position].argmax())
+        if choice != token:
+            return position, choice
     num_draft = len(draft_token_ids)
-    mismatch = np.flatnonzero(target_choice[:num_draft] != draft_token_ids)
-    num_accepted = int(mismatch[0]) if mismatch.size else num_draft
-    return num_accepted, int(target_choice[num_accepted])
+    return num_draft, int(target_logits[num_draft].argmax())
 
 
 def rejection_sample(
@@ -78,15 +81,14 @@ def rejection_sample_lazy(
     The scan stops at the first rejection, so rows past it are never needed: at the sampled
     acceptance of the benchmark pair (~0.45) that skips the softmax of about half the k + 1 verify
     rows. Random numbers are drawn exactly as rejection_sample draws them for a batch of one (k
-    uniforms, then one for the final draw), so both return the same tokens from the same state."""
+    uniforms, then one for the final draw), so both return the same tokens from the same state
+    (the C residual draw sums in another order than NumPy: only a uniform within rounding of the
+    boundary between two tokens could land on the other one)."""
     num_draft = len(draft_token_ids)
     uniforms = rng.random((1, num_draft))[0]
     for position, token in enumerate(draft_token_ids):
         target = target_row(position)
         if uniforms[position] * draft_probs[position, token] < target[token]:
             continue
-        residual = np.maximum(target - draft_probs[position], 0.0)
-        mass = residual.sum()
-        final = residual / mass if mass > 0 else target  # zero mass: rounding, the rows are equal
-        return position, draw(final, rng.random())
+        return position, residual_draw(target, draft_probs[position], rng.random())
     return num_draft, draw(target_row(num_draft), rng.random())

@@ -2,6 +2,13 @@
 
 Speculative sampling applies the same processing to the draft's and the target's logits, so the
 distribution it preserves is exactly the one target-only sampling draws from.
+
+The softmax and the draws of float32 rows (the runtime's) run in a small C extension when it was
+built at install (`_fastsample.c`, compiled whenever a C compiler is present): one call per row
+instead of about fifteen NumPy calls, each of which runs cold right after an ONNX Runtime pass. The
+NumPy code here computes the same quantities (tests hold the two together, to float rounding) and
+runs where the extension is missing. Either way, target-only sampling and the verify scan form
+their distributions through the same function, so they agree bit for bit.
 """
 
 from __future__ import annotations
@@ -9,6 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+try:
+    from . import _fastsample
+except ImportError:  # no C compiler at install time: NumPy computes the same, only slower
+    _fastsample = None
 
 
 @dataclass(frozen=True)
@@ -26,28 +38,57 @@ def process_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """Logits [n, vocab] -> probabilities [n, vocab] after temperature, then top-k, then top-p (as transformers orders them).
 
     float32 throughout: this runs for every draft token, and float32 ratios of probabilities are exact
-    to ~1e-7, far below anything a 100k-trial distribution test can see.
+    to ~1e-7, far below anything a 100k-trial distribution test can see. Every row is computed alone
+    (in C, or by the same NumPy arithmetic), so a row's bits do not depend on the rows beside it.
     """
-    probs = np.multiply(logits, np.float32(1.0 / params.temperature), dtype=np.float32)  # a fresh buffer we own
-    vocab = probs.shape[-1]
-    if probs.shape[0] == 1 and not 0 < params.top_k < vocab and params.top_p >= 1.0:
-        # One row, temperature only (every draft token): the same arithmetic on a 1-D view, where each
-        # NumPy call costs ~1 us instead of ~4 us for the keepdims reductions.
-        row = probs[0]
-        row -= row.max()
-        np.exp(row, out=row)
-        row *= np.float32(1.0) / row.sum(dtype=np.float32)
-        return probs
-    if 0 < params.top_k < vocab:
-        kth = np.partition(probs, vocab - params.top_k, axis=-1)[:, vocab - params.top_k][:, None]  # [n, 1]
-        probs[probs < kth] = -np.inf
-    probs -= probs.max(axis=-1, keepdims=True)
-    np.exp(probs, out=probs)
-    probs *= np.float32(1.0) / probs.sum(axis=-1, keepdims=True, dtype=np.float32)  # as the one-row path
+    logits = np.asarray(logits, dtype=np.float32)
+    vocab = logits.shape[-1]
+    if 0 < params.top_k < vocab:  # the same set before or after dividing by a positive temperature
+        kth = np.partition(logits, vocab - params.top_k, axis=-1)[:, vocab - params.top_k][:, None]  # [n, 1]
+        logits = np.where(logits < kth, np.float32(-np.inf), logits)
+    probs = np.empty(logits.shape, dtype=np.float32)
+    for row, out in zip(logits, probs):
+        softmax_row(row, out, params.temperature)
     if params.top_p < 1.0:
         for row in probs:
             _top_p_row(row, params.top_p)
     return probs
+
+
+def softmax_row(logits: np.ndarray, out: np.ndarray, temperature: float) -> None:
+    """out [vocab] = softmax(logits [vocab] / temperature), float32; -inf logits get probability 0."""
+    if _fastsample is not None and logits.flags.c_contiguous and out.flags.c_contiguous:
+        _fastsample.softmax(logits, out, 1.0 / temperature)
+        return
+    np.multiply(logits, np.float32(1.0 / temperature), out=out)
+    out -= out.max()
+    np.exp(out, out=out)
+    out *= np.float32(1.0) / out.sum(dtype=np.float32)
+
+
+def _temperature_only(params: SamplingParams, vocab: int) -> bool:
+    return not 0 < params.top_k < vocab and params.top_p >= 1.0
+
+
+def distribution(logits: np.ndarray, params: SamplingParams, out: np.ndarray) -> np.ndarray:
+    """out [vocab] = process_logits(logits [vocab], params) for one row, without its allocations when temperature alone applies."""
+    if _temperature_only(params, logits.shape[-1]) and logits.dtype == np.float32:
+        softmax_row(logits, out, params.temperature)
+    else:
+        out[...] = process_logits(logits[None], params)[0]
+    return out
+
+
+def sample_logits(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, out: np.ndarray) -> int:
+    """Draw one token from logits [vocab] processed by params; out [vocab] receives the distribution it was drawn from.
+
+    One draw from rng, as distribution followed by sample_token. With temperature alone (every draft
+    token of the benchmarks) the C extension does both in one call, with the same softmax."""
+    uniform = rng.random()
+    if (_fastsample is not None and _temperature_only(params, logits.shape[-1]) and logits.dtype == np.float32
+            and logits.flags.c_contiguous and out.flags.c_contiguous):
+        return _fastsample.softmax(logits, out, 1.0 / params.temperature, uniform)
+    return draw(distribution(logits, params, out), uniform)
 
 
 def _top_p_row(row: np.ndarray, top_p: float, candidates: int = 64) -> None:
@@ -79,7 +120,10 @@ def draw(weights: np.ndarray, uniform: float) -> int:
 
     Two levels: a cumulative sum over blocks of 64 (their sums are one vectorized reduction),
     then one inside the chosen block. np.cumsum over a whole 8k vocabulary is sequential and cost
-    24 us, more than the softmax before it; this costs ~5 us and draws from the same distribution."""
+    24 us, more than the softmax before it; this costs ~5 us and draws from the same distribution.
+    float32 rows go to the C extension, which draws the same way."""
+    if _fastsample is not None and weights.dtype == np.float32 and weights.ndim == 1 and weights.flags.c_contiguous:
+        return _fastsample.draw(weights, uniform)
     vocab = weights.shape[0]
     full = vocab - vocab % BLOCK
     sums = weights[:full].reshape(-1, BLOCK).sum(axis=1)
@@ -117,3 +161,13 @@ def sample_tokens(probs: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
 def sample_token(probs: np.ndarray, rng: np.random.Generator) -> int:
     """One inverse-CDF draw from probs [vocab]: one cumsum and a binary search."""
     return draw(probs, rng.random())
+
+
+def residual_draw(target_probs: np.ndarray, draft_probs: np.ndarray, uniform: float) -> int:
+    """One draw from normalize(max(0, target_probs - draft_probs)) (both [vocab]), the recovered token of
+    speculative sampling; from target_probs when the residual has no mass (the rows are equal up to rounding)."""
+    if (_fastsample is not None and target_probs.dtype == draft_probs.dtype == np.float32
+            and target_probs.flags.c_contiguous and draft_probs.flags.c_contiguous):
+        return _fastsample.residual_draw(target_probs, draft_probs, uniform)
+    residual = np.maximum(target_probs - draft_probs, 0.0)
+    return draw(residual if residual.sum() > 0 else target_probs, uniform)

@@ -1,0 +1,121 @@
+"""The sampler's C kernel (_fastsample) against the NumPy code that defines it: same numbers to float
+rounding, same draws, the same distributions, and one-line errors for bad buffers."""
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from specdeploy.runtime import sampling
+from specdeploy.runtime.sampling import SamplingParams, distribution, draw, process_logits, residual_draw, sample_logits
+
+fast = sampling._fastsample
+
+
+def numpy_only(monkeypatch):
+    monkeypatch.setattr(sampling, "_fastsample", None)
+
+
+def test_the_c_kernel_was_built():
+    """pip builds it whenever a C compiler is present (CI has one); without it sampling is ~3x slower."""
+    assert fast is not None, "specdeploy.runtime._fastsample is missing: reinstall with a C compiler (pip install -e .)"
+
+
+@pytest.mark.parametrize("vocab", [1, 5, 63, 64, 65, 1000, 8192, 50257])
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5])
+def test_c_softmax_equals_numpy_to_rounding(monkeypatch, vocab, temperature):
+    rng = np.random.default_rng(vocab)
+    logits = (rng.normal(size=(3, vocab)) * 4).astype(np.float32)
+    logits[1, rng.integers(0, vocab, size=vocab // 2)] = -np.inf  # what top-k masking leaves
+    logits[1, 0] = 3.0
+    logits[2] = 1e4  # all equal, large: exp(0) everywhere
+    params = SamplingParams(temperature=temperature)
+    ours = process_logits(logits, params)
+    numpy_only(monkeypatch)
+    reference = process_logits(logits, params)
+    np.testing.assert_allclose(ours, reference, rtol=3e-6, atol=1e-30)
+    assert np.all(ours[1][logits[1] == -np.inf] == 0)
+    np.testing.assert_allclose(ours.sum(axis=1, dtype=np.float64), 1.0, rtol=1e-5)
+
+
+def test_sampling_a_row_forms_the_same_distribution_as_the_verify_scan():
+    """Target-only sampling (sample_logits) and the verify scan (distribution) must agree bit for bit."""
+    logits = (np.random.default_rng(3).normal(size=8192) * 3).astype(np.float32)
+    params = SamplingParams(temperature=0.8)
+    drawn_from = np.empty_like(logits)
+    sample_logits(logits, params, np.random.default_rng(0), drawn_from)
+    np.testing.assert_array_equal(drawn_from, distribution(logits, params, np.empty_like(logits)))
+    np.testing.assert_array_equal(drawn_from, process_logits(logits[None], params)[0])
+
+
+@pytest.mark.parametrize("vocab", [5, 64, 200, 8192])
+def test_c_draw_is_the_numpy_inverse_cdf(monkeypatch, vocab):
+    rng = np.random.default_rng(vocab + 1)
+    weights = (rng.random(vocab) ** 8).astype(np.float32)
+    weights[rng.integers(0, vocab, size=vocab // 3)] = 0.0
+    weights[-1] = 0.0
+    uniforms = np.concatenate([rng.random(2000), [0.0, 1.0 - 1e-16]])
+    ours = [draw(weights, float(u)) for u in uniforms]
+    numpy_only(monkeypatch)
+    reference = [draw(weights, float(u)) for u in uniforms]
+    assert all(weights[token] > 0 for token in ours)
+    cdf = np.cumsum(weights, dtype=np.float64)
+    for token, expected, u in zip(ours, reference, uniforms):
+        if token != expected:  # summation order differs: only a uniform within rounding of a boundary
+            assert abs(cdf[min(token, expected)] - u * cdf[-1]) <= 1e-6 * cdf[-1]
+
+
+@pytest.mark.parametrize("use_c", [True, False])
+def test_sample_logits_follows_the_softmax(monkeypatch, use_c):
+    if not use_c:
+        numpy_only(monkeypatch)
+    logits = np.array([2.0, 1.0, 0.5, -1.0, 0.0] + [-30.0] * 59 + [1.5], dtype=np.float32)  # crosses a block edge
+    params = SamplingParams(temperature=0.7)
+    rng = np.random.default_rng(4)
+    out = np.empty_like(logits)
+    counts = np.bincount([sample_logits(logits, params, rng, out) for _ in range(40_000)], minlength=logits.size)
+    expected = process_logits(logits[None], params)[0].astype(np.float64)
+    big = expected > 1e-4
+    assert counts[~big].sum() <= 5
+    assert stats.chisquare(counts[big], expected[big] / expected[big].sum() * counts[big].sum()).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("use_c", [True, False])
+def test_residual_draw_follows_the_residual(monkeypatch, use_c):
+    if not use_c:
+        numpy_only(monkeypatch)
+    target = np.array([0.4, 0.1, 0.3, 0.0, 0.2] * 20, dtype=np.float32) / 20
+    draft = np.array([0.1, 0.3, 0.3, 0.1, 0.2] * 20, dtype=np.float32) / 20
+    rng = np.random.default_rng(5)
+    counts = np.bincount([residual_draw(target, draft, rng.random()) for _ in range(20_000)], minlength=100)
+    residual = np.maximum(target.astype(np.float64) - draft, 0.0)
+    assert counts[residual == 0].sum() == 0
+    support = residual > 0
+    assert stats.chisquare(counts[support], residual[support] / residual.sum() * 20_000).pvalue > 1e-3
+    # Equal rows leave no residual: the draw falls back to the target row.
+    assert {residual_draw(target, target.copy(), u) for u in rng.random(200)} <= set(np.flatnonzero(target))
+
+
+@pytest.mark.skipif(fast is None, reason="the C kernel was not built (test_the_c_kernel_was_built says so)")
+@pytest.mark.parametrize(
+    "call, error",
+    [
+        (lambda x, out: fast.softmax(x.astype(np.float64), out, 1.0), TypeError),
+        (lambda x, out: fast.softmax(x, out[:5], 1.0), ValueError),
+        (lambda x, out: fast.softmax(x, out, 0.0), ValueError),
+        (lambda x, out: fast.softmax(x, out, float("inf")), ValueError),
+        (lambda x, out: fast.softmax(x, out, 1.0, 1.0), ValueError),
+        (lambda x, out: fast.softmax(x, out[::2], 1.0), TypeError),
+        (lambda x, out: fast.softmax(x, x.reshape(2, -1), 1.0), TypeError),
+        (lambda x, out: fast.draw(np.zeros(8, np.float32), 0.5), ValueError),
+        (lambda x, out: fast.residual_draw(x, out[:7], 0.5), ValueError),
+        (lambda x, out: fast.softmax(x), TypeError),
+    ],
+)
+def test_c_kernel_rejects_bad_buffers(call, error):
+    logits, out = np.ones(64, np.float32), np.empty(64, np.float32)
+    with pytest.raises(error):
+        call(logits, out)
+    read_only = np.empty(64, np.float32)
+    read_only.flags.writeable = False
+    with pytest.raises(TypeError):
+        fast.softmax(logits, read_only, 1.0)
