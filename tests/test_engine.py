@@ -147,3 +147,25 @@ def test_cache_capacity_and_gpu_checks(bundles, monkeypatch):
     monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
     with pytest.raises(SpecdeployError, match="fp32 fused graph"):
         OrtEngine(bundle / spec.onnx_path, spec, SessionConfig(device="cuda"))
+
+
+def test_scratch_logits_are_the_same_numbers_and_last_one_pass(bundles):
+    """forward(scratch=True) writes one engine-owned buffer (the generate loop's passes): the numbers of a
+    fresh array, valid until the next scratch pass; long passes and ordinary callers get fresh arrays."""
+    from specdeploy.runtime.engine import SCRATCH_ROWS
+
+    bundle = bundles("llama")
+    spec = load_manifest(bundle).target
+    engine = OrtEngine(bundle / spec.onnx_path, spec)
+    ids = [int(i) for i in np.random.default_rng(7).integers(2, 300, size=20)]
+    fresh_cache, scratch_cache = engine.new_cache(64), engine.new_cache(64)
+    fresh = [engine.forward(ids[:12], fresh_cache)] + [engine.forward([token], fresh_cache) for token in ids[12:15]]
+    assert not any(np.shares_memory(a, b) for i, a in enumerate(fresh) for b in fresh[i + 1 :])
+    scratch = [engine.forward(ids[:12], scratch_cache, scratch=True)]
+    np.testing.assert_array_equal(scratch[0], fresh[0])
+    for step, token in enumerate(ids[12:15], start=1):
+        scratch.append(engine.forward([token], scratch_cache, scratch=True))
+        np.testing.assert_array_equal(scratch[-1], fresh[step])
+    assert np.shares_memory(scratch[0], scratch[1]) and np.shares_memory(scratch[1], scratch[3])
+    long_pass = engine.forward(ids[: SCRATCH_ROWS + 1], engine.new_cache(64), scratch=True)
+    assert not np.shares_memory(long_pass, scratch[0])

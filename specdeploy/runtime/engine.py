@@ -20,6 +20,7 @@ from .kv_cache import KVCache, SharedKVCache, _ortvalue
 DEVICES = ("cpu", "cuda", "tensorrt")
 PREFILL_CHUNK = 64  # tokens per prefill pass (see CachedModel.prefill)
 BOUND_IDS = 64  # passes up to this many tokens bind their ids from a fixed buffer (see OrtEngine)
+SCRATCH_ROWS = 16  # scratch-logits passes up to this many tokens write one fixed buffer (see OrtEngine.forward)
 
 
 @dataclass(frozen=True)
@@ -178,6 +179,7 @@ class OrtEngine:
         self._ids = np.zeros((1, BOUND_IDS), dtype=np.int64)
         self._ids_values = [_ortvalue(self._ids[:, :n], "cpu") if n else None for n in range(BOUND_IDS + 1)]
         self._mask_values: list = []
+        self._scratch = None  # see forward(scratch=True); made on first use
 
     def new_cache(self, capacity: int) -> KVCache:
         spec = self.spec
@@ -186,15 +188,20 @@ class OrtEngine:
         kind = SharedKVCache if self.shared_buffer else KVCache
         return kind(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.cache_dtype, capacity, self._device)
 
-    def forward(self, token_ids: np.ndarray, cache: KVCache) -> np.ndarray:
-        """Run token_ids [n] after the cache's valid positions; returns logits [n, vocab] (float32).
+    def forward(self, token_ids, cache: KVCache, scratch: bool = False) -> np.ndarray:
+        """Run token_ids ([n], a list or an array) after the cache's valid positions; returns logits [n, vocab] (float32).
 
         IO binding keeps every tensor where ONNX Runtime put it: the presents come back as OrtValues
         whose memory the cache reads in place (no copy into new NumPy arrays), and they are bound
         as the next step's past as they are.
+
+        scratch: the logits of a short pass (up to SCRATCH_ROWS tokens, on a shared-buffer graph) land
+        in one buffer the engine owns and its next scratch pass overwrites: no array, OrtValue or
+        binding to make per pass (~7 us of a ~20 us draft step's Python). For callers that read the
+        logits before the next pass, as the generate loop does; everyone else gets a fresh array.
         """
         past_length = cache.length
-        count = int(token_ids.shape[0])
+        count = len(token_ids)
         total = past_length + count
         if total > cache.capacity:
             raise SpecdeployError(f"context of {total} tokens exceeds the bundle's max context {cache.capacity}")
@@ -203,7 +210,7 @@ class OrtEngine:
             self._positions = np.arange(cache.capacity, dtype=np.int64)[None]
             self._mask_values = [None] * (cache.capacity + 1)  # views of the old array go with it
         if cache.shared_buffer:
-            return self._forward_shared(token_ids, count, total, cache)
+            return self._forward_shared(token_ids, count, total, cache, scratch and count <= SCRATCH_ROWS)
         # The C-level binding skips the Python wrappers' per-call bookkeeping: draft steps are
         # short enough (~0.6 ms) for that to show. Bound NumPy arrays must outlive the run.
         binding = self._binding
@@ -218,26 +225,28 @@ class OrtEngine:
         binding.bind_output("logits", self._cpu)
         for name in self._output_names[1:]:
             binding.bind_output(name, self._cache_device)
-        self._timed_run()
+        start = time.perf_counter()
+        self._run(binding, None)
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
         outputs = binding.get_outputs()  # C OrtValues, owned by us from here on
         cache.update([outputs[i] for i in range(1, len(outputs))])
         logits = outputs[0].numpy()[0]  # [n, vocab]; a view on the CPU
         return logits if logits.dtype == np.float32 else logits.astype(np.float32)
 
-    def _timed_run(self) -> None:
-        start = time.perf_counter()
-        self._run(self._binding, None)
-        self.seconds += time.perf_counter() - start
-        self.calls += 1
-
-    def _forward_shared(self, token_ids: np.ndarray, count: int, total: int, cache: SharedKVCache) -> np.ndarray:
+    def _forward_shared(self, token_ids, count: int, total: int, cache: SharedKVCache, scratch: bool) -> np.ndarray:
         """The fused graphs: each present is bound to its past's buffer and written in place.
 
-        The cache buffers stay bound from one pass to the next; only the token ids, the mask
-        (its width is the valid length) and a fresh logits array are bound per pass."""
+        The cache buffers stay bound from one pass to the next; only the token ids, the mask (its
+        width is the valid length) and the logits are bound per pass, each from an OrtValue made
+        once where it can be. This is the draft's inner loop: every line here runs cold after a pass
+        has streamed the weights through the caches, so it does as little as it can."""
         binding = self._binding
         if count <= BOUND_IDS:
-            self._ids[0, :count] = token_ids
+            if count == 1:
+                self._ids[0, 0] = token_ids[0]
+            else:
+                self._ids[0, :count] = token_ids
             binding.bind_ortvalue_input("input_ids", self._ids_values[count])
         else:  # the binding does not keep the array alive: the engine does, until the next pass
             self._long_ids = np.ascontiguousarray(token_ids, dtype=np.int64).reshape(1, count)
@@ -252,22 +261,41 @@ class OrtEngine:
             for name, tensor in zip(self._output_names[1:], cache.tensors):
                 binding.bind_ortvalue_output(name, tensor)
             self._bound = cache
-        # A fresh array per pass: callers may keep earlier logits. The engine holds the latest, whose
-        # memory the binding points into, until the next pass rebinds it.
-        self._logits = logits = np.empty((1, count, self.spec.vocab_size), dtype=self._logits_dtype)
-        binding.bind_ortvalue_output("logits", _ortvalue(logits, "cpu"))
-        self._timed_run()
-        cache.advance(count)
-        return logits[0] if logits.dtype == np.float32 else logits[0].astype(np.float32)
+        if scratch:
+            if self._scratch is None:
+                self._make_scratch()
+            binding.bind_ortvalue_output("logits", self._scratch_values[count])
+            logits = self._scratch_rows[count]
+        else:
+            # A fresh array: the caller may keep it. The engine holds it, since the binding points
+            # into its memory, until the next pass rebinds the output.
+            self._logits = fresh = np.empty((1, count, self.spec.vocab_size), dtype=self._logits_dtype)
+            binding.bind_ortvalue_output("logits", _ortvalue(fresh, "cpu"))
+            logits = fresh[0]
+        start = time.perf_counter()
+        self._run(binding, None)
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
+        cache.length += count
+        return logits if logits.dtype == np.float32 else logits.astype(np.float32)
+
+    def _make_scratch(self) -> None:
+        """One [1, SCRATCH_ROWS, vocab] buffer; a pass of n tokens writes its first n rows (contiguous)."""
+        self._scratch = np.empty((1, SCRATCH_ROWS, self.spec.vocab_size), dtype=self._logits_dtype)
+        self._scratch_values = [None] + [_ortvalue(self._scratch[:, :n], "cpu") for n in range(1, SCRATCH_ROWS + 1)]
+        self._scratch_rows = [None] + [self._scratch[0, :n] for n in range(1, SCRATCH_ROWS + 1)]
 
 
 class CachedModel:
     """An engine, its KV cache, and the tokens the cache holds (so rollback is automatic)."""
 
-    def __init__(self, engine: OrtEngine, capacity: int, min_pass_tokens: int | None = None):
+    def __init__(self, engine: OrtEngine, capacity: int, min_pass_tokens: int | None = None,
+                 scratch_logits: bool = False):
         self.engine = engine
         self.cache = engine.new_cache(capacity)
         self.tokens: list[int] = []  # the tokens whose keys and values the cache holds
+        # True: extend's logits are only valid until the next pass (OrtEngine.forward's scratch).
+        self.scratch_logits = scratch_logits
         # ONNX Runtime's kernels take a separate path for a single row. In fp32 its logits differ
         # from a multi-token pass by 6e-6 to 6e-5; in fp16 by ~5e-3, and the int8-compute
         # MatMulNBits kernels (quantized models) fall back to fp32 for one row and differ by ~3e-2:
@@ -330,12 +358,12 @@ class CachedModel:
         if 0 < len(token_ids) < self.min_pass_tokens:
             if self.tokens:  # run the previous token again in front
                 self.cache.truncate(len(self.tokens) - 1)
-                logits = self.engine.forward(np.asarray([self.tokens[-1], *token_ids], dtype=np.int64), self.cache)[1:]
+                logits = self.engine.forward([self.tokens[-1], *token_ids], self.cache, self.scratch_logits)[1:]
             else:  # nothing before it: a padding copy behind it, dropped again (causal: it changes nothing before)
-                logits = self.engine.forward(np.asarray(list(token_ids) * 2, dtype=np.int64), self.cache)[: len(token_ids)]
+                logits = self.engine.forward(list(token_ids) * 2, self.cache, self.scratch_logits)[: len(token_ids)]
                 self.cache.truncate(len(token_ids))
         else:
-            logits = self.engine.forward(np.asarray(token_ids, dtype=np.int64), self.cache)
+            logits = self.engine.forward(token_ids, self.cache, self.scratch_logits)
         self.tokens.extend(token_ids)
         return logits
 

@@ -122,7 +122,3 @@ class SharedKVCache(_Cache):
 
     def past(self) -> list:
         return self.tensors
-
-    def advance(self, count: int) -> None:
-        """A pass wrote count more positions into the buffers."""
-        self.length += count
