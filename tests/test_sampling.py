@@ -6,7 +6,7 @@ import pytest
 from scipy import stats
 
 from specdeploy.runtime import sampling
-from specdeploy.runtime.sampling import SamplingParams, distribution, draw, process_logits, residual_draw, sample_logits
+from specdeploy.runtime.sampling import SamplingParams, distribution, draw, process_logits, residual_draw, row_sampler
 
 fast = sampling._fastsample
 
@@ -38,11 +38,11 @@ def test_c_softmax_equals_numpy_to_rounding(monkeypatch, vocab, temperature):
 
 
 def test_sampling_a_row_forms_the_same_distribution_as_the_verify_scan():
-    """Target-only sampling (sample_logits) and the verify scan (distribution) must agree bit for bit."""
+    """Target-only sampling (row_sampler) and the verify scan (distribution) must agree bit for bit."""
     logits = (np.random.default_rng(3).normal(size=8192) * 3).astype(np.float32)
     params = SamplingParams(temperature=0.8)
     drawn_from = np.empty_like(logits)
-    sample_logits(logits, params, np.random.default_rng(0), drawn_from)
+    row_sampler(params, logits.size)(logits, np.random.default_rng(0), drawn_from)
     np.testing.assert_array_equal(drawn_from, distribution(logits, params, np.empty_like(logits)))
     np.testing.assert_array_equal(drawn_from, process_logits(logits[None], params)[0])
 
@@ -65,14 +65,15 @@ def test_c_draw_is_the_numpy_inverse_cdf(monkeypatch, vocab):
 
 
 @pytest.mark.parametrize("use_c", [True, False])
-def test_sample_logits_follows_the_softmax(monkeypatch, use_c):
+def test_row_sampler_follows_the_softmax(monkeypatch, use_c):
     if not use_c:
         numpy_only(monkeypatch)
     logits = np.array([2.0, 1.0, 0.5, -1.0, 0.0] + [-30.0] * 59 + [1.5], dtype=np.float32)  # crosses a block edge
     params = SamplingParams(temperature=0.7)
     rng = np.random.default_rng(4)
     out = np.empty_like(logits)
-    counts = np.bincount([sample_logits(logits, params, rng, out) for _ in range(40_000)], minlength=logits.size)
+    sample = row_sampler(params, logits.size)
+    counts = np.bincount([sample(logits, rng, out) for _ in range(40_000)], minlength=logits.size)
     expected = process_logits(logits[None], params)[0].astype(np.float64)
     big = expected > 1e-4
     assert counts[~big].sum() <= 5

@@ -113,14 +113,13 @@ ROW_PASS static double residual_block_sums(const float *restrict target, const f
     BLOCK_SUMS(RESIDUAL);
 }
 
-/* out = softmax(logits * inverse_temperature), in NumPy's order of operations (sampling.process_logits:
- * scale, subtract the scaled maximum, exp, multiply by the reciprocal of the sum); block_sums are of out. */
+/* out = softmax(logits * inverse_temperature), in NumPy's order of operations (sampling.softmax_row:
+ * scale, subtract the scaled maximum, exp, multiply by the reciprocal of the sum); block_sums is scratch. */
 static void softmax_row(const float *logits, float *out, Py_ssize_t n, float inverse_temperature, float *block_sums) {
     exp_row(logits, out, n, inverse_temperature, row_max(logits, n) * inverse_temperature);
     const double total = block_sums_of(out, n, block_sums); /* >= 1: the maximum contributes e^0 */
     const float scale = (float)(1.0 / total);
     scale_row(out, n, scale);
-    for (Py_ssize_t b = 0; b * BLOCK < n; b++) block_sums[b] *= scale;
 }
 
 /* Index of the first weight whose running sum exceeds point, scanning [start, end); the last
@@ -178,47 +177,69 @@ static Py_ssize_t draw_blocks(const float *weights, Py_ssize_t n, const float *b
     return scan_weights(weights, start, end, point);
 }
 
-/* ---- Python glue: buffers are 1-D C-contiguous float32 ('f') ---- */
+/* The inverse-CDF draw from non-negative weights (not necessarily normalized); -1 if all are zero. */
+static Py_ssize_t draw_row(const float *weights, Py_ssize_t n, float *blocks, double uniform) {
+    const double total = block_sums_of(weights, n, blocks);
+    return draw_blocks(weights, n, blocks, total, uniform);
+}
+
+/* A draw from normalize(max(0, target - draft)); from target if that has no mass. */
+static Py_ssize_t residual_draw_row(const float *target, const float *draft, Py_ssize_t n, float *blocks,
+                                    double uniform) {
+    const double total = residual_block_sums(target, draft, n, blocks);
+    if (!(total > 0.0)) return draw_row(target, n, blocks, uniform); /* the rows are equal up to rounding */
+    double point = uniform * total;
+    const Py_ssize_t block = pick_block(blocks, num_blocks_of(n), &point);
+    const Py_ssize_t start = block * BLOCK, end = start + BLOCK < n ? start + BLOCK : n;
+    return scan_residual(target, draft, start, end, point);
+}
+
+/* ---- Python glue: arrays come through the buffer protocol, C-contiguous ---- */
 
 typedef struct {
     Py_buffer view;
     int held;
-} Row;
+} Buffer;
 
-static int get_row(PyObject *obj, Row *row, int writable, const char *name) {
-    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
-    if (PyObject_GetBuffer(obj, &row->view, flags) < 0) {
-        PyErr_Format(PyExc_TypeError, "%s must be a %scontiguous float32 array", name, writable ? "writable " : "");
+/* A C-contiguous non-empty array of ndim dimensions and struct format ("f": float32, "d": float64). */
+static int get_buffer(PyObject *obj, Buffer *buffer, int ndim, const char *format, int writable, const char *name) {
+    const int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    const char *type = format[0] == 'f' ? "float32" : "float64";
+    if (PyObject_GetBuffer(obj, &buffer->view, flags) < 0) {
+        PyErr_Format(PyExc_TypeError, "%s must be a %scontiguous %s array", name, writable ? "writable " : "", type);
         return -1;
     }
-    row->held = 1;
-    if (row->view.ndim != 1 || row->view.itemsize != 4 || row->view.format == NULL || strcmp(row->view.format, "f") != 0
-        || row->view.shape[0] < 1) {
-        PyErr_Format(PyExc_TypeError, "%s must be a non-empty 1-D float32 array", name);
+    buffer->held = 1;
+    const char *got = buffer->view.format == NULL ? "B" : buffer->view.format;
+    if (got[0] == '<' || got[0] == '=' || got[0] == '@') got++;
+    if (buffer->view.ndim != ndim || strcmp(got, format) != 0 || buffer->view.len == 0) {
+        PyErr_Format(PyExc_TypeError, "%s must be a non-empty %d-D %s array", name, ndim, type);
         return -1;
     }
     return 0;
 }
 
-static void release(Row *rows, int count) {
+static void release(Buffer *buffers, int count) {
     for (int i = 0; i < count; i++)
-        if (rows[i].held) PyBuffer_Release(&rows[i].view);
+        if (buffers[i].held) PyBuffer_Release(&buffers[i].view);
 }
 
-static int same_length(Row *a, Row *b) {
-    if (a->view.shape[0] == b->view.shape[0]) return 0;
-    PyErr_SetString(PyExc_ValueError, "the two rows differ in length");
+static int same_length(Buffer *a, Buffer *b) {
+    if (a->view.shape[a->view.ndim - 1] == b->view.shape[b->view.ndim - 1]) return 0;
+    PyErr_SetString(PyExc_ValueError, "the rows differ in length");
+    return -1;
+}
+
+static int check_uniform(double uniform) {
+    if (uniform >= 0.0 && uniform < 1.0) return 0;
+    PyErr_SetString(PyExc_ValueError, "uniforms must be in [0, 1)");
     return -1;
 }
 
 static int get_uniform(PyObject *obj, double *uniform) {
     *uniform = PyFloat_AsDouble(obj);
     if (*uniform == -1.0 && PyErr_Occurred()) return -1;
-    if (!(*uniform >= 0.0 && *uniform < 1.0)) {
-        PyErr_SetString(PyExc_ValueError, "uniform must be in [0, 1)");
-        return -1;
-    }
-    return 0;
+    return check_uniform(*uniform);
 }
 
 static int get_inverse_temperature(PyObject *obj, float *inverse) {
@@ -245,6 +266,12 @@ static void free_blocks(float *blocks, float *stack) {
     if (blocks != stack) PyMem_Free(blocks);
 }
 
+static PyObject *token_or_error(Py_ssize_t token, const char *what) {
+    if (token >= 0) return PyLong_FromSsize_t(token);
+    PyErr_Format(PyExc_ValueError, "%s have no positive entry", what);
+    return NULL;
+}
+
 /* softmax(logits, out, inverse_temperature, uniform=None): out = softmax(logits * inverse_temperature);
  * with a uniform, also returns the token drawn from out by the inverse CDF at that uniform. */
 static PyObject *fs_softmax(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -253,34 +280,26 @@ static PyObject *fs_softmax(PyObject *self, PyObject *const *args, Py_ssize_t na
         PyErr_SetString(PyExc_TypeError, "softmax(logits, out, inverse_temperature, uniform=None)");
         return NULL;
     }
-    Row rows[2] = {{.held = 0}, {.held = 0}};
+    Buffer buffers[2] = {{.held = 0}, {.held = 0}};
     float inverse;
     double uniform = 0.0;
     const int draw = nargs == 4 && args[3] != Py_None;
-    if (get_row(args[0], &rows[0], 0, "logits") < 0 || get_row(args[1], &rows[1], 1, "out") < 0
-        || same_length(&rows[0], &rows[1]) < 0 || get_inverse_temperature(args[2], &inverse) < 0
-        || (draw && get_uniform(args[3], &uniform) < 0)) {
-        release(rows, 2);
+    float stack[STACK_BLOCKS], *blocks = NULL;
+    if (get_buffer(args[0], &buffers[0], 1, "f", 0, "logits") < 0 || get_buffer(args[1], &buffers[1], 1, "f", 1, "out") < 0
+        || same_length(&buffers[0], &buffers[1]) < 0 || get_inverse_temperature(args[2], &inverse) < 0
+        || (draw && get_uniform(args[3], &uniform) < 0)
+        || (blocks = block_buffer(stack, buffers[0].view.shape[0])) == NULL) {
+        release(buffers, 2);
         return NULL;
     }
-    const Py_ssize_t n = rows[0].view.shape[0];
-    float *out = rows[1].view.buf, stack[STACK_BLOCKS];
-    float *blocks = block_buffer(stack, n);
-    if (blocks == NULL) {
-        release(rows, 2);
-        return NULL;
-    }
-    softmax_row(rows[0].view.buf, out, n, inverse, blocks);
-    Py_ssize_t token = -1;
-    if (draw) {
-        double total = 0.0;
-        for (Py_ssize_t b = 0; b < num_blocks_of(n); b++) total += blocks[b];
-        token = draw_blocks(out, n, blocks, total, uniform);
-    }
+    const Py_ssize_t n = buffers[0].view.shape[0];
+    float *out = buffers[1].view.buf;
+    softmax_row(buffers[0].view.buf, out, n, inverse, blocks);
+    const Py_ssize_t token = draw ? draw_row(out, n, blocks, uniform) : 0;
     free_blocks(blocks, stack);
-    release(rows, 2);
+    release(buffers, 2);
     if (!draw) Py_RETURN_NONE;
-    return PyLong_FromSsize_t(token);
+    return token_or_error(token, "probabilities");
 }
 
 /* draw(weights, uniform): the inverse-CDF draw from non-negative weights (not necessarily normalized). */
@@ -290,29 +309,18 @@ static PyObject *fs_draw(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         PyErr_SetString(PyExc_TypeError, "draw(weights, uniform)");
         return NULL;
     }
-    Row row = {.held = 0};
+    Buffer buffer = {.held = 0};
     double uniform;
-    if (get_row(args[0], &row, 0, "weights") < 0 || get_uniform(args[1], &uniform) < 0) {
-        release(&row, 1);
+    float stack[STACK_BLOCKS], *blocks = NULL;
+    if (get_buffer(args[0], &buffer, 1, "f", 0, "weights") < 0 || get_uniform(args[1], &uniform) < 0
+        || (blocks = block_buffer(stack, buffer.view.shape[0])) == NULL) {
+        release(&buffer, 1);
         return NULL;
     }
-    const Py_ssize_t n = row.view.shape[0];
-    const float *weights = row.view.buf;
-    float stack[STACK_BLOCKS];
-    float *blocks = block_buffer(stack, n);
-    if (blocks == NULL) {
-        release(&row, 1);
-        return NULL;
-    }
-    const double total = block_sums_of(weights, n, blocks);
-    const Py_ssize_t token = draw_blocks(weights, n, blocks, total, uniform);
+    const Py_ssize_t token = draw_row(buffer.view.buf, buffer.view.shape[0], blocks, uniform);
     free_blocks(blocks, stack);
-    release(&row, 1);
-    if (token < 0) {
-        PyErr_SetString(PyExc_ValueError, "weights have no positive entry");
-        return NULL;
-    }
-    return PyLong_FromSsize_t(token);
+    release(&buffer, 1);
+    return token_or_error(token, "weights");
 }
 
 /* residual_draw(target_probs, draft_probs, uniform): a draw from normalize(max(0, target - draft)),
@@ -324,39 +332,96 @@ static PyObject *fs_residual_draw(PyObject *self, PyObject *const *args, Py_ssiz
         PyErr_SetString(PyExc_TypeError, "residual_draw(target_probs, draft_probs, uniform)");
         return NULL;
     }
-    Row rows[2] = {{.held = 0}, {.held = 0}};
+    Buffer buffers[2] = {{.held = 0}, {.held = 0}};
     double uniform;
-    if (get_row(args[0], &rows[0], 0, "target_probs") < 0 || get_row(args[1], &rows[1], 0, "draft_probs") < 0
-        || same_length(&rows[0], &rows[1]) < 0 || get_uniform(args[2], &uniform) < 0) {
-        release(rows, 2);
+    float stack[STACK_BLOCKS], *blocks = NULL;
+    if (get_buffer(args[0], &buffers[0], 1, "f", 0, "target_probs") < 0
+        || get_buffer(args[1], &buffers[1], 1, "f", 0, "draft_probs") < 0 || same_length(&buffers[0], &buffers[1]) < 0
+        || get_uniform(args[2], &uniform) < 0 || (blocks = block_buffer(stack, buffers[0].view.shape[0])) == NULL) {
+        release(buffers, 2);
         return NULL;
     }
-    const Py_ssize_t n = rows[0].view.shape[0];
-    const float *target = rows[0].view.buf, *draft = rows[1].view.buf;
-    float stack[STACK_BLOCKS];
-    float *blocks = block_buffer(stack, n);
-    if (blocks == NULL) {
-        release(rows, 2);
+    const Py_ssize_t token =
+        residual_draw_row(buffers[0].view.buf, buffers[1].view.buf, buffers[0].view.shape[0], blocks, uniform);
+    free_blocks(blocks, stack);
+    release(buffers, 2);
+    return token_or_error(token, "target_probs");
+}
+
+/* verify(draft_token_ids, draft_probs, target_logits, inverse_temperature, uniforms, target_probs)
+ *   -> (num_accepted, next_token)
+ * The rejection scan of rejection.rejection_sample_lazy in one call, for temperature-only sampling:
+ * row i of target_probs [k + 1, vocab] = softmax(target_logits[i] * inverse_temperature), formed only
+ * when the scan reaches it; draft token i is accepted when uniforms[i] * draft_probs[i, token] <
+ * target_probs[i, token]; the first rejection draws the recovered token from the residual with
+ * uniforms[k], and k acceptances draw the bonus token from row k with it. The same arithmetic as
+ * the Python scan over softmax/residual_draw/draw, so both return the same tokens. */
+static PyObject *fs_verify(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError,
+                        "verify(draft_token_ids, draft_probs, target_logits, inverse_temperature, uniforms, target_probs)");
         return NULL;
     }
-    const double total = residual_block_sums(target, draft, n, blocks);
-    Py_ssize_t token;
-    if (total > 0.0) {
-        double point = uniform * total;
-        const Py_ssize_t block = pick_block(blocks, num_blocks_of(n), &point);
-        const Py_ssize_t start = block * BLOCK, end = start + BLOCK < n ? start + BLOCK : n;
-        token = scan_residual(target, draft, start, end, point);
-    } else {
-        const double sum = block_sums_of(target, n, blocks);
-        token = draw_blocks(target, n, blocks, sum, uniform);
+    PyObject *tokens = args[0];
+    if (!PyList_Check(tokens) || PyList_GET_SIZE(tokens) < 1) {
+        PyErr_SetString(PyExc_TypeError, "draft_token_ids must be a non-empty list of ints");
+        return NULL;
+    }
+    const Py_ssize_t k = PyList_GET_SIZE(tokens);
+    Buffer buffers[4] = {{.held = 0}, {.held = 0}, {.held = 0}, {.held = 0}};
+    float inverse, stack[STACK_BLOCKS], *blocks = NULL;
+    if (get_buffer(args[1], &buffers[0], 2, "f", 0, "draft_probs") < 0
+        || get_buffer(args[2], &buffers[1], 2, "f", 0, "target_logits") < 0
+        || get_inverse_temperature(args[3], &inverse) < 0 || get_buffer(args[4], &buffers[2], 1, "d", 0, "uniforms") < 0
+        || get_buffer(args[5], &buffers[3], 2, "f", 1, "target_probs") < 0) {
+        release(buffers, 4);
+        return NULL;
+    }
+    const Py_ssize_t n = buffers[1].view.shape[1];
+    if (buffers[0].view.shape[0] < k || buffers[1].view.shape[0] != k + 1 || buffers[2].view.shape[0] != k + 1
+        || buffers[3].view.shape[0] < k + 1 || buffers[0].view.shape[1] != n || buffers[3].view.shape[1] != n) {
+        PyErr_SetString(PyExc_ValueError, "verify needs draft_probs [>= k, vocab], target_logits [k + 1, vocab], "
+                                          "uniforms [k + 1] and target_probs [>= k + 1, vocab]");
+        release(buffers, 4);
+        return NULL;
+    }
+    const float *draft = buffers[0].view.buf, *logits = buffers[1].view.buf;
+    const double *uniforms = buffers[2].view.buf;
+    float *target = buffers[3].view.buf;
+    for (Py_ssize_t i = 0; i <= k; i++)
+        if (check_uniform(uniforms[i]) < 0) {
+            release(buffers, 4);
+            return NULL;
+        }
+    if ((blocks = block_buffer(stack, n)) == NULL) {
+        release(buffers, 4);
+        return NULL;
+    }
+    Py_ssize_t position = 0, token = -1;
+    for (; position < k; position++) {
+        const Py_ssize_t drafted = PyLong_AsSsize_t(PyList_GET_ITEM(tokens, position));
+        if (drafted < 0 || drafted >= n) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a draft token id is outside the vocabulary");
+            free_blocks(blocks, stack);
+            release(buffers, 4);
+            return NULL;
+        }
+        float *row = target + position * n;
+        softmax_row(logits + position * n, row, n, inverse, blocks);
+        if (uniforms[position] * (double)draft[position * n + drafted] < (double)row[drafted]) continue;
+        token = residual_draw_row(row, draft + position * n, n, blocks, uniforms[k]);
+        break;
+    }
+    if (position == k) {
+        float *row = target + k * n;
+        softmax_row(logits + k * n, row, n, inverse, blocks);
+        token = draw_row(row, n, blocks, uniforms[k]);
     }
     free_blocks(blocks, stack);
-    release(rows, 2);
-    if (token < 0) {
-        PyErr_SetString(PyExc_ValueError, "target_probs have no positive entry");
-        return NULL;
-    }
-    return PyLong_FromSsize_t(token);
+    release(buffers, 4);
+    if (token < 0) return token_or_error(token, "target_probs");
+    return Py_BuildValue("nn", position, token);
 }
 
 static PyMethodDef methods[] = {
@@ -367,6 +432,9 @@ static PyMethodDef methods[] = {
      "draw(weights, uniform): the inverse-CDF draw from non-negative float32 weights."},
     {"residual_draw", (PyCFunction)(void (*)(void))fs_residual_draw, METH_FASTCALL,
      "residual_draw(target_probs, draft_probs, uniform): a draw from normalize(max(0, target - draft))."},
+    {"verify", (PyCFunction)(void (*)(void))fs_verify, METH_FASTCALL,
+     "verify(draft_token_ids, draft_probs, target_logits, inverse_temperature, uniforms, target_probs): "
+     "the rejection scan of speculative sampling -> (num_accepted, next_token)."},
     {NULL, NULL, 0, NULL},
 };
 

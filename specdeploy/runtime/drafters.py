@@ -12,7 +12,7 @@ from typing import Protocol
 import numpy as np
 
 from .engine import CachedModel
-from .sampling import SamplingParams, sample_logits
+from .sampling import SamplingParams, row_sampler
 
 
 class Drafter(Protocol):
@@ -48,14 +48,16 @@ class ModelDrafter:
         # truncated one (exact too) was measured slower on an 8k vocabulary (argpartition costs what
         # the softmax does) and lowered acceptance.
         draft_probs = None if params.greedy else np.empty((num_tokens, logits.shape[-1]), dtype=np.float32)
+        sample = None if params.greedy else row_sampler(params, logits.shape[-1])
         for position in range(num_tokens):
             if draft_probs is None:
                 token = int(logits.argmax())
                 # Top probability at temperature 1: 1 / sum(exp(logits - max)).
                 confident = min_confidence <= 0 or np.exp(logits - logits[token]).sum() * min_confidence <= 1.0
             else:
-                token = sample_logits(logits, params, rng, out=draft_probs[position])
-                confident = min_confidence <= 0 or draft_probs[position].max() >= min_confidence
+                row = draft_probs[position]
+                token = sample(logits, rng, row)
+                confident = min_confidence <= 0 or row.max() >= min_confidence
             tokens.append(token)
             if position + 1 < num_tokens and confident:
                 logits = self.model.extend([token])[-1]
@@ -87,14 +89,15 @@ class PromptLookupDrafter:
 
     def propose(self, context, num_tokens, params, rng, min_confidence=0.0):
         tokens: list[int] = []
+        reversed_context = context[::-1]
         for size in range(min(self.max_ngram, len(context) - 1), self.min_ngram - 1, -1):
-            end = _last_earlier_occurrence(context, size)
+            end = _last_earlier_occurrence(context, size, reversed_context)
             if end is not None:
                 tokens = context[end + 1 : end + 1 + num_tokens]
                 break
         if params.greedy or not tokens:
             return tokens, None
-        one_hot = np.zeros((len(tokens), self.vocab_size))
+        one_hot = np.zeros((len(tokens), self.vocab_size), dtype=np.float32)  # float32, as the model's rows
         one_hot[np.arange(len(tokens)), tokens] = 1.0
         return tokens, one_hot
 
@@ -102,22 +105,26 @@ class PromptLookupDrafter:
         pass
 
 
-def _last_earlier_occurrence(context: list[int], size: int) -> int | None:
+def _last_earlier_occurrence(context: list[int], size: int, reversed_context: list[int] | None = None) -> int | None:
     """End index of the latest earlier occurrence of context's last `size` tokens, or None.
 
-    Candidates are found with list.index (a C scan) on the n-gram's last token, so a round costs
-    one pass over the context rather than a Python-level comparison at every position."""
+    The search runs from the end (on reversed_context, context[::-1]), so the first full match is
+    the latest one; candidates are found with list.index (a C scan) on the n-gram's last token, so
+    a round costs at most one pass over the context and usually a few positions."""
+    if reversed_context is None:
+        reversed_context = context[::-1]
+    length = len(context)
     pattern = context[-size:]
     last = pattern[-1]
-    found = None
-    position = size - 2
+    back = 0  # position length - 1 - back in context; back = 0 is the pattern itself
     while True:
         try:
-            position = context.index(last, position + 1, len(context) - 1)
+            back = reversed_context.index(last, back + 1, length - size + 1)
         except ValueError:
-            return found
-        if context[position - size + 1 : position + 1] == pattern:
-            found = position
+            return None
+        end = length - 1 - back
+        if context[end - size + 1 : end + 1] == pattern:
+            return end
 
 
 class HybridDrafter:

@@ -18,8 +18,8 @@ import numpy as np
 from ..errors import SpecdeployError
 from .drafters import Drafter
 from .engine import CachedModel
-from .rejection import greedy_accept, rejection_sample_lazy
-from .sampling import SamplingParams, distribution, sample_logits
+from .rejection import greedy_accept, verify_sampled
+from .sampling import SamplingParams, row_sampler
 from .text import TextCodec, TextStream
 
 MAX_DRAFT_TOKENS = 32
@@ -213,8 +213,9 @@ class Generator:
         engines = [self.target.engine] + ([draft_model.engine] if draft_model is not None else [])
         context = list(prompt_ids)
         # The target's distributions of a round, written in place ([k + 1, vocab]; unused when greedy).
-        target_probs = None if params.greedy else np.empty((config.num_draft_tokens + 1, self.target.engine.spec.vocab_size),
-                                                           dtype=np.float32)
+        vocab = self.target.engine.spec.vocab_size
+        target_probs = None if params.greedy else np.empty((config.num_draft_tokens + 1, vocab), dtype=np.float32)
+        sample = None if params.greedy else row_sampler(params, vocab)
 
         start = time.perf_counter()
         self.target.prefill(context[:-1])
@@ -236,8 +237,7 @@ class Generator:
                     if params.greedy:
                         num_accepted, token = greedy_accept(drafts, logits)
                     else:
-                        num_accepted, token = rejection_sample_lazy(
-                            drafts, draft_probs, lambda i: distribution(logits[i], params, target_probs[i]), rng)
+                        num_accepted, token = verify_sampled(drafts, draft_probs, logits, params, rng, target_probs)
                     drafter.update(num_accepted)
                     stats.drafted += len(drafts)
                     stats.accepted += num_accepted
@@ -246,7 +246,7 @@ class Generator:
                     new = drafts[:num_accepted] + [token]
                 else:
                     logits = self.target.logits_after(context)  # [vocab]
-                    token = int(logits.argmax()) if params.greedy else sample_logits(logits, params, rng, target_probs[0])
+                    token = int(logits.argmax()) if params.greedy else sample(logits, rng, target_probs[0])
                     new = [token]
                 stats.rounds += 1
                 context.extend(new)

@@ -14,6 +14,7 @@ their distributions through the same function, so they agree bit for bit.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -79,16 +80,17 @@ def distribution(logits: np.ndarray, params: SamplingParams, out: np.ndarray) ->
     return out
 
 
-def sample_logits(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, out: np.ndarray) -> int:
-    """Draw one token from logits [vocab] processed by params; out [vocab] receives the distribution it was drawn from.
+def row_sampler(params: SamplingParams, vocab: int) -> Callable[[np.ndarray, np.random.Generator, np.ndarray], int]:
+    """sample(logits [vocab], rng, out [vocab]) -> one token drawn from the logits processed by params; out
+    receives the distribution it was drawn from. One draw from rng per token.
 
-    One draw from rng, as distribution followed by sample_token. With temperature alone (every draft
-    token of the benchmarks) the C extension does both in one call, with the same softmax."""
-    uniform = rng.random()
-    if (_fastsample is not None and _temperature_only(params, logits.shape[-1]) and logits.dtype == np.float32
-            and logits.flags.c_contiguous and out.flags.c_contiguous):
-        return _fastsample.softmax(logits, out, 1.0 / params.temperature, uniform)
-    return draw(distribution(logits, params, out), uniform)
+    Made once per round: the per-token call then does only the work (with temperature alone and the C
+    extension, one call that forms the same softmax as distribution() and draws from it). The logits
+    must be float32 and contiguous, as the engine returns them."""
+    if _fastsample is not None and _temperature_only(params, vocab):
+        softmax, inverse = _fastsample.softmax, 1.0 / params.temperature
+        return lambda logits, rng, out: softmax(logits, out, inverse, rng.random())
+    return lambda logits, rng, out: draw(distribution(logits, params, out), rng.random())
 
 
 def _top_p_row(row: np.ndarray, top_p: float, candidates: int = 64) -> None:
