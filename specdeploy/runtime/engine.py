@@ -345,7 +345,12 @@ class CachedModel:
     def extend(self, token_ids: list[int]) -> np.ndarray:
         """Append tokens to the cache; returns their logits [n, vocab]."""
         try:
-            return self._extend(token_ids)
+            if len(token_ids) >= self.min_pass_tokens or not token_ids:  # every draft step: one call to the engine
+                logits = self.engine.forward(token_ids, self.cache, self.scratch_logits)
+            else:
+                logits = self._short_pass(token_ids)
+            self.tokens.extend(token_ids)
+            return logits
         except BaseException:
             # An error or Ctrl-C mid-pass: bring the token list and the cache back in step (to the
             # shorter of the two), so the next call resyncs instead of writing one slot off.
@@ -354,17 +359,14 @@ class CachedModel:
             self.cache.truncate(valid)
             raise
 
-    def _extend(self, token_ids: list[int]) -> np.ndarray:
-        if 0 < len(token_ids) < self.min_pass_tokens:
-            if self.tokens:  # run the previous token again in front
-                self.cache.truncate(len(self.tokens) - 1)
-                logits = self.engine.forward([self.tokens[-1], *token_ids], self.cache, self.scratch_logits)[1:]
-            else:  # nothing before it: a padding copy behind it, dropped again (causal: it changes nothing before)
-                logits = self.engine.forward(list(token_ids) * 2, self.cache, self.scratch_logits)[: len(token_ids)]
-                self.cache.truncate(len(token_ids))
-        else:
-            logits = self.engine.forward(token_ids, self.cache, self.scratch_logits)
-        self.tokens.extend(token_ids)
+    def _short_pass(self, token_ids: list[int]) -> np.ndarray:
+        """Fewer tokens than min_pass_tokens (one): run them beside others (see __init__)."""
+        if self.tokens:  # run the previous token again in front
+            self.cache.truncate(len(self.tokens) - 1)
+            return self.engine.forward([self.tokens[-1], *token_ids], self.cache, self.scratch_logits)[1:]
+        # nothing before it: a padding copy behind it, dropped again (causal: it changes nothing before)
+        logits = self.engine.forward(list(token_ids) * 2, self.cache, self.scratch_logits)[: len(token_ids)]
+        self.cache.truncate(len(token_ids))
         return logits
 
     def logits_after(self, context: list[int]) -> np.ndarray:
