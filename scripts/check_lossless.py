@@ -5,7 +5,10 @@
 (1) Greedy: for every prompt, drafter (model, hybrid) and k in {1, 2, 4, 8}, the speculative token
 ids must equal target-only's. (2) Sampled (temperature 1, top-k 3): over `runs` seeded generations
 of 3 tokens with k = 2, the frequencies of every 3-token continuation are compared (chi-square)
-with the exact target probabilities, computed from the target alone. Prints one JSON line.
+with the exact target probabilities, computed from the target alone. (3) Temperature alone (0.8,
+the whole vocabulary; the runtime's C sampling path): the first two tokens of `runs` generations
+with k = 1 against the exact joint target distribution, cells expected fewer than 5 times pooled.
+Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from scipy import stats
 
 import specdeploy
 from specdeploy.bench import builtin_prompts, exact_continuation_probs
-from specdeploy.runtime.sampling import SamplingParams
+from specdeploy.runtime.sampling import SamplingParams, process_logits
 
 EXTRA_PROMPTS = [
     "def read_lines(path):\n",
@@ -71,6 +74,38 @@ def sampled_distribution(bundle: str, runs: int) -> dict:
             "acceptance_rate": accepted / drafted if drafted else 0.0}
 
 
+def temperature_only_distribution(bundle: str, runs: int, temperature: float = 0.8) -> dict:
+    generator = specdeploy.load(bundle, drafter="model")
+    params = SamplingParams(temperature=temperature)
+    # A prompt with many likely continuations and a draft that agrees on about half: both the
+    # acceptance and the rejection paths run often.
+    prompt = generator.codec.encode(EXTRA_PROMPTS[1])
+
+    def probs(context: list[int]) -> np.ndarray:
+        return process_logits(generator.target.logits_after(context)[None], params)[0].astype(np.float64)
+
+    first = probs(prompt)
+    exact = {}  # (x1, x2) -> p(x1) p(x2 | x1), for the pairs a run of `runs` can see
+    for x1 in np.flatnonzero(first * runs >= 5):
+        second = probs(prompt + [int(x1)])
+        for x2 in np.flatnonzero(first[x1] * second * runs >= 5):
+            exact[(int(x1), int(x2))] = first[x1] * second[x2]
+    counts = dict.fromkeys(exact, 0)
+    accepted = 0
+    for seed in range(runs):
+        out = generator.generate(prompt, max_new_tokens=2, temperature=temperature, seed=seed, num_draft_tokens=1)
+        key = tuple(out.token_ids)
+        if key in counts:
+            counts[key] += 1
+        accepted += out.stats.accepted
+    keys = sorted(exact)
+    observed = np.array([counts[key] for key in keys] + [runs - sum(counts.values())])
+    expected = np.array([exact[key] for key in keys] + [1.0 - sum(exact.values())]) * runs
+    p_value = stats.chisquare(observed, expected * runs / expected.sum()).pvalue
+    return {"runs": runs, "temperature": temperature, "cells": len(keys) + 1, "chi_square_p": float(p_value),
+            "acceptance_rate": accepted / runs}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("bundle")
@@ -80,7 +115,8 @@ def main() -> None:
     prompts = list(itertools.islice(builtin_prompts() + EXTRA_PROMPTS, 20))
     greedy = greedy_equivalence(args.bundle, prompts, args.max_new_tokens)
     sampled = sampled_distribution(args.bundle, args.runs)
-    print(json.dumps({"greedy": greedy, "sampled": sampled}))
+    temperature_only = temperature_only_distribution(args.bundle, args.runs)
+    print(json.dumps({"greedy": greedy, "sampled": sampled, "temperature_only": temperature_only}))
 
 
 if __name__ == "__main__":

@@ -141,6 +141,34 @@ def test_sampled_speculative_matches_the_target_distribution(agreeing_bundle, mo
     assert scipy_stats.chisquare(observed, expected * observed.sum() / expected.sum()).pvalue > 1e-3
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("sampler", ["c", "numpy"])
+def test_temperature_only_sampling_matches_the_target_distribution(agreeing_bundle, monkeypatch, sampler):
+    """Plain temperature sampling (the C kernel's whole-round path: draft softmax and draw, verify scan)
+    over the full vocabulary: the first two tokens of 4,000 seeded k = 1 runs, against the exact joint
+    target distribution (cells expected fewer than 5 times pooled)."""
+    if sampler == "numpy":
+        monkeypatch.setattr(sampling, "_fastsample", None)
+    generator = specdeploy.load(agreeing_bundle)
+    params = SamplingParams(temperature=0.6)
+    prompt = generator.codec.encode(PROMPTS[1])
+    exact = exact_continuation_probs(generator, prompt, params, 2)
+    runs = 4000
+    counts: dict = {}
+    accepted = 0
+    for seed in range(runs):
+        out = generator.generate(prompt, max_new_tokens=2, temperature=0.6, seed=seed, num_draft_tokens=1)
+        counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
+        accepted += out.stats.accepted
+    assert runs // 5 < accepted < runs - runs // 20  # both the acceptance and the rejection paths ran
+    keys = sorted(exact, key=exact.get, reverse=True)
+    common = [key for key in keys if exact[key] * runs >= 5]
+    observed = [counts.get(key, 0) for key in common] + [runs - sum(counts.get(key, 0) for key in common)]
+    expected = [exact[key] * runs for key in common] + [runs * (1.0 - sum(exact[key] for key in common))]
+    assert len(common) >= 10
+    assert scipy_stats.chisquare(observed, np.array(expected) * runs / sum(expected)).pvalue > 1e-3
+
+
 @pytest.mark.parametrize(
     "options, message",
     [

@@ -120,3 +120,35 @@ def test_c_kernel_rejects_bad_buffers(call, error):
     read_only.flags.writeable = False
     with pytest.raises(TypeError):
         fast.softmax(logits, read_only, 1.0)
+
+
+@pytest.mark.skipif(fast is None, reason="the C kernel was not built (test_the_c_kernel_was_built says so)")
+def test_c_verify_returns_what_the_python_scan_returns():
+    """verify() is rejection_sample_lazy over distribution() in one call: same tokens from the same generator
+    state, on model and one-hot (prompt lookup) drafts, early and late rejections, zero residual mass."""
+    from specdeploy.runtime.rejection import rejection_sample_lazy
+
+    rng = np.random.default_rng(13)
+    for trial in range(1500):
+        vocab, k = int(rng.choice([5, 64, 300, 1000])), int(rng.integers(1, 6))
+        params = SamplingParams(temperature=float(rng.choice([0.5, 0.8, 1.3])))
+        target_logits = (rng.normal(size=(k + 1, vocab)) * 2).astype(np.float32)
+        if trial % 3 == 0:  # prompt lookup: one-hot rows on tokens the target likes or not
+            tokens = [int(t) for t in rng.integers(0, vocab, size=k)]
+            draft_probs = np.zeros((k, vocab), dtype=np.float32)
+            draft_probs[np.arange(k), tokens] = 1.0
+        else:
+            draft_logits = target_logits[:k] + (rng.normal(size=(k, vocab)) * 0.5).astype(np.float32)
+            if trial % 5 == 0:
+                draft_logits[0] = target_logits[0]  # equal rows: no residual mass if rejected
+            draft_probs = process_logits(draft_logits, params)
+            tokens = [draw(row, rng.random()) for row in draft_probs]
+        seed = int(rng.integers(1 << 30))
+        scanned = np.zeros((k + 1, vocab), dtype=np.float32)
+        expected = rejection_sample_lazy(tokens, draft_probs, lambda i: distribution(target_logits[i], params, scanned[i]),
+                                         np.random.default_rng(seed))
+        formed = np.zeros((k + 1, vocab), dtype=np.float32)
+        uniforms = np.random.default_rng(seed).random(k + 1)
+        got = fast.verify(tokens, draft_probs, target_logits, 1.0 / params.temperature, uniforms, formed)
+        assert got == expected, trial
+        np.testing.assert_array_equal(formed[: got[0] + 1], scanned[: got[0] + 1])
