@@ -152,3 +152,43 @@ def test_c_verify_returns_what_the_python_scan_returns():
         got = fast.verify(tokens, draft_probs, target_logits, 1.0 / params.temperature, uniforms, formed)
         assert got == expected, trial
         np.testing.assert_array_equal(formed[: got[0] + 1], scanned[: got[0] + 1])
+
+
+@pytest.mark.skipif(fast is None, reason="the C kernel was not built (test_the_c_kernel_was_built says so)")
+def test_c_verify_takes_any_int_sequence_and_survives_a_list_changed_mid_call():
+    vocab, k = 64, 3
+    rng = np.random.default_rng(14)
+    target_logits = rng.normal(size=(k + 1, vocab)).astype(np.float32)
+    draft_probs = process_logits(rng.normal(size=(k, vocab)).astype(np.float32), SamplingParams(temperature=1.0))
+    uniforms = rng.random(k + 1)
+    expected = fast.verify([3, 5, 7], draft_probs, target_logits, 1.0, uniforms, np.empty((k + 1, vocab), np.float32))
+    for ids in ((3, 5, 7), np.array([3, 5, 7]), [np.int64(3), np.int64(5), np.int64(7)]):
+        assert fast.verify(ids, draft_probs, target_logits, 1.0, uniforms, np.empty((k + 1, vocab), np.float32)) == expected
+    tokens = [3, 5, 7]
+
+    class ShrinksTheList:  # converting an argument may run Python code
+        def __float__(self):
+            tokens.clear()
+            return 1.0
+
+    got = fast.verify(tokens, draft_probs, target_logits, ShrinksTheList(), uniforms, np.empty((k + 1, vocab), np.float32))
+    assert got == expected  # the ids were read before anything else
+    with pytest.raises(ValueError, match="vocabulary"):
+        fast.verify([3, 5, vocab], draft_probs, target_logits, 1.0, uniforms, np.empty((k + 1, vocab), np.float32))
+
+
+def test_nan_logits_give_nan_probabilities_not_garbage():
+    logits = np.zeros(100, np.float32)
+    logits[7] = np.nan
+    probs = distribution(logits, SamplingParams(temperature=1.0), np.empty_like(logits))
+    assert np.isnan(probs).any()
+
+
+def test_row_sampler_takes_float64_and_strided_logits_the_same_way():
+    logits = (np.random.default_rng(15).normal(size=(2, 300)) * 3).astype(np.float32)
+    params = SamplingParams(temperature=0.9)
+    sample = row_sampler(params, 300)
+    out = np.empty(300, np.float32)
+    reference = [sample(logits[0], np.random.default_rng(seed), out) for seed in range(50)]
+    for variant in (logits[0].astype(np.float64), logits.T.copy().T[0]):
+        assert [sample(variant, np.random.default_rng(seed), out) for seed in range(50)] == reference

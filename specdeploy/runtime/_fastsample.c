@@ -10,7 +10,7 @@
  * quantities (tests compare the two) and the runtime uses it when it was built (it is optional).
  * Portable C99: no intrinsics, no fast-math; loops are written in 16 independent lanes so that
  * compilers vectorize them without reassociating anything (GCC needs -fno-trapping-math to turn
- * the selects into blends; pyproject.toml passes it).
+ * the selects into blends; setup.py passes it).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -27,9 +27,9 @@
 #define STACK_BLOCKS 4096 /* vocabularies up to 262,144 keep their block sums on the stack */
 
 /* e^x for x <= 0, within ~2 ulp (the Cephes expf polynomial); 0 below -87 (the result is below
- * FLT_MIN there, and every caller divides by a sum that holds at least e^0 = 1). */
+ * FLT_MIN there, and every caller divides by a sum that holds at least e^0 = 1); NaN for NaN. */
 static inline float exp_nonpositive(float x) {
-    const float clamped = x < -87.0f ? -87.0f : x;
+    const float clamped = x >= -87.0f ? x : -87.0f; /* NaN too: no NaN reaches the integer conversion */
     const float shifter = 12582912.0f; /* 1.5 * 2^23: adding and subtracting it rounds to an integer */
     const float n = (clamped * 1.44269504088896341f + shifter) - shifter;
     const float r = clamped - n * 0.693359375f + n * 2.12194440e-4f; /* Cody-Waite: ln 2 in two parts */
@@ -43,14 +43,14 @@ static inline float exp_nonpositive(float x) {
     const int32_t bits = ((int32_t)n + 127) << 23; /* 2^n, n in [-126, 0] */
     float scale;
     memcpy(&scale, &bits, sizeof scale);
-    return x < -87.0f ? 0.0f : p * scale;
+    return x >= -87.0f ? p * scale : (x != x ? x : 0.0f);
 }
 
 /* Row passes are compiled for AVX-512, AVX2 and the baseline, and picked at load time (GCC on x86-64
- * Linux; other compilers and CPUs get one portable build: NEON on aarch64 vectorizes the same loops).
- * No fp contraction (pyproject.toml passes -ffp-contract=off) and a fixed lane layout: every build
+ * with glibc, whose ifuncs pick; other compilers and CPUs get one portable build: NEON on aarch64 vectorizes the same loops).
+ * No fp contraction (setup.py passes -ffp-contract=off) and a fixed lane layout: every build
  * computes the same bits. */
-#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11 && defined(__x86_64__) && defined(__linux__)
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11 && defined(__x86_64__) && defined(__GLIBC__)
 #define ROW_PASS __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define ROW_PASS
@@ -79,21 +79,23 @@ ROW_PASS static void scale_row(float *restrict row, Py_ssize_t n, float scale) {
 }
 
 /* block_sums[b] = the sum of the weights of block b (positions [b * BLOCK, (b + 1) * BLOCK)), where
- * the weight at i is WEIGHT(i); returns the total. */
+ * the weight at i is WEIGHT(i); returns the total. In double, as the scan inside a block adds: with
+ * float block sums, rounding gave the mass between a block's float and exact sums (up to ~4e-8) to
+ * the block's last token. */
 #define BLOCK_SUMS(WEIGHT)                                                  \
     double total = 0.0;                                                     \
     Py_ssize_t b = 0, start = 0;                                            \
     for (; start + BLOCK <= n; b++, start += BLOCK) {                       \
-        float lanes[LANES] = {0};                                           \
+        double lanes[LANES] = {0};                                          \
         for (Py_ssize_t i = start; i < start + BLOCK; i += LANES)           \
             for (int l = 0; l < LANES; l++) lanes[l] += WEIGHT(i + l);      \
-        float sum = 0.0f;                                                   \
+        double sum = 0.0;                                                   \
         for (int l = 0; l < LANES; l++) sum += lanes[l];                    \
         block_sums[b] = sum;                                                \
         total += sum;                                                       \
     }                                                                       \
     if (start < n) {                                                        \
-        float sum = 0.0f;                                                   \
+        double sum = 0.0;                                                   \
         for (Py_ssize_t i = start; i < n; i++) sum += WEIGHT(i);            \
         block_sums[b] = sum;                                                \
         total += sum;                                                       \
@@ -103,19 +105,19 @@ ROW_PASS static void scale_row(float *restrict row, Py_ssize_t n, float scale) {
 #define PLAIN(i) weights[i]
 #define RESIDUAL(i) (target[i] > draft[i] ? target[i] - draft[i] : 0.0f)
 
-ROW_PASS static double block_sums_of(const float *restrict weights, Py_ssize_t n, float *restrict block_sums) {
+ROW_PASS static double block_sums_of(const float *restrict weights, Py_ssize_t n, double *restrict block_sums) {
     BLOCK_SUMS(PLAIN);
 }
 
 /* The same for the residual max(0, target - draft) of speculative sampling, which is never stored. */
 ROW_PASS static double residual_block_sums(const float *restrict target, const float *restrict draft, Py_ssize_t n,
-                                           float *restrict block_sums) {
+                                           double *restrict block_sums) {
     BLOCK_SUMS(RESIDUAL);
 }
 
 /* out = softmax(logits * inverse_temperature), in NumPy's order of operations (sampling.softmax_row:
  * scale, subtract the scaled maximum, exp, multiply by the reciprocal of the sum); block_sums is scratch. */
-static void softmax_row(const float *logits, float *out, Py_ssize_t n, float inverse_temperature, float *block_sums) {
+static void softmax_row(const float *logits, float *out, Py_ssize_t n, float inverse_temperature, double *block_sums) {
     exp_row(logits, out, n, inverse_temperature, row_max(logits, n) * inverse_temperature);
     const double total = block_sums_of(out, n, block_sums); /* >= 1: the maximum contributes e^0 */
     const float scale = (float)(1.0 / total);
@@ -141,11 +143,11 @@ static void softmax_row(const float *logits, float *out, Py_ssize_t n, float inv
     } while (0)
 
 /* The block that holds point (blocks with zero mass are never chosen); point becomes relative to it. */
-static Py_ssize_t pick_block(const float *block_sums, Py_ssize_t num_blocks, double *point) {
+static Py_ssize_t pick_block(const double *block_sums, Py_ssize_t num_blocks, double *point) {
     double before = 0.0;
     Py_ssize_t last_positive = -1;
     for (Py_ssize_t b = 0; b < num_blocks; b++) {
-        if (block_sums[b] <= 0.0f) continue;
+        if (block_sums[b] <= 0.0) continue;
         last_positive = b;
         if (before + block_sums[b] > *point) break;
         before += block_sums[b];
@@ -169,7 +171,7 @@ static Py_ssize_t scan_residual(const float *target, const float *draft, Py_ssiz
 static Py_ssize_t num_blocks_of(Py_ssize_t n) { return (n + BLOCK - 1) / BLOCK; }
 
 /* Two-level inverse-CDF draw from non-negative weights with known block sums. */
-static Py_ssize_t draw_blocks(const float *weights, Py_ssize_t n, const float *block_sums, double total, double uniform) {
+static Py_ssize_t draw_blocks(const float *weights, Py_ssize_t n, const double *block_sums, double total, double uniform) {
     double point = uniform * total;
     const Py_ssize_t block = pick_block(block_sums, num_blocks_of(n), &point);
     if (block < 0) return -1;
@@ -178,13 +180,13 @@ static Py_ssize_t draw_blocks(const float *weights, Py_ssize_t n, const float *b
 }
 
 /* The inverse-CDF draw from non-negative weights (not necessarily normalized); -1 if all are zero. */
-static Py_ssize_t draw_row(const float *weights, Py_ssize_t n, float *blocks, double uniform) {
+static Py_ssize_t draw_row(const float *weights, Py_ssize_t n, double *blocks, double uniform) {
     const double total = block_sums_of(weights, n, blocks);
     return draw_blocks(weights, n, blocks, total, uniform);
 }
 
 /* A draw from normalize(max(0, target - draft)); from target if that has no mass. */
-static Py_ssize_t residual_draw_row(const float *target, const float *draft, Py_ssize_t n, float *blocks,
+static Py_ssize_t residual_draw_row(const float *target, const float *draft, Py_ssize_t n, double *blocks,
                                     double uniform) {
     const double total = residual_block_sums(target, draft, n, blocks);
     if (!(total > 0.0)) return draw_row(target, n, blocks, uniform); /* the rows are equal up to rounding */
@@ -254,15 +256,15 @@ static int get_inverse_temperature(PyObject *obj, float *inverse) {
 }
 
 /* Block sums live on the stack for ordinary vocabularies, on the heap beyond. */
-static float *block_buffer(float *stack, Py_ssize_t n) {
+static double *block_buffer(double *stack, Py_ssize_t n) {
     const Py_ssize_t blocks = num_blocks_of(n);
     if (blocks <= STACK_BLOCKS) return stack;
-    float *heap = PyMem_Malloc(sizeof(float) * (size_t)blocks);
+    double *heap = PyMem_Malloc(sizeof(double) * (size_t)blocks);
     if (heap == NULL) PyErr_NoMemory();
     return heap;
 }
 
-static void free_blocks(float *blocks, float *stack) {
+static void free_blocks(double *blocks, double *stack) {
     if (blocks != stack) PyMem_Free(blocks);
 }
 
@@ -284,7 +286,7 @@ static PyObject *fs_softmax(PyObject *self, PyObject *const *args, Py_ssize_t na
     float inverse;
     double uniform = 0.0;
     const int draw = nargs == 4 && args[3] != Py_None;
-    float stack[STACK_BLOCKS], *blocks = NULL;
+    double stack[STACK_BLOCKS], *blocks = NULL;
     if (get_buffer(args[0], &buffers[0], 1, "f", 0, "logits") < 0 || get_buffer(args[1], &buffers[1], 1, "f", 1, "out") < 0
         || same_length(&buffers[0], &buffers[1]) < 0 || get_inverse_temperature(args[2], &inverse) < 0
         || (draw && get_uniform(args[3], &uniform) < 0)
@@ -311,7 +313,7 @@ static PyObject *fs_draw(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     }
     Buffer buffer = {.held = 0};
     double uniform;
-    float stack[STACK_BLOCKS], *blocks = NULL;
+    double stack[STACK_BLOCKS], *blocks = NULL;
     if (get_buffer(args[0], &buffer, 1, "f", 0, "weights") < 0 || get_uniform(args[1], &uniform) < 0
         || (blocks = block_buffer(stack, buffer.view.shape[0])) == NULL) {
         release(&buffer, 1);
@@ -334,7 +336,7 @@ static PyObject *fs_residual_draw(PyObject *self, PyObject *const *args, Py_ssiz
     }
     Buffer buffers[2] = {{.held = 0}, {.held = 0}};
     double uniform;
-    float stack[STACK_BLOCKS], *blocks = NULL;
+    double stack[STACK_BLOCKS], *blocks = NULL;
     if (get_buffer(args[0], &buffers[0], 1, "f", 0, "target_probs") < 0
         || get_buffer(args[1], &buffers[1], 1, "f", 0, "draft_probs") < 0 || same_length(&buffers[0], &buffers[1]) < 0
         || get_uniform(args[2], &uniform) < 0 || (blocks = block_buffer(stack, buffers[0].view.shape[0])) == NULL) {
@@ -363,53 +365,54 @@ static PyObject *fs_verify(PyObject *self, PyObject *const *args, Py_ssize_t nar
                         "verify(draft_token_ids, draft_probs, target_logits, inverse_temperature, uniforms, target_probs)");
         return NULL;
     }
-    PyObject *tokens = args[0];
-    if (!PyList_Check(tokens) || PyList_GET_SIZE(tokens) < 1) {
-        PyErr_SetString(PyExc_TypeError, "draft_token_ids must be a non-empty list of ints");
-        return NULL;
+    /* The ids first, into our own array: converting the other arguments may run Python code. */
+    PyObject *snapshot = PySequence_Tuple(args[0]);
+    if (snapshot == NULL) return NULL;
+    const Py_ssize_t k = PyTuple_GET_SIZE(snapshot);
+    Py_ssize_t stack_ids[64], *ids = k <= 64 ? stack_ids : PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(k > 0 ? k : 1));
+    if (ids == NULL) {
+        Py_DECREF(snapshot);
+        return PyErr_NoMemory();
     }
-    const Py_ssize_t k = PyList_GET_SIZE(tokens);
+    int failed = k < 1;
+    if (failed) PyErr_SetString(PyExc_ValueError, "draft_token_ids must not be empty");
+    for (Py_ssize_t i = 0; i < k && !failed; i++) {
+        ids[i] = PyNumber_AsSsize_t(PyTuple_GET_ITEM(snapshot, i), PyExc_OverflowError);
+        failed = ids[i] == -1 && PyErr_Occurred();
+    }
+    Py_DECREF(snapshot);
     Buffer buffers[4] = {{.held = 0}, {.held = 0}, {.held = 0}, {.held = 0}};
-    float inverse, stack[STACK_BLOCKS], *blocks = NULL;
-    if (get_buffer(args[1], &buffers[0], 2, "f", 0, "draft_probs") < 0
+    float inverse;
+    double stack[STACK_BLOCKS], *blocks = NULL;
+    if (failed || get_buffer(args[1], &buffers[0], 2, "f", 0, "draft_probs") < 0
         || get_buffer(args[2], &buffers[1], 2, "f", 0, "target_logits") < 0
         || get_inverse_temperature(args[3], &inverse) < 0 || get_buffer(args[4], &buffers[2], 1, "d", 0, "uniforms") < 0
         || get_buffer(args[5], &buffers[3], 2, "f", 1, "target_probs") < 0) {
-        release(buffers, 4);
-        return NULL;
+        goto fail;
     }
     const Py_ssize_t n = buffers[1].view.shape[1];
     if (buffers[0].view.shape[0] < k || buffers[1].view.shape[0] != k + 1 || buffers[2].view.shape[0] != k + 1
         || buffers[3].view.shape[0] < k + 1 || buffers[0].view.shape[1] != n || buffers[3].view.shape[1] != n) {
         PyErr_SetString(PyExc_ValueError, "verify needs draft_probs [>= k, vocab], target_logits [k + 1, vocab], "
                                           "uniforms [k + 1] and target_probs [>= k + 1, vocab]");
-        release(buffers, 4);
-        return NULL;
+        goto fail;
     }
     const float *draft = buffers[0].view.buf, *logits = buffers[1].view.buf;
     const double *uniforms = buffers[2].view.buf;
     float *target = buffers[3].view.buf;
-    for (Py_ssize_t i = 0; i <= k; i++)
-        if (check_uniform(uniforms[i]) < 0) {
-            release(buffers, 4);
-            return NULL;
+    for (Py_ssize_t i = 0; i <= k; i++) {
+        if (check_uniform(uniforms[i]) < 0) goto fail;
+        if (i < k && !(0 <= ids[i] && ids[i] < n)) {
+            PyErr_SetString(PyExc_ValueError, "a draft token id is outside the vocabulary");
+            goto fail;
         }
-    if ((blocks = block_buffer(stack, n)) == NULL) {
-        release(buffers, 4);
-        return NULL;
     }
+    if ((blocks = block_buffer(stack, n)) == NULL) goto fail;
     Py_ssize_t position = 0, token = -1;
     for (; position < k; position++) {
-        const Py_ssize_t drafted = PyLong_AsSsize_t(PyList_GET_ITEM(tokens, position));
-        if (drafted < 0 || drafted >= n) {
-            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a draft token id is outside the vocabulary");
-            free_blocks(blocks, stack);
-            release(buffers, 4);
-            return NULL;
-        }
         float *row = target + position * n;
         softmax_row(logits + position * n, row, n, inverse, blocks);
-        if (uniforms[position] * (double)draft[position * n + drafted] < (double)row[drafted]) continue;
+        if (uniforms[position] * (double)draft[position * n + ids[position]] < (double)row[ids[position]]) continue;
         token = residual_draw_row(row, draft + position * n, n, blocks, uniforms[k]);
         break;
     }
@@ -420,8 +423,14 @@ static PyObject *fs_verify(PyObject *self, PyObject *const *args, Py_ssize_t nar
     }
     free_blocks(blocks, stack);
     release(buffers, 4);
+    if (ids != stack_ids) PyMem_Free(ids);
     if (token < 0) return token_or_error(token, "target_probs");
     return Py_BuildValue("nn", position, token);
+
+fail:
+    release(buffers, 4);
+    if (ids != stack_ids) PyMem_Free(ids);
+    return NULL;
 }
 
 static PyMethodDef methods[] = {

@@ -85,12 +85,22 @@ def row_sampler(params: SamplingParams, vocab: int) -> Callable[[np.ndarray, np.
     receives the distribution it was drawn from. One draw from rng per token.
 
     Made once per round: the per-token call then does only the work (with temperature alone and the C
-    extension, one call that forms the same softmax as distribution() and draws from it). The logits
-    must be float32 and contiguous, as the engine returns them."""
-    if _fastsample is not None and _temperature_only(params, vocab):
-        softmax, inverse = _fastsample.softmax, 1.0 / params.temperature
-        return lambda logits, rng, out: softmax(logits, out, inverse, rng.random())
-    return lambda logits, rng, out: draw(distribution(logits, params, out), rng.random())
+    extension, one call that forms the same softmax as distribution() and draws from it)."""
+    def general(logits: np.ndarray, rng: np.random.Generator, out: np.ndarray) -> int:
+        return draw(distribution(logits, params, out), rng.random())
+
+    if _fastsample is None or not _temperature_only(params, vocab):
+        return general
+    softmax, inverse = _fastsample.softmax, 1.0 / params.temperature
+
+    def fast(logits: np.ndarray, rng: np.random.Generator, out: np.ndarray) -> int:
+        uniform = rng.random()
+        try:
+            return softmax(logits, out, inverse, uniform)
+        except TypeError:  # not float32, or not contiguous: the same draw, in NumPy
+            return draw(distribution(np.ascontiguousarray(logits, dtype=np.float32), params, out), uniform)
+
+    return fast
 
 
 def _top_p_row(row: np.ndarray, top_p: float, candidates: int = 64) -> None:
