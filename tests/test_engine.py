@@ -65,10 +65,16 @@ def test_prompt_lookup_finds_the_latest_earlier_ngram():
     rng = np.random.default_rng(0)
     drafter = PromptLookupDrafter(vocab_size=8)
     greedy = SamplingParams()
-    for length in range(1, 60):
+    for length in range(1, 60):  # a new list every call: indexed afresh
         context = [int(t) for t in rng.integers(0, 4, size=length)]
         for k in (1, 4):
             assert drafter.propose(context, k, greedy, rng)[0] == reference(context, k), (context, k)
+    for trial in range(20):  # one list growing as the generate loop grows it: indexed as it grows
+        context = [int(t) for t in rng.integers(0, 4, size=int(rng.integers(1, 5)))]
+        drafter.prefill(context)
+        while len(context) < 80:
+            assert drafter.propose(context, 3, greedy, rng)[0] == reference(context, 3), (trial, context)
+            context.extend(int(t) for t in rng.integers(0, 4, size=int(rng.integers(1, 6))))
 
 
 @pytest.mark.parametrize("role", ["target", "draft"])  # fused (shared buffer) and optimum (concat) layouts

@@ -75,6 +75,11 @@ class PromptLookupDrafter:
     It proposes the tokens that followed the most recent earlier occurrence of the context's last
     n-gram. Its proposal is deterministic, so draft_probs are one-hot rows, and the rejection rule
     stays exact: accept x with probability target_probs[x], else draw from the target without x.
+
+    The n-grams are indexed as the context grows (n-gram -> where its latest earlier occurrence
+    ends), so a round costs a few dictionary operations, not a scan of the context. The index
+    follows one context list as the generate loop extends it; any other list (or one that got
+    shorter) is indexed afresh.
     """
 
     model = None  # no model to run
@@ -83,15 +88,19 @@ class PromptLookupDrafter:
         self.vocab_size = vocab_size
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+        self._context: list[int] | None = None  # the list the index follows
+        self._indexed = 0  # n-grams ending before this position are in the index
+        self._ends: dict[tuple[int, ...], int] = {}
 
     def prefill(self, context: list[int]) -> None:
-        pass
+        self._context = None
 
     def propose(self, context, num_tokens, params, rng, min_confidence=0.0):
+        self._index(context)
         tokens: list[int] = []
-        reversed_context = context[::-1]
-        for size in range(min(self.max_ngram, len(context) - 1), self.min_ngram - 1, -1):
-            end = _last_earlier_occurrence(context, size, reversed_context)
+        length = len(context)
+        for size in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
+            end = self._ends.get(tuple(context[length - size :]))
             if end is not None:
                 tokens = context[end + 1 : end + 1 + num_tokens]
                 break
@@ -104,27 +113,17 @@ class PromptLookupDrafter:
     def update(self, num_accepted: int) -> None:
         pass
 
-
-def _last_earlier_occurrence(context: list[int], size: int, reversed_context: list[int] | None = None) -> int | None:
-    """End index of the latest earlier occurrence of context's last `size` tokens, or None.
-
-    The search runs from the end (on reversed_context, context[::-1]), so the first full match is
-    the latest one; candidates are found with list.index (a C scan) on the n-gram's last token, so
-    a round costs at most one pass over the context and usually a few positions."""
-    if reversed_context is None:
-        reversed_context = context[::-1]
-    length = len(context)
-    pattern = context[-size:]
-    last = pattern[-1]
-    back = 0  # position length - 1 - back in context; back = 0 is the pattern itself
-    while True:
-        try:
-            back = reversed_context.index(last, back + 1, length - size + 1)
-        except ValueError:
-            return None
-        end = length - 1 - back
-        if context[end - size + 1 : end + 1] == pattern:
-            return end
+    def _index(self, context: list[int]) -> None:
+        """Add the n-grams that end at positions up to len(context) - 2 (the last one is what we look up)."""
+        if context is not self._context or len(context) < self._indexed + 1:
+            self._context, self._indexed, self._ends = context, 0, {}
+        ends = self._ends
+        sizes = range(self.min_ngram, self.max_ngram + 1)
+        for end in range(self._indexed, len(context) - 1):
+            for size in sizes:
+                if size <= end + 1:
+                    ends[tuple(context[end - size + 1 : end + 1])] = end  # later ends overwrite: the latest wins
+        self._indexed = max(self._indexed, len(context) - 1)
 
 
 class HybridDrafter:
@@ -142,6 +141,7 @@ class HybridDrafter:
         self.lookup = lookup
 
     def prefill(self, context: list[int]) -> None:
+        self.lookup.prefill(context)
         self.model_drafter.prefill(context)
 
     def propose(self, context, num_tokens, params, rng, min_confidence=0.0):
