@@ -38,7 +38,7 @@ class SamplingParams:
 def process_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """Logits [n, vocab] -> probabilities [n, vocab] after temperature, then top-k, then top-p (as transformers orders them).
 
-    float32 throughout: this runs for every draft token, and float32 ratios of probabilities are exact
+    float32 throughout: this runs for sampled tokens, and float32 ratios of probabilities are exact
     to ~1e-7, far below anything a 100k-trial distribution test can see. Every row is computed alone
     (in C, or by the same NumPy arithmetic), so a row's bits do not depend on the rows beside it.
     """
@@ -168,11 +168,6 @@ def sample_tokens(probs: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
     # Rounding can leave a draw past the last token with mass; land it on the last such token.
     last_nonzero = probs.shape[-1] - 1 - np.argmax(probs[:, ::-1] > 0, axis=-1)
     return np.minimum(tokens, last_nonzero)
-
-
-def sample_token(probs: np.ndarray, rng: np.random.Generator) -> int:
-    """One inverse-CDF draw from probs [vocab]: one cumsum and a binary search."""
-    return draw(probs, rng.random())
 
 
 def residual_draw(target_probs: np.ndarray, draft_probs: np.ndarray, uniform: float) -> int:
