@@ -269,3 +269,28 @@ def run_bench(generator: Generator, config: BenchConfig, progress=None) -> dict:
         "peak_rss_mb": peak_memory_mb(),
         "memory_budget_mb": memory_budget_mb(generator),
     }
+
+
+def context_sweep(reports: list[dict]) -> dict:
+    """run_bench reports of the same prompts lengthened to several prompt_tokens, in one run -> the first
+    report, with every length's report (by_prompt_tokens) and its decode speed against the first's.
+
+    Decode speed at a long context is a ratio, and ratios are only worth something measured in one run:
+    this machine's speed drifts by ~10% between runs."""
+    first = reports[0]
+    rows = []
+    for report in reports:
+        target, speculative = report["target_only"]["tokens_per_s"], report["speculative"]["tokens_per_s"]
+        rows.append({
+            "prompt_tokens": report["prompt_tokens"],
+            "target_only_tokens_per_s": target,
+            "target_only_ms_per_token": 1000.0 / target if target else None,
+            "speculative_tokens_per_s": speculative,
+            "acceptance_rate": report["acceptance_rate"],
+            "mean_accepted_tokens": report["mean_accepted_tokens"],
+            "target_only_vs_first": target / first["target_only"]["tokens_per_s"],
+            "speculative_vs_first": speculative / first["speculative"]["tokens_per_s"],
+            "peak_rss_mb": report["peak_rss_mb"],
+        })
+    return dict(first, by_prompt_tokens=reports, context_sweep=rows)
+

@@ -253,8 +253,9 @@ def _parse_draft_tokens(value: str) -> tuple[int, ...] | None:
 @click.option("--prompts", "prompts_file", type=click.Path(), default=None,
               help="JSON list of prompts, or JSONL with a 'prompt' field (default: 10 built-in code prompts).")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
-@click.option("--prompt-tokens", type=int, default=None,
-              help="Lengthen every prompt to this many tokens (decode speed at a long context).")
+@click.option("--prompt-tokens", default=None,
+              help="Lengthen every prompt to this many tokens (decode speed at a long context); a list like "
+                   "128,1920 benches each length in one run and compares them.")
 @click.option("--num-draft-tokens", "-k", default="4", show_default=True, help="K, a list (2,4,8) or auto.")
 @click.option("--temperature", type=float, default=0.0, show_default=True)
 @click.option("--top-k", type=int, default=0, show_default=True)
@@ -272,7 +273,7 @@ def bench(bundle, prompts_file, max_new_tokens, prompt_tokens, num_draft_tokens,
     """Target-only vs speculative decoding on the same prompts: speed, acceptance, cost model."""
     from rich.console import Console
 
-    from .bench import BenchConfig, builtin_prompts, lengthen_prompts, read_prompts, run_bench
+    from .bench import BenchConfig, builtin_prompts, context_sweep, lengthen_prompts, read_prompts, run_bench
     from .runtime import load
 
     if repeat < 1 or max_new_tokens < 1:
@@ -280,25 +281,30 @@ def bench(bundle, prompts_file, max_new_tokens, prompt_tokens, num_draft_tokens,
     _return_freed_memory()
     generator = load(resolve_bundle(bundle), device=device, drafter=drafter)
     prompts = read_prompts(prompts_file) if prompts_file else builtin_prompts()
-    if prompt_tokens:
-        if prompt_tokens + max_new_tokens > generator.max_context:
-            raise SpecdeployError(f"--prompt-tokens + --max-new-tokens exceed the bundle's max context {generator.max_context}")
-        prompts = [tuple(ids) for ids in lengthen_prompts(prompts, generator.codec.encode, prompt_tokens)]
-    config = BenchConfig(prompts=tuple(prompts),
-                         max_new_tokens=max_new_tokens, num_draft_tokens=_parse_draft_tokens(num_draft_tokens),
-                         temperature=temperature, top_k=top_k, top_p=top_p, draft_confidence=draft_confidence,
-                         repeat=repeat, seed=seed)
+    lengths = _parse_prompt_tokens(prompt_tokens, max_new_tokens, generator.max_context)
     console = Console(stderr=True)
-    with console.status("bench") as status:
-        report = run_bench(generator, config, progress=lambda message: status.update(message))
-    report["drafter"] = drafter
-    report["prompt_tokens"] = prompt_tokens
+    reports = []
+    for length in lengths:
+        lengthened = [tuple(ids) for ids in lengthen_prompts(prompts, generator.codec.encode, length)] if length else prompts
+        config = BenchConfig(prompts=tuple(lengthened),
+                             max_new_tokens=max_new_tokens, num_draft_tokens=_parse_draft_tokens(num_draft_tokens),
+                             temperature=temperature, top_k=top_k, top_p=top_p, draft_confidence=draft_confidence,
+                             repeat=repeat, seed=seed)
+        with console.status("bench") as status:
+            report = run_bench(generator, config, progress=lambda message: status.update(f"{length or ''} {message}"))
+        report["drafter"] = drafter
+        report["prompt_tokens"] = length
+        reports.append(report)
+    report = reports[0] if len(reports) == 1 else context_sweep(reports)
     if plot:
         _plot(report, plot)
     if as_json:
         click.echo(json.dumps(report))
     else:
-        _print_bench(report)
+        for each in report.get("by_prompt_tokens", [report]):
+            _print_bench(each)
+        if "context_sweep" in report:
+            _print_context_sweep(report["context_sweep"])
 
 
 def _print_bench(report: dict) -> None:
@@ -307,7 +313,8 @@ def _print_bench(report: dict) -> None:
 
     base = report["target_only"]
     rows = report["by_num_draft_tokens"]
-    table = Table(title=f"{report['prompts']} prompts x {report['max_new_tokens']} new tokens, temperature "
+    context = f"{report['prompt_tokens']}-token prompts" if report.get("prompt_tokens") else "prompts"
+    table = Table(title=f"{report['prompts']} {context} x {report['max_new_tokens']} new tokens, temperature "
                         f"{report['temperature']}, repeat {report['repeat']}, drafter {report.get('drafter', '')}")
     table.add_column("")
     table.add_column("target-only", justify="right")
@@ -338,6 +345,38 @@ def _print_bench(report: dict) -> None:
     console.print(table)
     console.print(f"peak RSS {report['peak_rss_mb']:.0f} MB (fp32 weights + KV caches at max context: "
                   f"{report['memory_budget_mb']:.0f} MB)")
+
+
+def _print_context_sweep(rows: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="decode speed against prompt length (one run)")
+    for name in ("prompt tokens", "target-only tok/s", "ms/token", "vs first", "speculative tok/s", "vs first",
+                 "acceptance", "tokens/round"):
+        table.add_column(name, justify="right")
+    for row in rows:
+        table.add_row(str(row["prompt_tokens"]), f"{row['target_only_tokens_per_s']:.1f}",
+                      f"{row['target_only_ms_per_token']:.2f}", f"{row['target_only_vs_first']:.2f}",
+                      f"{row['speculative_tokens_per_s']:.1f}", f"{row['speculative_vs_first']:.2f}",
+                      f"{row['acceptance_rate']:.2f}", f"{row['mean_accepted_tokens']:.2f}")
+    (Console() if sys.stdout.isatty() else Console(width=130)).print(table)
+
+
+def _parse_prompt_tokens(value: str | None, max_new_tokens: int, max_context: int) -> tuple[int | None, ...]:
+    if value is None:
+        return (None,)
+    try:
+        lengths = tuple(int(v) for v in value.split(","))
+    except ValueError:
+        raise SpecdeployError(f"--prompt-tokens '{value}': expected N or a list like 128,1920") from None
+    for length in lengths:
+        if length < 1:
+            raise SpecdeployError("--prompt-tokens: each length must be at least 1")
+        if length + max_new_tokens > max_context:
+            raise SpecdeployError(f"--prompt-tokens {length} + --max-new-tokens {max_new_tokens} exceed the bundle's "
+                                  f"max context {max_context}")
+    return lengths
 
 
 def _plot(report: dict, path: str) -> None:

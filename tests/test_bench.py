@@ -57,3 +57,22 @@ def test_bench_smoke(agreeing_bundle, tmp_path):
                                  "--drafter", "model"])
     assert table.exit_code == 0, table.output
     assert "tokens/s" in table.output and "Leviathan bound" in table.output
+
+
+def test_bench_context_sweep_in_one_run(agreeing_bundle, tmp_path):
+    (tmp_path / "prompts.json").write_text(json.dumps(["def f(x):", "import os\n"]))
+    runner = CliRunner()
+    args = ["bench", str(agreeing_bundle), "--prompts", str(tmp_path / "prompts.json"), "--max-new-tokens", "8", "-k", "2"]
+    result = runner.invoke(main, args + ["--prompt-tokens", "40,90", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output.strip().splitlines()[-1])
+    assert [r["prompt_tokens"] for r in report["by_prompt_tokens"]] == [40, 90]
+    assert report["target_only"] == report["by_prompt_tokens"][0]["target_only"]  # the first length leads
+    first, second = report["context_sweep"]
+    assert first["target_only_vs_first"] == 1.0 and second["target_only_vs_first"] > 0
+    assert second["target_only_ms_per_token"] == pytest.approx(1000 / second["target_only_tokens_per_s"])
+    table = runner.invoke(main, args + ["--prompt-tokens", "40,60"])
+    assert table.exit_code == 0 and "decode speed against prompt length" in table.output
+    for bad in ("40,x", "0", "40,4000"):
+        refused = runner.invoke(main, args + ["--prompt-tokens", bad])
+        assert refused.exit_code == 2 and "--prompt-tokens" in refused.output, (bad, refused.output)
