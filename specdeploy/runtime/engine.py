@@ -180,6 +180,7 @@ class OrtEngine:
         self._ids_values = [_ortvalue(self._ids[:, :n], "cpu") if n else None for n in range(BOUND_IDS + 1)]
         self._mask_values: list = []
         self._scratch = None  # see forward(scratch=True); made on first use
+        self._bound_ids = self._bound_logits = None  # the OrtValues the binding holds now, if ours
 
     def new_cache(self, capacity: int) -> KVCache:
         spec = self.spec
@@ -225,6 +226,7 @@ class OrtEngine:
         binding.bind_output("logits", self._cpu)
         for name in self._output_names[1:]:
             binding.bind_output(name, self._cache_device)
+        self._bound_ids = self._bound_logits = None
         start = time.perf_counter()
         self._run(binding, None)
         self.seconds += time.perf_counter() - start
@@ -247,10 +249,14 @@ class OrtEngine:
                 self._ids[0, 0] = token_ids[0]
             else:
                 self._ids[0, :count] = token_ids
-            binding.bind_ortvalue_input("input_ids", self._ids_values[count])
+            ids = self._ids_values[count]
+            if ids is not self._bound_ids:  # a binding stays until rebound: runs of equal length skip it
+                binding.bind_ortvalue_input("input_ids", ids)
+                self._bound_ids = ids
         else:  # the binding does not keep the array alive: the engine does, until the next pass
             self._long_ids = np.ascontiguousarray(token_ids, dtype=np.int64).reshape(1, count)
             binding.bind_input("input_ids", self._long_ids)
+            self._bound_ids = None
         mask = self._mask_values[total]
         if mask is None:
             mask = self._mask_values[total] = _ortvalue(self._ones[:, :total], "cpu")
@@ -264,13 +270,17 @@ class OrtEngine:
         if scratch:
             if self._scratch is None:
                 self._make_scratch()
-            binding.bind_ortvalue_output("logits", self._scratch_values[count])
+            output = self._scratch_values[count]
+            if output is not self._bound_logits:
+                binding.bind_ortvalue_output("logits", output)
+                self._bound_logits = output
             logits = self._scratch_rows[count]
         else:
             # A fresh array: the caller may keep it. The engine holds it, since the binding points
             # into its memory, until the next pass rebinds the output.
             self._logits = fresh = np.empty((1, count, self.spec.vocab_size), dtype=self._logits_dtype)
             binding.bind_ortvalue_output("logits", _ortvalue(fresh, "cpu"))
+            self._bound_logits = None
             logits = fresh[0]
         start = time.perf_counter()
         self._run(binding, None)
