@@ -4,7 +4,7 @@
  * every verify row the rejection scan reaches needs a softmax. In NumPy that is about 15 calls per
  * draft token; right after an ONNX Runtime pass has streamed the model's weights through the cache,
  * each call runs cold, and on the benchmark pair (8k vocabulary, 0.2 ms draft steps) they cost
- * ~57 us per draft token, a quarter of the step. Here it is one call and three passes over the row.
+ * ~57 us per draft token, a quarter of the step. Here it is one call and a few passes over the row.
  *
  * The NumPy functions in sampling.py remain the definition; this module computes the same
  * quantities (tests compare the two) and the runtime uses it when it was built (it is optional).
@@ -46,10 +46,10 @@ static inline float exp_nonpositive(float x) {
     return x >= -87.0f ? p * scale : (x != x ? x : 0.0f);
 }
 
-/* Row passes are compiled for AVX-512, AVX2 and the baseline, and picked at load time (GCC on x86-64
- * with glibc, whose ifuncs pick; other compilers and CPUs get one portable build: NEON on aarch64 vectorizes the same loops).
- * No fp contraction (setup.py passes -ffp-contract=off) and a fixed lane layout: every build
- * computes the same bits. */
+/* Row passes are compiled for AVX-512, AVX2 and the baseline, and glibc's ifuncs pick one at load
+ * time (GCC on x86-64); other compilers and CPUs get one portable build (NEON on aarch64 vectorizes
+ * the same loops). No fp contraction (setup.py passes -ffp-contract=off) and a fixed lane layout:
+ * every build computes the same bits. */
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11 && defined(__x86_64__) && defined(__GLIBC__)
 #define ROW_PASS __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
