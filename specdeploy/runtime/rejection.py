@@ -108,11 +108,8 @@ def verify_sampled(
     With temperature alone and the C extension, the whole scan is one call (the same softmax, draws
     and random numbers: k + 1 uniforms, as the Python scan takes them), instead of ~15 Python-level
     steps per round that each run cold after the verify pass."""
-    fast = sampling._fastsample
-    if (fast is not None and sampling._temperature_only(params, target_logits.shape[-1])
-            and draft_probs.dtype == target_logits.dtype == np.float32
-            and draft_probs.flags.c_contiguous and target_logits.flags.c_contiguous):
-        return fast.verify(draft_token_ids, draft_probs, target_logits, 1.0 / params.temperature,
+    if sampling._temperature_only(params, target_logits.shape[-1]) and sampling.c_takes(draft_probs, target_logits):
+        return sampling._fastsample.verify(draft_token_ids, draft_probs, target_logits, 1.0 / params.temperature,
                            rng.random(len(draft_token_ids) + 1), target_probs)
     return rejection_sample_lazy(draft_token_ids, draft_probs,
                                  lambda i: distribution(target_logits[i], params, target_probs[i]), rng)

@@ -56,9 +56,14 @@ def process_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     return probs
 
 
+def c_takes(*arrays: np.ndarray) -> bool:
+    """Whether the C kernel was built and takes these arrays as they are (float32, C-contiguous); else NumPy runs."""
+    return _fastsample is not None and all(a.dtype == np.float32 and a.flags.c_contiguous for a in arrays)
+
+
 def softmax_row(logits: np.ndarray, out: np.ndarray, temperature: float) -> None:
     """out [vocab] = softmax(logits [vocab] / temperature), float32; -inf logits get probability 0."""
-    if _fastsample is not None and logits.flags.c_contiguous and out.flags.c_contiguous:
+    if c_takes(logits, out):
         _fastsample.softmax(logits, out, 1.0 / temperature)
         return
     np.multiply(logits, np.float32(1.0 / temperature), out=out)
@@ -134,7 +139,7 @@ def draw(weights: np.ndarray, uniform: float) -> int:
     then one inside the chosen block. np.cumsum over a whole 8k vocabulary is sequential and cost
     24 us, more than the softmax before it; this costs ~5 us and draws from the same distribution.
     float32 rows go to the C extension, which draws the same way."""
-    if _fastsample is not None and weights.dtype == np.float32 and weights.ndim == 1 and weights.flags.c_contiguous:
+    if c_takes(weights):
         return _fastsample.draw(weights, uniform)
     vocab = weights.shape[0]
     full = vocab - vocab % BLOCK
@@ -173,8 +178,7 @@ def sample_tokens(probs: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
 def residual_draw(target_probs: np.ndarray, draft_probs: np.ndarray, uniform: float) -> int:
     """One draw from normalize(max(0, target_probs - draft_probs)) (both [vocab]), the recovered token of
     speculative sampling; from target_probs when the residual has no mass (the rows are equal up to rounding)."""
-    if (_fastsample is not None and target_probs.dtype == draft_probs.dtype == np.float32
-            and target_probs.flags.c_contiguous and draft_probs.flags.c_contiguous):
+    if c_takes(target_probs, draft_probs):
         return _fastsample.residual_draw(target_probs, draft_probs, uniform)
     residual = np.maximum(target_probs - draft_probs, 0.0)
     return draw(residual if residual.sum() > 0 else target_probs, uniform)
