@@ -22,7 +22,7 @@ from scipy import stats
 
 import specdeploy
 from specdeploy.bench import builtin_prompts, exact_continuation_probs
-from specdeploy.runtime.sampling import SamplingParams, process_logits
+from specdeploy.runtime.sampling import SamplingParams
 
 EXTRA_PROMPTS = [
     "def read_lines(path):\n",
@@ -81,15 +81,7 @@ def temperature_only_distribution(bundle: str, runs: int, temperature: float = 0
     # acceptance and the rejection paths run often.
     prompt = generator.codec.encode(EXTRA_PROMPTS[1])
 
-    def probs(context: list[int]) -> np.ndarray:
-        return process_logits(generator.target.logits_after(context)[None], params)[0].astype(np.float64)
-
-    first = probs(prompt)
-    exact = {}  # (x1, x2) -> p(x1) p(x2 | x1), for the pairs a run of `runs` can see
-    for x1 in np.flatnonzero(first * runs >= 5):
-        second = probs(prompt + [int(x1)])
-        for x2 in np.flatnonzero(first[x1] * second * runs >= 5):
-            exact[(int(x1), int(x2))] = first[x1] * second[x2]
+    exact = exact_continuation_probs(generator, prompt, params, 2, min_probability=5 / runs)  # pairs a run can see
     counts = dict.fromkeys(exact, 0)
     accepted = 0
     for seed in range(runs):

@@ -25,11 +25,13 @@ from .runtime.sampling import SamplingParams, process_logits
 
 
 def exact_continuation_probs(generator: Generator, prompt_ids: list[int], params: SamplingParams,
-                             length: int) -> dict[tuple[int, ...], float]:
-    """The probability of every `length`-token continuation under the target alone (use a small top-k).
+                             length: int, min_probability: float = 0.0) -> dict[tuple[int, ...], float]:
+    """The probability of every `length`-token continuation under the target alone.
 
     The reference that sampled speculative decoding is tested against: computed from the target's
-    processed distributions, position by position, with no draft involved."""
+    processed distributions, position by position, with no draft involved. Over a whole vocabulary
+    (no small top-k) pass min_probability: only continuations at least that likely are formed (a
+    prefix below it has no such continuation), and their total falls short of 1 by the rest."""
     def probs(context: list[int]) -> np.ndarray:
         return process_logits(generator.target.logits_after(context)[None], params)[0].astype(np.float64)
 
@@ -37,9 +39,9 @@ def exact_continuation_probs(generator: Generator, prompt_ids: list[int], params
     for _ in range(length):
         extended = {}
         for sequence, probability in result.items():
-            row = probs(prompt_ids + list(sequence))
-            for token in np.flatnonzero(row):
-                extended[sequence + (int(token),)] = probability * row[token]
+            row = probability * probs(prompt_ids + list(sequence))
+            for token in np.flatnonzero((row > 0) & (row >= min_probability)):
+                extended[sequence + (int(token),)] = row[token]
         result = extended
     return result
 
