@@ -282,12 +282,12 @@ def bench(bundle, prompts_file, max_new_tokens, prompt_tokens, num_draft_tokens,
     generator = load(resolve_bundle(bundle), device=device, drafter=drafter)
     prompts = read_prompts(prompts_file) if prompts_file else builtin_prompts()
     lengths = _parse_prompt_tokens(prompt_tokens, max_new_tokens, generator.max_context)
+    ks = _parse_draft_tokens(num_draft_tokens)
     console = Console(stderr=True)
     reports = []
     for length in lengths:
         lengthened = [tuple(ids) for ids in lengthen_prompts(prompts, generator.codec.encode, length)] if length else prompts
-        config = BenchConfig(prompts=tuple(lengthened),
-                             max_new_tokens=max_new_tokens, num_draft_tokens=_parse_draft_tokens(num_draft_tokens),
+        config = BenchConfig(prompts=tuple(lengthened), max_new_tokens=max_new_tokens, num_draft_tokens=ks,
                              temperature=temperature, top_k=top_k, top_p=top_p, draft_confidence=draft_confidence,
                              repeat=repeat, seed=seed)
         with console.status("bench") as status:

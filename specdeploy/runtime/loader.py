@@ -35,15 +35,17 @@ def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verif
         shared_threads=os.environ.get("SPECDEPLOY_SHARED_THREADS", "1") != "0",
         trt_cache_dir=str(bundle / "trt_cache") if device == "tensorrt" else None,
     )
-    # The generate loop reads each pass's logits before the next pass: they may share one buffer.
-    target = CachedModel(OrtEngine(bundle / manifest.target.onnx_path, manifest.target, config), manifest.max_context,
-                         scratch_logits=True)
+
+    def cached(spec) -> CachedModel:
+        # The generate loop reads each pass's logits before the next pass: they may share one buffer.
+        return CachedModel(OrtEngine(bundle / spec.onnx_path, spec, config), manifest.max_context, scratch_logits=True)
+
+    target = cached(manifest.target)
     lookup = PromptLookupDrafter(manifest.target.vocab_size, min_ngram=lookup_ngram)
     if drafter == "prompt-lookup":
         chosen = lookup
     else:
-        draft = CachedModel(OrtEngine(bundle / manifest.draft.onnx_path, manifest.draft, config), manifest.max_context,
-                            scratch_logits=True)
-        chosen = ModelDrafter(draft) if drafter == "model" else HybridDrafter(ModelDrafter(draft), lookup)
+        draft = ModelDrafter(cached(manifest.draft))
+        chosen = draft if drafter == "model" else HybridDrafter(draft, lookup)
     codec = TextCodec(bundle / manifest.tokenizer.path, manifest.tokenizer)
     return Generator(target, chosen, codec, manifest.max_context, manifest.target.eos_token_ids, manifest)
