@@ -175,3 +175,50 @@ def test_scratch_logits_are_the_same_numbers_and_last_one_pass(bundles):
     assert np.shares_memory(scratch[0], scratch[1]) and np.shares_memory(scratch[1], scratch[3])
     long_pass = engine.forward(ids[: SCRATCH_ROWS + 1], engine.new_cache(64), scratch=True)
     assert not np.shares_memory(long_pass, scratch[0])
+
+
+def test_step_is_a_one_token_extend(bundles):
+    """CachedModel.step (the draft loop's short path) gives extend([token])[-1]'s numbers, whatever pass came
+    before it (a multi-token pass rebinds the ids and logits; step then takes the long way once)."""
+    bundle = bundles("llama")
+    spec = load_manifest(bundle).draft
+    engine = OrtEngine(bundle / spec.onnx_path, spec)
+    stepped = CachedModel(engine, 64, scratch_logits=True)
+    extended = CachedModel(OrtEngine(bundle / spec.onnx_path, spec), 64)
+    ids = [int(i) for i in np.random.default_rng(3).integers(2, 300, size=16)]
+    stepped.prefill(ids[:5])
+    extended.prefill(ids[:5])
+    for position in range(5, 16):
+        if position == 10:  # a catch-up of two tokens between steps
+            got, expected = stepped.extend(ids[10:12])[-1], extended.extend(ids[10:12])[-1]
+        elif position == 11:
+            continue
+        else:
+            got, expected = stepped.step(ids[position]), extended.extend([ids[position]])[-1]
+        np.testing.assert_array_equal(got, expected)
+    assert stepped.tokens == extended.tokens == ids and stepped.cache.length == 16
+    full = CachedModel(engine, 18, scratch_logits=True)
+    full.prefill(ids)
+    full.step(7)
+    full.step(8)  # the short path, up to the last position
+    with pytest.raises(SpecdeployError, match="max context"):
+        full.step(9)
+    assert full.cache.length == len(full.tokens) == 18
+
+
+def test_sync_compares_only_what_an_appended_context_added(bundles, monkeypatch):
+    """A context list that only grew since the last sync is compared from where they agreed; any other
+    list (a copy with an earlier token changed) is compared from the start, and the cache rolls back."""
+    bundle = bundles("llama")
+    spec = load_manifest(bundle).target
+    model = CachedModel(OrtEngine(bundle / spec.onnx_path, spec), 64)
+    fresh = CachedModel(OrtEngine(bundle / spec.onnx_path, spec), 64)
+    context = [5, 9, 13, 40, 41, 42]
+    model.logits_after(context)
+    model.extend([7, 8])  # drafts, one of them rejected below
+    context += [7, 99]
+    assert model.uncached(context) == [99] and model.cache.length == 7
+    changed = list(context)
+    changed[2] = 14
+    np.testing.assert_allclose(model.logits_after(changed), fresh.logits_after(changed), atol=1e-5)
+    assert model.tokens == changed[:-1] + [changed[-1]] and model.cache.length == len(changed)

@@ -42,7 +42,7 @@ def test_sampling_a_row_forms_the_same_distribution_as_the_verify_scan():
     logits = (np.random.default_rng(3).normal(size=8192) * 3).astype(np.float32)
     params = SamplingParams(temperature=0.8)
     drawn_from = np.empty_like(logits)
-    row_sampler(params, logits.size)(logits, np.random.default_rng(0), drawn_from)
+    row_sampler(params, logits.size)(logits, np.random.default_rng(0).random(), drawn_from)
     np.testing.assert_array_equal(drawn_from, distribution(logits, params, np.empty_like(logits)))
     np.testing.assert_array_equal(drawn_from, process_logits(logits[None], params)[0])
 
@@ -73,7 +73,7 @@ def test_row_sampler_follows_the_softmax(monkeypatch, use_c):
     rng = np.random.default_rng(4)
     out = np.empty_like(logits)
     sample = row_sampler(params, logits.size)
-    counts = np.bincount([sample(logits, rng, out) for _ in range(40_000)], minlength=logits.size)
+    counts = np.bincount([sample(logits, rng.random(), out) for _ in range(40_000)], minlength=logits.size)
     expected = process_logits(logits[None], params)[0].astype(np.float64)
     big = expected > 1e-4
     assert counts[~big].sum() <= 5
@@ -189,6 +189,25 @@ def test_row_sampler_takes_float64_and_strided_logits_the_same_way():
     params = SamplingParams(temperature=0.9)
     sample = row_sampler(params, 300)
     out = np.empty(300, np.float32)
-    reference = [sample(logits[0], np.random.default_rng(seed), out) for seed in range(50)]
+    reference = [sample(logits[0], np.random.default_rng(seed).random(), out) for seed in range(50)]
     for variant in (logits[0].astype(np.float64), logits.T.copy().T[0]):
-        assert [sample(variant, np.random.default_rng(seed), out) for seed in range(50)] == reference
+        assert [sample(variant, np.random.default_rng(seed).random(), out) for seed in range(50)] == reference
+
+
+def test_block_generator_gives_default_rngs_numbers():
+    """BlockGenerator draws uniforms ahead in blocks; in any mix of call shapes, across block edges, it returns
+    exactly what np.random.default_rng(seed) would."""
+    from specdeploy.runtime.sampling import UNIFORM_BLOCK, BlockGenerator
+
+    for seed in range(5):
+        ours, plain, shapes = BlockGenerator(seed), np.random.default_rng(seed), np.random.default_rng(50 + seed)
+        got, expected = [], []
+        for _ in range(400):
+            kind = int(shapes.integers(0, 4))
+            size = None if kind == 0 else int(shapes.integers(1, UNIFORM_BLOCK + 40)) if kind == 1 else (1, 3)
+            a, b = ours.random(size), plain.random(size)
+            assert type(a) is type(b) and np.shape(a) == np.shape(b)
+            got += np.ravel(a).tolist()
+            expected += np.ravel(b).tolist()
+        assert got == expected
+    assert BlockGenerator(3).random(5, dtype=np.float32).dtype == np.float32

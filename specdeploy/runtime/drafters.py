@@ -25,7 +25,8 @@ class Drafter(Protocol):
         """Up to num_tokens draft tokens and the draft_probs [k, vocab] they were drawn from (None when greedy).
 
         A drafter may stop early, e.g. once its own top probability falls below min_confidence: how
-        many tokens are proposed never depends on the target, so the acceptance rule stays exact."""
+        many tokens are proposed never depends on the target, so the acceptance rule stays exact.
+        The rows may live in a buffer the drafter reuses: they are valid until its next propose."""
 
     def update(self, num_accepted: int) -> None: ...
 
@@ -37,36 +38,60 @@ class ModelDrafter:
 
     def __init__(self, model: CachedModel):
         self.model = model
+        self._probs: np.ndarray | None = None  # [k, vocab] rows reused by every sampled proposal
+        self._params: SamplingParams | None = None  # the params self._sample was made for
+        self._sample = None
 
     def prefill(self, context: list[int]) -> None:
         self.model.prefill(context)
 
     def propose(self, context, num_tokens, params, rng, min_confidence=0.0):
         logits = self.model.logits_after(context)  # [vocab]
-        tokens: list[int] = []
+        if params.greedy:
+            return self._propose_greedy(logits, num_tokens, min_confidence), None
+        vocab = logits.shape[-1]
+        if params is not self._params:  # one sampler per generate call (its params object)
+            self._params, self._sample = params, row_sampler(params, vocab)
+        sample, step = self._sample, self.model.step
         # The full processed distribution of each draft token, written in place: proposing from a
         # truncated one (exact too) was measured slower on an 8k vocabulary (argpartition costs what
         # the softmax does) and lowered acceptance.
-        draft_probs = None if params.greedy else np.empty((num_tokens, logits.shape[-1]), dtype=np.float32)
-        sample = None if params.greedy else row_sampler(params, logits.shape[-1])
+        rows = self._rows(num_tokens, vocab)
+        uniforms = rng.random(num_tokens).tolist()  # the round's draws in one call
+        tokens: list[int] = []
         for position in range(num_tokens):
-            if draft_probs is None:
-                token = int(logits.argmax())
-                # Top probability at temperature 1: 1 / sum(exp(logits - max)).
-                confident = min_confidence <= 0 or np.exp(logits - logits[token]).sum() * min_confidence <= 1.0
-            else:
-                row = draft_probs[position]
-                token = sample(logits, rng, row)
-                confident = min_confidence <= 0 or row.max() >= min_confidence
+            row = rows[position]
+            token = sample(logits, uniforms[position], row)
             tokens.append(token)
-            if position + 1 < num_tokens and confident:
-                logits = self.model.extend([token])[-1]
-            else:
+            if position + 1 == num_tokens or (min_confidence > 0 and row.max() < min_confidence):
                 break
-        return tokens, (None if draft_probs is None else draft_probs[: len(tokens)])
+            logits = step(token)
+        return tokens, rows[: len(tokens)]
+
+    def _propose_greedy(self, logits: np.ndarray, num_tokens: int, min_confidence: float) -> list[int]:
+        tokens: list[int] = []
+        for position in range(num_tokens):
+            token = int(logits.argmax())
+            tokens.append(token)
+            if position + 1 == num_tokens:
+                break
+            # Top probability at temperature 1: 1 / sum(exp(logits - max)).
+            if min_confidence > 0 and np.exp(logits - logits[token]).sum() * min_confidence > 1.0:
+                break
+            logits = self.model.step(token)
+        return tokens
 
     def update(self, num_accepted: int) -> None:
         pass
+
+    def _rows(self, count: int, vocab: int) -> np.ndarray:
+        """count rows of one buffer kept across rounds (the proposal's rows are read before the next one).
+
+        A fresh [4, 8k] float32 array is 128 KB: glibc maps blocks that large afresh (the CLI sets
+        M_MMAP_THRESHOLD to 128 KB) and every page faults on first write, each round."""
+        if self._probs is None or self._probs.shape[0] < count or self._probs.shape[1] != vocab:
+            self._probs = np.empty((count, vocab), dtype=np.float32)
+        return self._probs[:count]
 
 
 class PromptLookupDrafter:
@@ -91,6 +116,8 @@ class PromptLookupDrafter:
         self._context: list[int] | None = None  # the list the index follows
         self._indexed = 0  # n-grams ending before this position are in the index
         self._ends: dict[tuple[int, ...], int] = {}
+        self._one_hot: np.ndarray | None = None  # [k, vocab] rows reused across rounds (see ModelDrafter._rows)
+        self._hot: list[int] = []  # the tokens set to 1 in it, one per row
 
     def prefill(self, context: list[int]) -> None:
         self._context = None
@@ -106,9 +133,16 @@ class PromptLookupDrafter:
                 break
         if params.greedy or not tokens:
             return tokens, None
-        one_hot = np.zeros((len(tokens), self.vocab_size), dtype=np.float32)  # float32, as the model's rows
-        one_hot[np.arange(len(tokens)), tokens] = 1.0
-        return tokens, one_hot
+        count = len(tokens)
+        if self._one_hot is None or self._one_hot.shape[0] < count:
+            self._one_hot, self._hot = np.zeros((count, self.vocab_size), dtype=np.float32), []  # float32, as the model's rows
+        one_hot = self._one_hot
+        for row, token in enumerate(self._hot):
+            one_hot[row, token] = 0.0
+        for row, token in enumerate(tokens):
+            one_hot[row, token] = 1.0
+        self._hot = tokens
+        return tokens, one_hot[:count]
 
     def update(self, num_accepted: int) -> None:
         pass

@@ -161,6 +161,7 @@ class OrtEngine:
         self.shared_buffer = kv.shared_buffer
         self._bound = None  # the shared-buffer cache whose buffers the binding holds
         self._logits_dtype = np.dtype(next(t.dtype for t in spec.outputs if t.name == "logits"))
+        self._float32_logits = self._logits_dtype == np.float32
         self.seconds = 0.0  # time spent inside session.run, for the stats
         self.calls = 0
         from onnxruntime.capi.onnxruntime_inference_collection import OrtDevice
@@ -287,13 +288,38 @@ class OrtEngine:
         self.seconds += time.perf_counter() - start
         self.calls += 1
         cache.length += count
-        return logits if logits.dtype == np.float32 else logits.astype(np.float32)
+        return logits if self._float32_logits else logits.astype(np.float32)
+
+    def step(self, token: int, cache: SharedKVCache) -> np.ndarray:
+        """forward([token], cache, scratch=True)[0]: the draft's inner loop, in as few statements as it can
+        take (each runs cold after the previous pass, ~2 us of a ~20 us gap between draft passes).
+
+        Once a one-token scratch pass has bound its ids and logits, the next ones only write the token
+        into the bound ids buffer and bind the mask of the new length; anything else goes to forward."""
+        total = cache.length + 1
+        if (total > cache.capacity or total >= len(self._mask_values) or cache is not self._bound
+                or self._scratch is None or self._bound_ids is not self._ids_values[1]
+                or self._bound_logits is not self._scratch_values[1] or not self._float32_logits):
+            return self.forward((token,), cache, scratch=True)[0]
+        mask = self._mask_values[total]
+        if mask is None:
+            mask = self._mask_values[total] = _ortvalue(self._ones[:, :total], "cpu")
+        self._ids[0, 0] = token
+        binding = self._binding
+        binding.bind_ortvalue_input("attention_mask", mask)
+        start = time.perf_counter()
+        self._run(binding, None)
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
+        cache.length = total
+        return self._scratch_first
 
     def _make_scratch(self) -> None:
         """One [1, SCRATCH_ROWS, vocab] buffer; a pass of n tokens writes its first n rows (contiguous)."""
         self._scratch = np.empty((1, SCRATCH_ROWS, self.spec.vocab_size), dtype=self._logits_dtype)
         self._scratch_values = [None] + [_ortvalue(self._scratch[:, :n], "cpu") for n in range(1, SCRATCH_ROWS + 1)]
         self._scratch_rows = [None] + [self._scratch[0, :n] for n in range(1, SCRATCH_ROWS + 1)]
+        self._scratch_first = self._scratch[0, 0]  # [vocab]: a one-token pass's logits
 
 
 class CachedModel:
@@ -304,6 +330,12 @@ class CachedModel:
         self.engine = engine
         self.cache = engine.new_cache(capacity)
         self.tokens: list[int] = []  # the tokens whose keys and values the cache holds
+        # The context list the last sync followed, and how many leading positions self.tokens shares
+        # with it: the generate loop only appends to its context, so the next sync compares only
+        # what came after (a prefix copy and compare of the whole context, per model per round,
+        # otherwise). A list changed in place, rather than appended to, must be passed as a new list.
+        self._synced: list[int] | None = None
+        self._agreed = 0
         # True: extend's logits are only valid until the next pass (OrtEngine.forward's scratch).
         self.scratch_logits = scratch_logits
         # ONNX Runtime's kernels take a separate path for a single row. In fp32 its logits differ
@@ -327,6 +359,7 @@ class CachedModel:
     def reset(self) -> None:
         self.cache.reset()
         self.tokens = []
+        self._agreed = 0
 
     def uncached(self, context: list[int]) -> list[int]:
         """Truncate the cache to its longest prefix shared with context, keeping at least one token to run."""
@@ -344,12 +377,14 @@ class CachedModel:
 
     def _sync(self, context: list[int], max_shared: int) -> list[int]:
         limit = min(len(self.tokens), max_shared)
+        start = min(self._agreed, limit) if context is self._synced else 0  # tokens[:start] == context[:start]
         shared = limit
-        if self.tokens[:limit] != context[:limit]:
-            shared = next(i for i in range(limit) if self.tokens[i] != context[i])
+        if self.tokens[start:limit] != context[start:limit]:
+            shared = next(i for i in range(start, limit) if self.tokens[i] != context[i])
         if shared < len(self.tokens):
             del self.tokens[shared:]
             self.cache.truncate(shared)
+        self._synced, self._agreed = context, shared
         return context[shared:]
 
     def extend(self, token_ids: list[int]) -> np.ndarray:
@@ -362,12 +397,28 @@ class CachedModel:
             self.tokens.extend(token_ids)
             return logits
         except BaseException:
-            # An error or Ctrl-C mid-pass: bring the token list and the cache back in step (to the
-            # shorter of the two), so the next call resyncs instead of writing one slot off.
-            valid = min(len(self.tokens), self.cache.length)
-            del self.tokens[valid:]
-            self.cache.truncate(valid)
+            self._recover()
             raise
+
+    def step(self, token: int) -> np.ndarray:
+        """extend([token])[-1]: one token in, the next token's logits [vocab] out (the draft's inner loop)."""
+        if self.min_pass_tokens > 1 or not self.scratch_logits or not self.cache.shared_buffer:
+            return self.extend([token])[-1]
+        try:
+            logits = self.engine.step(token, self.cache)
+        except BaseException:
+            self._recover()
+            raise
+        self.tokens.append(token)
+        return logits
+
+    def _recover(self) -> None:
+        """After an error or Ctrl-C mid-pass: bring the token list and the cache back in step (to the
+        shorter of the two), so the next call resyncs instead of writing one slot off."""
+        valid = min(len(self.tokens), self.cache.length)
+        del self.tokens[valid:]
+        self.cache.truncate(valid)
+        self._agreed = min(self._agreed, valid)
 
     def _short_pass(self, token_ids: list[int]) -> np.ndarray:
         """Fewer tokens than min_pass_tokens (one): run them beside others (see __init__)."""

@@ -18,8 +18,8 @@ import numpy as np
 from ..errors import SpecdeployError
 from .drafters import Drafter
 from .engine import CachedModel
-from .rejection import greedy_accept, verify_sampled
-from .sampling import SamplingParams, row_sampler
+from .rejection import greedy_accept, sampled_verifier
+from .sampling import BlockGenerator, SamplingParams, row_sampler
 from .text import TextCodec, TextStream
 
 MAX_DRAFT_TOKENS = 32
@@ -206,7 +206,7 @@ class Generator:
     def _rounds(self, prompt_ids: list[int], budget: int, config: GenerationConfig,
                 stats: GenerationStats) -> Iterator[list[int]]:
         """Yield the tokens of each round until `budget` tokens are out (the caller may stop earlier)."""
-        rng = np.random.default_rng(config.seed)
+        rng = BlockGenerator(config.seed)  # default_rng(seed)'s numbers, cheaper to take
         params = config.sampling
         drafter = self.drafter if config.speculative else None
         draft_model = drafter.model if drafter is not None else None
@@ -216,6 +216,7 @@ class Generator:
         vocab = self.target.engine.spec.vocab_size
         target_probs = None if params.greedy else np.empty((config.num_draft_tokens + 1, vocab), dtype=np.float32)
         sample = None if params.greedy else row_sampler(params, vocab)
+        verify = None if params.greedy else sampled_verifier(params, vocab)
 
         start = time.perf_counter()
         self.target.prefill(context[:-1])
@@ -237,7 +238,7 @@ class Generator:
                     if params.greedy:
                         num_accepted, token = greedy_accept(drafts, logits)
                     else:
-                        num_accepted, token = verify_sampled(drafts, draft_probs, logits, params, rng, target_probs)
+                        num_accepted, token = verify(drafts, draft_probs, logits, rng, target_probs)
                     drafter.update(num_accepted)
                     stats.drafted += len(drafts)
                     stats.accepted += num_accepted
@@ -246,7 +247,7 @@ class Generator:
                     new = drafts[:num_accepted] + [token]
                 else:
                     logits = self.target.logits_after(context)  # [vocab]
-                    token = int(logits.argmax()) if params.greedy else sample(logits, rng, target_probs[0])
+                    token = int(logits.argmax()) if params.greedy else sample(logits, rng.random(), target_probs[0])
                     new = [token]
                 stats.rounds += 1
                 context.extend(new)

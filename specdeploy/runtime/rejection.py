@@ -95,21 +95,30 @@ def rejection_sample_lazy(
     return num_draft, draw(target_row(num_draft), rng.random())
 
 
-def verify_sampled(
-    draft_token_ids: list[int],  # [k]
-    draft_probs: np.ndarray,  # [k, vocab]
-    target_logits: np.ndarray,  # [k + 1, vocab]
-    params: SamplingParams,
-    rng: np.random.Generator,
-    target_probs: np.ndarray,  # [k + 1, vocab], written: the target distributions the scan formed
-) -> tuple[int, int]:
-    """rejection_sample_lazy over the verify pass's logits, each row processed by params when the scan reaches it.
+Verifier = Callable[[list, np.ndarray, np.ndarray, np.random.Generator, np.ndarray], tuple[int, int]]
 
-    With temperature alone and the C extension, the whole scan is one call (the same softmax, draws
-    and random numbers: k + 1 uniforms, as the Python scan takes them), instead of ~15 Python-level
-    steps per round that each run cold after the verify pass."""
-    if sampling._temperature_only(params, target_logits.shape[-1]) and sampling.c_takes(draft_probs, target_logits):
-        return sampling._fastsample.verify(draft_token_ids, draft_probs, target_logits, 1.0 / params.temperature,
-                           rng.random(len(draft_token_ids) + 1), target_probs)
-    return rejection_sample_lazy(draft_token_ids, draft_probs,
-                                 lambda i: distribution(target_logits[i], params, target_probs[i]), rng)
+
+def sampled_verifier(params: SamplingParams, vocab: int) -> Verifier:
+    """verify(draft_token_ids [k], draft_probs [k, vocab], target_logits [k + 1, vocab], rng, target_probs) ->
+    (num_accepted, next_token): rejection_sample_lazy over the verify pass's logits, each row processed by
+    params when the scan reaches it; target_probs [k + 1, vocab] receives the distributions it formed.
+
+    Made once per generate call. With temperature alone and the C extension, the whole scan is one
+    call (the same softmax, draws and random numbers: k + 1 uniforms, as the Python scan takes them),
+    instead of ~15 Python-level steps per round that each run cold after the verify pass."""
+    def general(draft_token_ids, draft_probs, target_logits, rng, target_probs):
+        return rejection_sample_lazy(draft_token_ids, draft_probs,
+                                     lambda i: distribution(target_logits[i], params, target_probs[i]), rng)
+
+    if sampling._fastsample is None or not sampling._temperature_only(params, vocab):
+        return general
+    scan, inverse = sampling._fastsample.verify, 1.0 / params.temperature
+
+    def fast(draft_token_ids, draft_probs, target_logits, rng, target_probs):
+        if not sampling.c_takes(draft_probs, target_logits):  # float64 or strided: the same scan, in Python
+            return general(draft_token_ids, draft_probs, target_logits, rng, target_probs)
+        return scan(draft_token_ids, draft_probs, target_logits, inverse, rng.random(len(draft_token_ids) + 1),
+                    target_probs)
+
+    return fast
+

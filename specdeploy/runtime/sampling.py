@@ -58,7 +58,12 @@ def process_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
 
 def c_takes(*arrays: np.ndarray) -> bool:
     """Whether the C kernel was built and takes these arrays as they are (float32, C-contiguous); else NumPy runs."""
-    return _fastsample is not None and all(a.dtype == np.float32 and a.flags.c_contiguous for a in arrays)
+    if _fastsample is None:
+        return False
+    for a in arrays:  # a loop, not all() over a generator: this runs once a round, cold
+        if a.dtype != np.float32 or not a.flags.c_contiguous:
+            return False
+    return True
 
 
 def softmax_row(logits: np.ndarray, out: np.ndarray, temperature: float) -> None:
@@ -85,27 +90,68 @@ def distribution(logits: np.ndarray, params: SamplingParams, out: np.ndarray) ->
     return out
 
 
-def row_sampler(params: SamplingParams, vocab: int) -> Callable[[np.ndarray, np.random.Generator, np.ndarray], int]:
-    """sample(logits [vocab], rng, out [vocab]) -> one token drawn from the logits processed by params; out
-    receives the distribution it was drawn from. One draw from rng per token.
+def row_sampler(params: SamplingParams, vocab: int) -> Callable[[np.ndarray, float, np.ndarray], int]:
+    """sample(logits [vocab], uniform, out [vocab]) -> the token that uniform (in [0, 1)) draws from the logits
+    processed by params; out receives the distribution it was drawn from.
 
-    Made once per round: the per-token call then does only the work (with temperature alone and the C
-    extension, one call that forms the same softmax as distribution() and draws from it)."""
-    def general(logits: np.ndarray, rng: np.random.Generator, out: np.ndarray) -> int:
-        return draw(distribution(logits, params, out), rng.random())
+    Made once per generate call: the per-token call then does only the work (with temperature alone and
+    the C extension, one call that forms the same softmax as distribution() and draws from it, from
+    the exponentials just before they are divided by their sum: the same distribution, without a
+    second pass over the row). The caller takes the uniforms from its generator, a round's worth in
+    one call."""
+    def general(logits: np.ndarray, uniform: float, out: np.ndarray) -> int:
+        return draw(distribution(logits, params, out), uniform)
 
     if _fastsample is None or not _temperature_only(params, vocab):
         return general
     softmax, inverse = _fastsample.softmax, 1.0 / params.temperature
 
-    def fast(logits: np.ndarray, rng: np.random.Generator, out: np.ndarray) -> int:
-        uniform = rng.random()
+    def fast(logits: np.ndarray, uniform: float, out: np.ndarray) -> int:
         try:
             return softmax(logits, out, inverse, uniform)
         except TypeError:  # not float32, or not contiguous: the same draw, in NumPy
-            return draw(distribution(np.ascontiguousarray(logits, dtype=np.float32), params, out), uniform)
+            return general(np.ascontiguousarray(logits, dtype=np.float32), uniform, out)
 
     return fast
+
+
+UNIFORM_BLOCK = 256  # uniforms a BlockGenerator draws at a time
+_FLOAT64 = np.float64
+
+
+class BlockGenerator(np.random.Generator):
+    """np.random.default_rng(seed), whose float64 uniforms are drawn UNIFORM_BLOCK at a time.
+
+    random() and random(size) return exactly the numbers, in the order, that the plain generator's
+    calls would: PCG64 fills an array with the draws that as many scalar calls would make. A round
+    takes its uniforms in two calls (the draft's k, the verify scan's k + 1); each costs a slice here
+    instead of a NumPy call, which runs cold right after an ONNX Runtime pass. Other draws (another
+    dtype, `out=`, other distributions) come from the bit generator past the block drawn ahead."""
+
+    def __init__(self, seed: int | None = None):
+        super().__init__(np.random.PCG64(seed))
+        self._block = super().random(UNIFORM_BLOCK)
+        self._next = 0
+
+    def random(self, size=None, dtype=_FLOAT64, out=None):
+        if dtype is not _FLOAT64 or out is not None:
+            return super().random(size, dtype, out)
+        start = self._next
+        if size is None:
+            if start < UNIFORM_BLOCK:
+                self._next = start + 1
+                return self._block.item(start)
+            count = 1
+        else:
+            count = size if type(size) is int else int(np.prod(size))
+        end = start + count
+        if end > len(self._block):  # the rest of this block, then a new one
+            self._block = np.concatenate([self._block[start:], super().random(max(UNIFORM_BLOCK, count))])
+            start, end = 0, count
+        self._next = end
+        if size is None:
+            return self._block.item(start)
+        return self._block[start:end].reshape(size) if type(size) is not int else self._block[start:end]
 
 
 def _top_p_row(row: np.ndarray, top_p: float, candidates: int = 64) -> None:
