@@ -182,6 +182,7 @@ class OrtEngine:
         self._mask_values: list = []
         self._scratch = None  # see forward(scratch=True); made on first use
         self._bound_ids = self._bound_logits = None  # the OrtValues the binding holds now, if ours
+        self._stepping = None  # the cache whose one-token scratch pass was the last one (see step)
 
     def new_cache(self, capacity: int) -> KVCache:
         spec = self.spec
@@ -227,7 +228,7 @@ class OrtEngine:
         binding.bind_output("logits", self._cpu)
         for name in self._output_names[1:]:
             binding.bind_output(name, self._cache_device)
-        self._bound_ids = self._bound_logits = None
+        self._bound_ids = self._bound_logits = self._stepping = None
         start = time.perf_counter()
         self._run(binding, None)
         self.seconds += time.perf_counter() - start
@@ -245,6 +246,7 @@ class OrtEngine:
         once where it can be. This is the draft's inner loop: every line here runs cold after a pass
         has streamed the weights through the caches, so it does as little as it can."""
         binding = self._binding
+        self._stepping = None  # until this pass has run (a failed one may leave other ids or logits bound)
         if count <= BOUND_IDS:
             if count == 1:
                 self._ids[0, 0] = token_ids[0]
@@ -288,18 +290,19 @@ class OrtEngine:
         self.seconds += time.perf_counter() - start
         self.calls += 1
         cache.length += count
+        # A one-token scratch pass leaves the binding as step() needs it: only the token and the mask change.
+        self._stepping = cache if scratch and count == 1 and self._float32_logits else None
         return logits if self._float32_logits else logits.astype(np.float32)
 
     def step(self, token: int, cache: SharedKVCache) -> np.ndarray:
         """forward([token], cache, scratch=True)[0]: the draft's inner loop, in as few statements as it can
         take (each runs cold after the previous pass, ~2 us of a ~20 us gap between draft passes).
 
-        Once a one-token scratch pass has bound its ids and logits, the next ones only write the token
-        into the bound ids buffer and bind the mask of the new length; anything else goes to forward."""
+        Once a one-token scratch pass has bound its ids and logits (self._stepping), the next ones only
+        write the token into the bound ids buffer and bind the mask of the new length; anything else
+        goes to forward."""
         total = cache.length + 1
-        if (total > cache.capacity or total >= len(self._mask_values) or cache is not self._bound
-                or self._scratch is None or self._bound_ids is not self._ids_values[1]
-                or self._bound_logits is not self._scratch_values[1] or not self._float32_logits):
+        if cache is not self._stepping or total > cache.capacity or total >= len(self._mask_values):
             return self.forward((token,), cache, scratch=True)[0]
         mask = self._mask_values[total]
         if mask is None:

@@ -226,12 +226,14 @@ class Generator:
 
         engine_start = [(e.seconds, e.calls) for e in engines]
         decode_start = time.perf_counter()
-        generated = 0
+        generated = rounds = drafted = 0
+        k, draft_confidence = config.num_draft_tokens, config.draft_confidence
+        ended_at = [0] * (k + 1)  # [i]: rounds that accepted exactly i draft tokens (stats, counted at the end)
         try:
             while generated < budget:
                 room = self.max_context - len(context)  # the verify pass adds k + 1 positions to len(context) - 1
-                num_draft = min(config.num_draft_tokens, budget - generated - 1, room) if drafter else 0
-                drafts, draft_probs = (drafter.propose(context, num_draft, params, rng, config.draft_confidence)
+                num_draft = min(k, budget - generated - 1, room) if drafter else 0
+                drafts, draft_probs = (drafter.propose(context, num_draft, params, rng, draft_confidence)
                                        if num_draft > 0 else ([], None))
                 if drafts:
                     logits = self.target.extend(self.target.uncached(context) + drafts)[-(len(drafts) + 1):]  # [k+1, vocab]
@@ -240,21 +242,23 @@ class Generator:
                     else:
                         num_accepted, token = verify(drafts, draft_probs, logits, rng, target_probs)
                     drafter.update(num_accepted)
-                    stats.drafted += len(drafts)
-                    stats.accepted += num_accepted
-                    for position in range(num_accepted):
-                        stats.accepted_by_position[position] += 1
+                    drafted += len(drafts)
+                    ended_at[num_accepted] += 1
                     new = drafts[:num_accepted] + [token]
                 else:
                     logits = self.target.logits_after(context)  # [vocab]
                     token = int(logits.argmax()) if params.greedy else sample(logits, rng.random(), target_probs[0])
                     new = [token]
-                stats.rounds += 1
+                rounds += 1
                 context.extend(new)
                 generated += len(new)
                 yield new
         finally:
             stats.decode_ms = (time.perf_counter() - decode_start) * 1000
+            stats.rounds, stats.drafted = rounds, drafted
+            stats.accepted = sum(count * accepted for accepted, count in enumerate(ended_at))
+            if config.speculative:
+                stats.accepted_by_position = [sum(ended_at[position + 1 :]) for position in range(k)]
             spent = [(e.seconds - s) * 1000 for e, (s, _) in zip(engines, engine_start)]
             calls = [e.calls - c for e, (_, c) in zip(engines, engine_start)]
             stats.target_ms, stats.target_calls = spent[0], calls[0]
