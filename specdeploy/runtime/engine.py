@@ -436,6 +436,8 @@ class CachedModel:
     def logits_after(self, context: list[int]) -> np.ndarray:
         """Logits [vocab] of the token that follows context (a long catch-up goes in prefill chunks)."""
         rest = self.uncached(context)
+        if len(rest) == 1:  # the draft after a rejection: one token, the short path
+            return self.step(rest[0])
         while len(rest) > PREFILL_CHUNK:
             self.extend(rest[:PREFILL_CHUNK])
             rest = rest[PREFILL_CHUNK:]
