@@ -53,7 +53,8 @@ class KVCacheSpec:
     # False (optimum's graphs): present = past + new positions, a new tensor every pass.
     # True (the fused graphs): past is a preallocated [batch, kv_heads, max_context, head_dim]
     # buffer, each present output must be bound to its past input's buffer, and the graph writes
-    # the new positions in place; `attention_mask` (ones over past + new) gives the valid length.
+    # the new positions in place; `attention_mask` (ones over past + new) gives the valid length
+    # (the graph reads its sum: a buffer-wide mask, ones then zeros, gives the same logits).
     shared_buffer: bool = False
 
 

@@ -222,3 +222,45 @@ def test_sync_compares_only_what_an_appended_context_added(bundles, monkeypatch)
     changed[2] = 14
     np.testing.assert_allclose(model.logits_after(changed), fresh.logits_after(changed), atol=1e-5)
     assert model.tokens == changed[:-1] + [changed[-1]] and model.cache.length == len(changed)
+
+
+def test_the_full_width_mask_gives_the_logits_of_a_context_wide_one(bundles):
+    """On the CPU a shared-buffer cache binds one capacity-wide mask (ones, then zeros) and writes it in place;
+    the logits must be bit for bit those of the mask exactly as wide as the context, the graph's plain
+    contract: prefill from empty, chunks, single steps, a rollback and a verify-sized pass."""
+    import onnxruntime as ort
+
+    from specdeploy.runtime.kv_cache import _ortvalue
+
+    bundle = bundles("llama")
+    spec = load_manifest(bundle).target
+    engine = OrtEngine(bundle / spec.onnx_path, spec)
+    cache = engine.new_cache(64)
+    assert cache.mask is not None and cache.mask.shape == (1, 64)
+    session = ort.InferenceSession(str(bundle / spec.onnx_path), providers=["CPUExecutionProvider"])
+    buffers = [np.zeros((1, spec.num_kv_heads, 64, spec.head_dim), np.float32) for _ in range(2 * spec.num_layers)]
+    values = [_ortvalue(b, "cpu") for b in buffers]
+    binding = session.io_binding()._iobinding
+    past, present = engine._past_names, engine._output_names[1:]
+    length = 0
+    ids = [int(i) for i in np.random.default_rng(9).integers(2, 300, size=40)]
+    for step in (ids[:20], [ids[20]], [ids[21]], ids[22:27], "rollback", [ids[30]], ids[31:36]):
+        if step == "rollback":
+            cache.truncate(21)
+            length = 21
+            continue
+        got = engine.forward(step, cache)
+        total = length + len(step)
+        keep = [np.array([step], np.int64), np.ones((1, total), np.int64)]
+        binding.bind_input("input_ids", keep[0])
+        binding.bind_input("attention_mask", keep[1])
+        binding.bind_output("logits", engine._cpu)  # first: get_outputs() lists outputs in binding order
+        for name, value in zip(past, values):
+            binding.bind_ortvalue_input(name, value)
+        for name, value in zip(present, values):
+            binding.bind_ortvalue_output(name, value)
+        session._sess.run_with_iobinding(binding, None)
+        expected = binding.get_outputs()[0].numpy()[0]
+        np.testing.assert_array_equal(got, expected)
+        assert cache.mask[0].tolist() == [1] * total + [0] * (64 - total)
+        length = total

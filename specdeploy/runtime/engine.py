@@ -241,10 +241,11 @@ class OrtEngine:
     def _forward_shared(self, token_ids, count: int, total: int, cache: SharedKVCache, scratch: bool) -> np.ndarray:
         """The fused graphs: each present is bound to its past's buffer and written in place.
 
-        The cache buffers stay bound from one pass to the next; only the token ids, the mask (its
-        width is the valid length) and the logits are bound per pass, each from an OrtValue made
-        once where it can be. This is the draft's inner loop: every line here runs cold after a pass
-        has streamed the weights through the caches, so it does as little as it can."""
+        The cache buffers stay bound from one pass to the next, and so does the cache's mask on the
+        CPU (written in place; see SharedKVCache); the token ids and the logits are bound when a
+        pass's length differs from the last one's, each from an OrtValue made once. Every line here
+        runs cold after a pass has streamed the weights through the caches, so it does as little as
+        it can."""
         binding = self._binding
         self._stepping = None  # until this pass has run (a failed one may leave other ids or logits bound)
         if count <= BOUND_IDS:
@@ -260,16 +261,21 @@ class OrtEngine:
             self._long_ids = np.ascontiguousarray(token_ids, dtype=np.int64).reshape(1, count)
             binding.bind_input("input_ids", self._long_ids)
             self._bound_ids = None
-        mask = self._mask_values[total]
-        if mask is None:
-            mask = self._mask_values[total] = _ortvalue(self._ones[:, :total], "cpu")
-        binding.bind_ortvalue_input("attention_mask", mask)
         if cache is not self._bound:
             for name, tensor in zip(self._past_names, cache.tensors):
                 binding.bind_ortvalue_input(name, tensor)
             for name, tensor in zip(self._output_names[1:], cache.tensors):
                 binding.bind_ortvalue_output(name, tensor)
+            if cache.mask_value is not None:
+                binding.bind_ortvalue_input("attention_mask", cache.mask_value)
             self._bound = cache
+        if cache.mask_value is not None:  # on the CPU: the cache's full-width mask, written in place
+            cache.mask_to(total)
+        else:  # a GPU: one mask per valid length, as wide as the context (the layout the GPU kernels were written for)
+            mask = self._mask_values[total]
+            if mask is None:
+                mask = self._mask_values[total] = _ortvalue(self._ones[:, :total], "cpu")
+            binding.bind_ortvalue_input("attention_mask", mask)
         if scratch:
             if self._scratch is None:
                 self._make_scratch()
@@ -298,18 +304,15 @@ class OrtEngine:
         """forward([token], cache, scratch=True)[0]: the draft's inner loop, in as few statements as it can
         take (each runs cold after the previous pass, ~2 us of a ~20 us gap between draft passes).
 
-        Once a one-token scratch pass has bound its ids and logits (self._stepping), the next ones only
-        write the token into the bound ids buffer and bind the mask of the new length; anything else
-        goes to forward."""
+        Once a one-token scratch pass has bound its ids and logits (self._stepping), the next ones on
+        the CPU only write the token into the bound ids buffer and one more 1 into the cache's mask:
+        nothing is bound. Anything else goes to forward."""
         total = cache.length + 1
-        if cache is not self._stepping or total > cache.capacity or total >= len(self._mask_values):
+        if cache is not self._stepping or total > cache.capacity or cache.mask is None:
             return self.forward((token,), cache, scratch=True)[0]
-        mask = self._mask_values[total]
-        if mask is None:
-            mask = self._mask_values[total] = _ortvalue(self._ones[:, :total], "cpu")
         self._ids[0, 0] = token
+        cache.mask_to(total)
         binding = self._binding
-        binding.bind_ortvalue_input("attention_mask", mask)
         start = time.perf_counter()
         self._run(binding, None)
         self.seconds += time.perf_counter() - start

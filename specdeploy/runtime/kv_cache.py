@@ -99,7 +99,13 @@ class KVCache(_Cache):
 
 
 class SharedKVCache(_Cache):
-    """The fused graphs' layout: fixed buffers that every pass reads and writes in place."""
+    """The fused graphs' layout: fixed buffers that every pass reads and writes in place.
+
+    On the CPU the cache also owns the pass's attention mask, as wide as the buffers: ones over the
+    positions a pass sees, zeros after. The fused graph reads only its sum (GroupQueryAttention's
+    sequence lengths; its buffers are capacity-wide anyway), so the logits are bit for bit those of
+    a mask exactly as wide as the context, and the mask is bound once, like the buffers, then
+    written in place: no binding per pass."""
 
     shared_buffer = True
 
@@ -107,15 +113,30 @@ class SharedKVCache(_Cache):
                  device: str = "cpu"):
         super().__init__(num_layers, num_kv_heads, head_dim, dtype, capacity, device)
         shape = (1, num_kv_heads, capacity, head_dim)
+        self.mask = self.mask_value = None
         if device == "cpu":
             # np.zeros maps untouched pages lazily: memory grows with the context actually used.
             self._backing = [np.zeros(shape, dtype=dtype) for _ in range(2 * num_layers)]
             self.tensors = [_ortvalue(a, device) for a in self._backing]
+            self.mask = np.zeros((1, capacity), dtype=np.int64)  # [1, capacity]
+            self.mask_value = _ortvalue(self.mask, device)
+            self._ones = 0  # the mask's leading ones
         else:
             import onnxruntime as ort
 
             self.tensors = [ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, device, 0)._ortvalue
                             for _ in range(2 * num_layers)]
+
+    def mask_to(self, total: int) -> None:
+        """Ones over the first `total` positions of the mask, zeros after (for a pass that ends at total)."""
+        ones = self._ones
+        if total == ones + 1:  # the next token: the draft's every step
+            self.mask[0, ones] = 1
+        elif total > ones:
+            self.mask[0, ones:total] = 1
+        elif total < ones:
+            self.mask[0, total:ones] = 0
+        self._ones = total
 
     def reset(self) -> None:
         self.length = 0
