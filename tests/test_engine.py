@@ -264,3 +264,21 @@ def test_the_full_width_mask_gives_the_logits_of_a_context_wide_one(bundles):
         np.testing.assert_array_equal(got, expected)
         assert cache.mask[0].tolist() == [1] * total + [0] * (64 - total)
         length = total
+
+
+def test_tokens_shortened_by_hand_are_compared_again(bundles):
+    """The sync skips what an appended context already agreed with; tokens cut by hand (and the cache with
+    them) and extended with other tokens lower that mark, so the next sync finds the divergence."""
+    bundle = bundles("llama")
+    spec = load_manifest(bundle).target
+    model = CachedModel(OrtEngine(bundle / spec.onnx_path, spec), 64, scratch_logits=True)
+    fresh = CachedModel(OrtEngine(bundle / spec.onnx_path, spec), 64)
+    context = [5, 9, 13, 40, 50, 51]
+    model.prefill(context)
+    model.prefill(context)
+    model.cache.truncate(3)
+    del model.tokens[3:]
+    model.extend([77, 78])
+    model.step(79)
+    np.testing.assert_allclose(model.logits_after(context), fresh.logits_after(list(context)), atol=1e-5)
+    assert model.tokens == context

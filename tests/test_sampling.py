@@ -177,11 +177,21 @@ def test_c_verify_takes_any_int_sequence_and_survives_a_list_changed_mid_call():
         fast.verify([3, 5, vocab], draft_probs, target_logits, 1.0, uniforms, np.empty((k + 1, vocab), np.float32))
 
 
-def test_nan_logits_give_nan_probabilities_not_garbage():
-    logits = np.zeros(100, np.float32)
-    logits[7] = np.nan
-    probs = distribution(logits, SamplingParams(temperature=1.0), np.empty_like(logits))
-    assert np.isnan(probs).any()
+@pytest.mark.parametrize("use_c", [True, False])
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # NumPy's inf - inf: the NaN is the point
+def test_nan_logits_give_nan_probabilities_and_no_token(monkeypatch, use_c):
+    """A row with a NaN or an infinity anywhere has no distribution: NaN probabilities, and sampling raises
+    rather than return a token (the C draw reads the exponentials before they are normalized)."""
+    if not use_c:
+        monkeypatch.setattr(sampling, "_fastsample", None)
+    params = SamplingParams(temperature=1.0)
+    for position, value in ((0, np.nan), (7, np.nan), (99, np.nan), (7, np.inf)):
+        logits = np.zeros(100, np.float32)
+        logits[position] = value
+        probs = distribution(logits, params, np.empty_like(logits))
+        assert np.isnan(probs).any()
+        with pytest.raises(ValueError, match="no positive entry"):
+            row_sampler(params, 100)(logits, 0.5, np.empty_like(logits))
 
 
 def test_row_sampler_takes_float64_and_strided_logits_the_same_way():
@@ -211,3 +221,9 @@ def test_block_generator_gives_default_rngs_numbers():
             expected += np.ravel(b).tolist()
         assert got == expected
     assert BlockGenerator(3).random(5, dtype=np.float32).dtype == np.float32
+    np.testing.assert_array_equal(BlockGenerator(3).random(4, dtype="float64"), np.random.default_rng(3).random(4))
+    for bad in (-1, (2, -1), 2.0):
+        ours = BlockGenerator(3)
+        with pytest.raises((ValueError, TypeError)):
+            ours.random(bad)
+        assert ours.random() == np.random.default_rng(3).random()  # nothing was taken

@@ -151,7 +151,9 @@ static Py_ssize_t softmax_row(const float *logits, float *out, Py_ssize_t n, flo
                               double *block_sums, const double *uniform) {
     exp_row(logits, out, n, inverse_temperature, row_max(logits, n) * inverse_temperature);
     const double total = block_sums_of(out, n, block_sums); /* >= 1: the maximum contributes e^0 */
-    const Py_ssize_t token = uniform != NULL ? draw_blocks(out, n, block_sums, total, *uniform) : 0;
+    Py_ssize_t token = 0;
+    if (uniform != NULL) /* NaN or infinite logits leave no distribution to draw from: -1, an error */
+        token = total >= 1.0 && isfinite(total) ? draw_blocks(out, n, block_sums, total, *uniform) : -1;
     const float scale = (float)(1.0 / total);
     scale_row(out, n, scale);
     return token;

@@ -339,7 +339,8 @@ class CachedModel:
         # The context list the last sync followed, and how many leading positions self.tokens shares
         # with it: the generate loop only appends to its context, so the next sync compares only
         # what came after (a prefix copy and compare of the whole context, per model per round,
-        # otherwise). A list changed in place, rather than appended to, must be passed as a new list.
+        # otherwise). A context list changed in place, rather than appended to, must be passed as a
+        # new list; self.tokens shortened by hand lowers the mark at the next extend.
         self._synced: list[int] | None = None
         self._agreed = 0
         # True: extend's logits are only valid until the next pass (OrtEngine.forward's scratch).
@@ -395,6 +396,8 @@ class CachedModel:
 
     def extend(self, token_ids: list[int]) -> np.ndarray:
         """Append tokens to the cache; returns their logits [n, vocab]."""
+        if len(self.tokens) < self._agreed:  # shortened by hand since the last sync (see _sync)
+            self._agreed = len(self.tokens)
         try:
             if len(token_ids) >= self.min_pass_tokens or not token_ids:  # every draft step: one call to the engine
                 logits = self.engine.forward(token_ids, self.cache, self.scratch_logits)
@@ -410,12 +413,14 @@ class CachedModel:
         """extend([token])[-1]: one token in, the next token's logits [vocab] out (the draft's inner loop)."""
         if self.min_pass_tokens > 1 or not self.scratch_logits or not self.cache.shared_buffer:
             return self.extend([token])[-1]
+        if len(self.tokens) < self._agreed:  # shortened by hand since the last sync (see _sync)
+            self._agreed = len(self.tokens)
         try:
             logits = self.engine.step(token, self.cache)
+            self.tokens.append(token)
         except BaseException:
             self._recover()
             raise
-        self.tokens.append(token)
         return logits
 
     def _recover(self) -> None:

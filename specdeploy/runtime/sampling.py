@@ -134,7 +134,7 @@ class BlockGenerator(np.random.Generator):
         self._next = 0
 
     def random(self, size=None, dtype=_FLOAT64, out=None):
-        if dtype is not _FLOAT64 or out is not None:
+        if (dtype is not _FLOAT64 and np.dtype(dtype) != _FLOAT64) or out is not None:
             return super().random(size, dtype, out)
         start = self._next
         if size is None:
@@ -142,8 +142,10 @@ class BlockGenerator(np.random.Generator):
                 self._next = start + 1
                 return self._block.item(start)
             count = 1
-        else:
-            count = size if type(size) is int else int(np.prod(size))
+        elif type(size) is int and size >= 0:
+            count = size
+        else:  # a shape: checked as NumPy checks it, before a number is taken
+            count = int(np.prod(np.empty(size, dtype=np.bool_).shape))
         end = start + count
         if end > len(self._block):  # the rest of this block, then a new one
             self._block = np.concatenate([self._block[start:], super().random(max(UNIFORM_BLOCK, count))])
@@ -193,6 +195,8 @@ def draw(weights: np.ndarray, uniform: float) -> int:
     if full < vocab:
         sums = np.append(sums, weights[full:].sum())
     cdf = np.cumsum(sums)
+    if not (0 < cdf[-1] < np.inf):  # no mass, or NaN / infinite weights: no distribution (as in C)
+        raise ValueError("weights have no positive entry")
     point = uniform * cdf[-1]
     block = int(np.searchsorted(cdf, point, side="right"))
     if block >= len(cdf):  # rounding ran off the end: the last block with mass
