@@ -299,8 +299,9 @@ class OrtEngine:
         self.seconds += time.perf_counter() - start
         self.calls += 1
         cache.length += count
-        # A one-token scratch pass leaves the binding as step() needs it: only the token and the mask change.
-        self._stepping = cache if scratch and count == 1 and self._float32_logits else None
+        # A one-token scratch pass on the CPU leaves the binding as step() needs it: only the token and
+        # the cache's own mask change.
+        self._stepping = cache if scratch and count == 1 and self._float32_logits and cache.mask is not None else None
         return logits if self._float32_logits else logits.astype(np.float32)
 
     def step(self, token: int, cache: SharedKVCache) -> np.ndarray:
@@ -311,7 +312,7 @@ class OrtEngine:
         the CPU only write the token into the bound ids buffer and one more 1 into the cache's mask:
         nothing is bound. Anything else goes to forward."""
         total = cache.length + 1
-        if cache is not self._stepping or total > cache.capacity or cache.mask is None:
+        if cache is not self._stepping or total > cache.capacity:
             return self.forward((token,), cache, scratch=True)[0]
         self._ids[0, 0] = token
         cache.mask_to(total)
