@@ -39,6 +39,8 @@ class ModelDrafter:
     def __init__(self, model: CachedModel):
         self.model = model
         self._probs: np.ndarray | None = None  # [k, vocab] rows reused by every sampled proposal
+        self._row_views: list[np.ndarray] = []  # self._probs[i], made once
+        self._prefix_views: list[np.ndarray] = []  # self._probs[:i], made once
         self._params: SamplingParams | None = None  # the params self._sample was made for
         self._sample = None
 
@@ -56,7 +58,7 @@ class ModelDrafter:
         # The full processed distribution of each draft token, written in place: proposing from a
         # truncated one (exact too) was measured slower on an 8k vocabulary (argpartition costs what
         # the softmax does) and lowered acceptance.
-        rows = self._rows(num_tokens, vocab)
+        rows, prefixes = self._rows(num_tokens, vocab)
         uniforms = rng.random(num_tokens).tolist()  # the round's draws in one call
         tokens: list[int] = []
         for position in range(num_tokens):
@@ -66,7 +68,7 @@ class ModelDrafter:
             if position + 1 == num_tokens or (min_confidence > 0 and row.max() < min_confidence):
                 break
             logits = step(token)
-        return tokens, rows[: len(tokens)]
+        return tokens, prefixes[len(tokens)]
 
     def _propose_greedy(self, logits: np.ndarray, num_tokens: int, min_confidence: float) -> list[int]:
         tokens: list[int] = []
@@ -84,14 +86,18 @@ class ModelDrafter:
     def update(self, num_accepted: int) -> None:
         pass
 
-    def _rows(self, count: int, vocab: int) -> np.ndarray:
-        """count rows of one buffer kept across rounds (the proposal's rows are read before the next one).
+    def _rows(self, count: int, vocab: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Views of one buffer kept across rounds (the proposal's rows are read before the next one):
+        its rows [vocab] and its leading rows [i, vocab], made once rather than per token.
 
         A fresh [4, 8k] float32 array is 128 KB: glibc maps blocks that large afresh (the CLI sets
         M_MMAP_THRESHOLD to 128 KB) and every page faults on first write, each round."""
-        if self._probs is None or self._probs.shape[0] < count or self._probs.shape[1] != vocab:
-            self._probs = np.empty((count, vocab), dtype=np.float32)
-        return self._probs[:count]
+        probs = self._probs
+        if probs is None or probs.shape[0] < count or probs.shape[1] != vocab:
+            self._probs = probs = np.empty((count, vocab), dtype=np.float32)
+            self._row_views = list(probs)
+            self._prefix_views = [probs[:i] for i in range(count + 1)]
+        return self._row_views, self._prefix_views
 
 
 class PromptLookupDrafter:

@@ -85,14 +85,19 @@ def rejection_sample_lazy(
     uniforms, then one for the final draw), so both return the same tokens from the same state
     (the C residual draw sums in another order than NumPy: only a uniform within rounding of the
     boundary between two tokens could land on the other one)."""
+    return _lazy_scan(draft_token_ids, draft_probs, target_row, rng.random(len(draft_token_ids) + 1))
+
+
+def _lazy_scan(draft_token_ids, draft_probs, target_row, uniforms) -> tuple[int, int]:
+    """rejection_sample_lazy with its k + 1 uniforms drawn ([k + 1]: k for the acceptance tests, one
+    for the final draw; PCG64 gives the same numbers in one call as in the scan's k + 1 calls)."""
     num_draft = len(draft_token_ids)
-    uniforms = rng.random((1, num_draft))[0]
     for position, token in enumerate(draft_token_ids):
         target = target_row(position)
         if uniforms[position] * draft_probs[position, token] < target[token]:
             continue
-        return position, residual_draw(target, draft_probs[position], rng.random())
-    return num_draft, draw(target_row(num_draft), rng.random())
+        return position, residual_draw(target, draft_probs[position], float(uniforms[num_draft]))
+    return num_draft, draw(target_row(num_draft), float(uniforms[num_draft]))
 
 
 Verifier = Callable[[list, np.ndarray, np.ndarray, np.random.Generator, np.ndarray], tuple[int, int]]
@@ -115,10 +120,12 @@ def sampled_verifier(params: SamplingParams, vocab: int) -> Verifier:
     scan, inverse = sampling._fastsample.verify, 1.0 / params.temperature
 
     def fast(draft_token_ids, draft_probs, target_logits, rng, target_probs):
-        if not sampling.c_takes(draft_probs, target_logits):  # float64 or strided: the same scan, in Python
-            return general(draft_token_ids, draft_probs, target_logits, rng, target_probs)
-        return scan(draft_token_ids, draft_probs, target_logits, inverse, rng.random(len(draft_token_ids) + 1),
-                    target_probs)
+        uniforms = rng.random(len(draft_token_ids) + 1)
+        try:
+            return scan(draft_token_ids, draft_probs, target_logits, inverse, uniforms, target_probs)
+        except TypeError:  # float64 or strided rows: the same scan with the same uniforms, in Python
+            return _lazy_scan(draft_token_ids, draft_probs,
+                              lambda i: distribution(target_logits[i], params, target_probs[i]), uniforms)
 
     return fast
 
