@@ -38,27 +38,30 @@ class ModelDrafter:
 
     def __init__(self, model: CachedModel):
         self.model = model
-        self._probs: np.ndarray | None = None  # [k, vocab] rows reused by every sampled proposal
-        self._row_views: list[np.ndarray] = []  # self._probs[i], made once
-        self._prefix_views: list[np.ndarray] = []  # self._probs[:i], made once
-        self._params: SamplingParams | None = None  # the params self._sample was made for
+        # Made by _prepare for each generate call (its params object): the sampler (None when
+        # greedy) and one [k, vocab] buffer of probability rows reused by every sampled proposal,
+        # with its row views [vocab] and leading-row views [i, vocab] made once rather than per token.
+        self._params: SamplingParams | None = None
         self._sample = None
+        self._probs: np.ndarray | None = None
+        self._row_views: list[np.ndarray] = []
+        self._prefix_views: list[np.ndarray] = []
 
     def prefill(self, context: list[int]) -> None:
         self.model.prefill(context)
 
     def propose(self, context, num_tokens, params, rng, min_confidence=0.0):
         logits = self.model.logits_after(context)  # [vocab]
-        if params.greedy:
+        # Every statement of a round runs cold after a pass: what a generate call fixes is set up once.
+        if params is not self._params or len(self._row_views) < num_tokens:
+            self._prepare(params, logits.shape[-1], num_tokens)
+        sample = self._sample
+        if sample is None:
             return self._propose_greedy(logits, num_tokens, min_confidence), None
-        vocab = logits.shape[-1]
-        if params is not self._params:  # one sampler per generate call (its params object)
-            self._params, self._sample = params, row_sampler(params, vocab)
-        sample, step = self._sample, self.model.step
         # The full processed distribution of each draft token, written in place: proposing from a
         # truncated one (exact too) was measured slower on an 8k vocabulary (argpartition costs what
         # the softmax does) and lowered acceptance.
-        rows, prefixes = self._rows(num_tokens, vocab)
+        step, rows = self.model.step, self._row_views
         uniforms = rng.random(num_tokens).tolist()  # the round's draws in one call
         tokens: list[int] = []
         for position in range(num_tokens):
@@ -68,7 +71,24 @@ class ModelDrafter:
             if position + 1 == num_tokens or (min_confidence > 0 and row.max() < min_confidence):
                 break
             logits = step(token)
-        return tokens, prefixes[len(tokens)]
+        return tokens, self._prefix_views[len(tokens)]
+
+    def _prepare(self, params: SamplingParams, vocab: int, count: int) -> None:
+        """The sampler for params and a row buffer of at least count rows (greedy needs neither).
+
+        A fresh [4, 8k] float32 array per round would be 128 KB: glibc maps blocks that large afresh
+        (the CLI sets M_MMAP_THRESHOLD to 128 KB) and every page faults on first write."""
+        self._params = params
+        if params.greedy:
+            self._sample, self._row_views = None, [None] * count  # no rows; keeps the check above false
+            self._probs = None
+            return
+        self._sample = row_sampler(params, vocab)
+        probs = self._probs
+        if probs is None or probs.shape[0] < count or probs.shape[1] != vocab:
+            self._probs = probs = np.empty((count, vocab), dtype=np.float32)
+            self._row_views = list(probs)
+            self._prefix_views = [probs[:i] for i in range(count + 1)]
 
     def _propose_greedy(self, logits: np.ndarray, num_tokens: int, min_confidence: float) -> list[int]:
         tokens: list[int] = []
@@ -85,19 +105,6 @@ class ModelDrafter:
 
     def update(self, num_accepted: int) -> None:
         pass
-
-    def _rows(self, count: int, vocab: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """Views of one buffer kept across rounds (the proposal's rows are read before the next one):
-        its rows [vocab] and its leading rows [i, vocab], made once rather than per token.
-
-        A fresh [4, 8k] float32 array is 128 KB: glibc maps blocks that large afresh (the CLI sets
-        M_MMAP_THRESHOLD to 128 KB) and every page faults on first write, each round."""
-        probs = self._probs
-        if probs is None or probs.shape[0] < count or probs.shape[1] != vocab:
-            self._probs = probs = np.empty((count, vocab), dtype=np.float32)
-            self._row_views = list(probs)
-            self._prefix_views = [probs[:i] for i in range(count + 1)]
-        return self._row_views, self._prefix_views
 
 
 class PromptLookupDrafter:
@@ -122,7 +129,7 @@ class PromptLookupDrafter:
         self._context: list[int] | None = None  # the list the index follows
         self._indexed = 0  # n-grams ending before this position are in the index
         self._ends: dict[tuple[int, ...], int] = {}
-        self._one_hot: np.ndarray | None = None  # [k, vocab] rows reused across rounds (see ModelDrafter._rows)
+        self._one_hot: np.ndarray | None = None  # [k, vocab] rows reused across rounds (see ModelDrafter._prepare)
         self._hot: list[int] = []  # the tokens set to 1 in it, one per row
 
     def prefill(self, context: list[int]) -> None:
@@ -137,7 +144,7 @@ class PromptLookupDrafter:
             if end is not None:
                 tokens = context[end + 1 : end + 1 + num_tokens]
                 break
-        if params.greedy or not tokens:
+        if not tokens or params.greedy:
             return tokens, None
         count = len(tokens)
         if self._one_hot is None or self._one_hot.shape[0] < count:

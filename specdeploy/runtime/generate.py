@@ -237,7 +237,7 @@ class Generator:
                                        if num_draft > 0 else ([], None))
                 if drafts:
                     logits = self.target.extend(self.target.uncached(context) + drafts)[-(len(drafts) + 1):]  # [k+1, vocab]
-                    if params.greedy:
+                    if verify is None:  # greedy
                         num_accepted, token = greedy_accept(drafts, logits)
                     else:
                         num_accepted, token = verify(drafts, draft_probs, logits, rng, target_probs)
@@ -247,7 +247,7 @@ class Generator:
                     new = drafts[:num_accepted] + [token]
                 else:
                     logits = self.target.logits_after(context)  # [vocab]
-                    token = int(logits.argmax()) if params.greedy else sample(logits, rng.random(), target_probs[0])
+                    token = int(logits.argmax()) if sample is None else sample(logits, rng.random(), target_probs[0])
                     new = [token]
                 rounds += 1
                 context.extend(new)
