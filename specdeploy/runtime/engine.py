@@ -181,6 +181,7 @@ class OrtEngine:
         # and the mask (one per valid length), made once. Binding one costs ~0.3 us against ~2.5 us
         # for binding a NumPy array, on passes whose Python side is the "other" time of a round.
         self._ids = np.zeros((1, BOUND_IDS), dtype=np.int64)
+        self._first_id = self._ids[0, :1]  # [1]: a one-token pass's id (a 1-D index is the cheapest write)
         self._ids_values = [_ortvalue(self._ids[:, :n], "cpu") if n else None for n in range(BOUND_IDS + 1)]
         self._mask_values: list = []
         self._scratch = None  # see forward(scratch=True); made on first use
@@ -253,7 +254,7 @@ class OrtEngine:
         self._stepping = None  # until this pass has run (a failed one may leave other ids or logits bound)
         if count <= BOUND_IDS:
             if count == 1:
-                self._ids[0, 0] = token_ids[0]
+                self._first_id[0] = token_ids[0]
             else:
                 self._ids[0, :count] = token_ids
             ids = self._ids_values[count]
@@ -314,7 +315,7 @@ class OrtEngine:
         total = cache.length + 1
         if cache is not self._stepping or total > cache.capacity:
             return self.forward((token,), cache, scratch=True)[0]
-        self._ids[0, 0] = token
+        self._first_id[0] = token
         cache.mask_to(total)
         binding = self._binding
         start = time.perf_counter()
@@ -366,6 +367,8 @@ class CachedModel:
             rounded = spec.quantize != "none" or spec.dtype != "fp32"
             min_pass_tokens = 2 if rounded and engine.shared_buffer and spec.role == "target" else 1
         self.min_pass_tokens = min_pass_tokens
+        # Whether step() may take the engine's one-token path (both settings are fixed from here on).
+        self._steps = min_pass_tokens == 1 and scratch_logits and self.cache.shared_buffer
 
     def reset(self) -> None:
         self.cache.reset()
@@ -415,7 +418,7 @@ class CachedModel:
 
     def step(self, token: int) -> np.ndarray:
         """extend([token])[-1]: one token in, the next token's logits [vocab] out (the draft's inner loop)."""
-        if self.min_pass_tokens > 1 or not self.scratch_logits or not self.cache.shared_buffer:
+        if not self._steps:
             return self.extend([token])[-1]
         if len(self.tokens) < self._agreed:  # shortened by hand since the last sync (see _sync)
             self._agreed = len(self.tokens)

@@ -119,6 +119,7 @@ class SharedKVCache(_Cache):
             self._backing = [np.zeros(shape, dtype=dtype) for _ in range(2 * num_layers)]
             self.tensors = [_ortvalue(a, device) for a in self._backing]
             self.mask = np.zeros((1, capacity), dtype=np.int64)  # [1, capacity]
+            self._mask_row = self.mask[0]  # [capacity]: a 1-D index is the cheapest write
             self.mask_value = _ortvalue(self.mask, device)
             self._ones = 0  # the mask's leading ones
         else:
@@ -131,7 +132,7 @@ class SharedKVCache(_Cache):
         """Ones over the first `total` positions of the mask, zeros after (for a pass that ends at total)."""
         ones = self._ones
         if total == ones + 1:  # the next token: the draft's every step
-            self.mask[0, ones] = 1
+            self._mask_row[ones] = 1
         elif total > ones:
             self.mask[0, ones:total] = 1
         elif total < ones:
