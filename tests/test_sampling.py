@@ -154,6 +154,29 @@ def test_c_verify_returns_what_the_python_scan_returns():
         np.testing.assert_array_equal(formed[: got[0] + 1], scanned[: got[0] + 1])
 
 
+def test_sampled_verifier_gives_float64_and_strided_rows_the_same_tokens():
+    """Rows the C scan cannot take (float64, strided) go to the Python scan with the uniforms already
+    drawn for it: the same tokens, and the generator left where the C path leaves it."""
+    from specdeploy.runtime.rejection import sampled_verifier
+
+    rng = np.random.default_rng(15)
+    params, vocab, k = SamplingParams(temperature=0.8), 300, 4
+    verify = sampled_verifier(params, vocab)
+    for trial in range(200):
+        target_logits = (rng.normal(size=(k + 1, vocab)) * 2).astype(np.float32)
+        draft_probs = process_logits(target_logits[:k] + (rng.normal(size=(k, vocab)) * 0.5).astype(np.float32), params)
+        tokens = [draw(row, rng.random()) for row in draft_probs]
+        seed = int(rng.integers(1 << 30))
+        runs = []
+        for drafts, logits in ((draft_probs, target_logits),  # the C scan, where it was built
+                               (draft_probs.astype(np.float64), target_logits),
+                               (draft_probs, np.repeat(target_logits, 2, axis=1)[:, ::2])):  # strided
+            generator = np.random.default_rng(seed)
+            runs.append((verify(tokens, drafts, logits, generator, np.zeros((k + 1, vocab), np.float32)),
+                         generator.random()))
+        assert runs[1] == runs[0] and runs[2] == runs[0], trial
+
+
 @pytest.mark.skipif(fast is None, reason="the C kernel was not built (test_the_c_kernel_was_built says so)")
 def test_c_verify_takes_any_int_sequence_and_survives_a_list_changed_mid_call():
     vocab, k = 64, 3
