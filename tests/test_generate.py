@@ -101,6 +101,20 @@ def test_seeded_sampling_is_deterministic(agreeing_bundle):
     assert len(others) > 1
 
 
+def test_a_generator_switching_settings_matches_fresh_ones(agreeing_bundle):
+    """What the drafter sets up per generate call (its sampler, its row buffer) never leaks into the
+    next call: a sequence of greedy and sampled calls with growing and shrinking k gives, call by
+    call, the tokens a freshly loaded generator gives."""
+    calls = [dict(temperature=0.9, num_draft_tokens=4), dict(temperature=0.0, num_draft_tokens=4),
+             dict(temperature=0.9, num_draft_tokens=6), dict(temperature=0.7, num_draft_tokens=2),
+             dict(temperature=0.9, top_k=20, num_draft_tokens=5), dict(temperature=0.0, num_draft_tokens=8)]
+    reused = specdeploy.load(agreeing_bundle, drafter="model")
+    for options in calls:
+        got = reused.generate(PROMPTS[2], max_new_tokens=24, seed=3, **options).token_ids
+        fresh = specdeploy.load(agreeing_bundle, drafter="model")
+        assert got == fresh.generate(PROMPTS[2], max_new_tokens=24, seed=3, **options).token_ids, options
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_stats_identities(agreeing_bundle, temperature):
     generator = specdeploy.load(agreeing_bundle)

@@ -7,6 +7,7 @@ returns the draft tokens and the probabilities they were drawn from (None when g
 
 from __future__ import annotations
 
+import sys
 from typing import Protocol
 
 import numpy as np
@@ -46,6 +47,7 @@ class ModelDrafter:
         self._probs: np.ndarray | None = None
         self._row_views: list[np.ndarray] = []
         self._prefix_views: list[np.ndarray] = []
+        self._capacity = 0  # proposals up to this length need no _prepare
 
     def prefill(self, context: list[int]) -> None:
         self.model.prefill(context)
@@ -53,7 +55,7 @@ class ModelDrafter:
     def propose(self, context, num_tokens, params, rng, min_confidence=0.0):
         logits = self.model.logits_after(context)  # [vocab]
         # Every statement of a round runs cold after a pass: what a generate call fixes is set up once.
-        if params is not self._params or len(self._row_views) < num_tokens:
+        if params is not self._params or self._capacity < num_tokens:
             self._prepare(params, logits.shape[-1], num_tokens)
         sample = self._sample
         if sample is None:
@@ -79,9 +81,8 @@ class ModelDrafter:
         A fresh [4, 8k] float32 array per round would be 128 KB: glibc maps blocks that large afresh
         (the CLI sets M_MMAP_THRESHOLD to 128 KB) and every page faults on first write."""
         self._params = params
-        if params.greedy:
-            self._sample, self._row_views = None, [None] * count  # no rows; keeps the check above false
-            self._probs = None
+        if params.greedy:  # no rows to form (a sampled call may still reuse the buffer)
+            self._sample, self._capacity = None, sys.maxsize
             return
         self._sample = row_sampler(params, vocab)
         probs = self._probs
@@ -89,6 +90,7 @@ class ModelDrafter:
             self._probs = probs = np.empty((count, vocab), dtype=np.float32)
             self._row_views = list(probs)
             self._prefix_views = [probs[:i] for i in range(count + 1)]
+        self._capacity = len(probs)
 
     def _propose_greedy(self, logits: np.ndarray, num_tokens: int, min_confidence: float) -> list[int]:
         tokens: list[int] = []
