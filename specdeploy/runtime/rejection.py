@@ -111,9 +111,13 @@ def sampled_verifier(params: SamplingParams, vocab: int) -> Verifier:
     Made once per generate call. With temperature alone and the C extension, the whole scan is one
     call (the same softmax, draws and random numbers: k + 1 uniforms, as the Python scan takes them),
     instead of ~15 Python-level steps per round that each run cold after the verify pass."""
+    def python_scan(draft_token_ids, draft_probs, target_logits, uniforms, target_probs):
+        return _lazy_scan(draft_token_ids, draft_probs,
+                          lambda i: distribution(target_logits[i], params, target_probs[i]), uniforms)
+
     def general(draft_token_ids, draft_probs, target_logits, rng, target_probs):
-        return rejection_sample_lazy(draft_token_ids, draft_probs,
-                                     lambda i: distribution(target_logits[i], params, target_probs[i]), rng)
+        uniforms = rng.random(len(draft_token_ids) + 1)
+        return python_scan(draft_token_ids, draft_probs, target_logits, uniforms, target_probs)
 
     if sampling._fastsample is None or not sampling._temperature_only(params, vocab):
         return general
@@ -124,8 +128,7 @@ def sampled_verifier(params: SamplingParams, vocab: int) -> Verifier:
         try:
             return scan(draft_token_ids, draft_probs, target_logits, inverse, uniforms, target_probs)
         except TypeError:  # float64 or strided rows: the same scan with the same uniforms, in Python
-            return _lazy_scan(draft_token_ids, draft_probs,
-                              lambda i: distribution(target_logits[i], params, target_probs[i]), uniforms)
+            return python_scan(draft_token_ids, draft_probs, target_logits, uniforms, target_probs)
 
     return fast
 
