@@ -314,7 +314,7 @@ def test_health_is_503_while_the_model_loads(agreeing_bundle):
 
 def test_full_queue_answers_429_and_health_answers_meanwhile(slow_server):
     url = slow_server.url
-    long_request = {"prompt": PROMPT, "max_tokens": 200, "temperature": 1.0, "seed": 3, "stream": True}
+    long_request = {"prompt": PROMPT, "max_tokens": 200, "temperature": 0, "stream": True}
     with httpx.Client(timeout=30) as streaming:
         with streaming.stream("POST", url + "/v1/completions", json=long_request) as running:
             lines = running.iter_lines()
@@ -339,12 +339,12 @@ def test_full_queue_answers_429_and_health_answers_meanwhile(slow_server):
 
 def test_a_client_that_disconnects_mid_stream_frees_its_slot(slow_server):
     aborted = slow_server.metric('specdeploy:request_finished_total{finished_reason="abort"}')
-    body = {"prompt": PROMPT, "max_tokens": 200, "temperature": 1.0, "seed": 4, "stream": True}
+    body = {"prompt": PROMPT, "max_tokens": 200, "temperature": 0, "stream": True}
     with httpx.Client(timeout=30) as client:
         with client.stream("POST", slow_server.url + "/v1/completions", json=body) as response:
             lines = response.iter_lines()
             assert next(lines).startswith("data: ")
-    # 200 pieces would take 4 s; the server notices the disconnect and stops at the next piece.
+    # The greedy stream runs to 178 tokens (about 3.5 s of pieces); the server notices the disconnect and stops at the next piece.
     wait_for(lambda: slow_server.metric('specdeploy:request_finished_total{finished_reason="abort"}') == aborted + 1,
              "the generation to stop", timeout_s=2)
     assert slow_server.metric("specdeploy:num_requests_running") == 0
@@ -374,7 +374,7 @@ def test_sigterm_finishes_in_flight_requests_and_refuses_new_ones(agreeing_bundl
             assert line, "the server exited before listening"
         url = line.split("on ", 1)[1].split()[0]
         wait_for(lambda: httpx.get(url + "/health").status_code == 200, "the model to load", timeout_s=30)
-        body = {"prompt": PROMPT, "max_tokens": 40, "temperature": 1.0, "seed": 2, "stream": True}
+        body = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
             lines = response.iter_lines()
             assert next(lines).startswith("data: ")
@@ -396,3 +396,53 @@ def _refused(url: str) -> bool:
         return httpx.get(url + "/health", timeout=1).status_code == 503
     except httpx.TransportError:
         return True
+
+
+def test_a_client_that_gives_up_in_the_queue_leaves_it(slow_server):
+    aborted = slow_server.metric('specdeploy:request_finished_total{finished_reason="abort"}')
+    body = {"prompt": PROMPT, "max_tokens": 200, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", slow_server.url + "/v1/completions", json=body) as running:
+            lines = running.iter_lines()
+            assert next(lines).startswith("data: ")
+            impatient = httpx.Client(timeout=httpx.Timeout(30, read=0.3))
+            with pytest.raises(httpx.ReadTimeout):  # queued: no response yet
+                impatient.post(slow_server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
+            impatient.close()
+            wait_for(lambda: slow_server.metric("specdeploy:num_requests_waiting") == 0, "the queue to empty")
+            assert slow_server.metric('specdeploy:request_finished_total{finished_reason="abort"}') == aborted + 1
+            assert slow_server.metric("specdeploy:num_requests_running") == 1  # the stream is still generating
+            assert next(line for line in lines if line).startswith("data: ")
+
+
+def test_the_serve_command_refuses_bad_input_in_one_line(tmp_path, agreeing_bundle):
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    cases = [(["serve", str(tmp_path / "missing")], "bundle not found"),
+             (["serve", str(agreeing_bundle), "--drafter", "magic"], "unknown drafter"),
+             (["serve", str(agreeing_bundle), "-k", "0"], "num_draft_tokens"),
+             (["serve", str(agreeing_bundle), "--max-queue", "-1"], "max queue"),
+             (["serve", str(agreeing_bundle), "--port", str(taken.getsockname()[1])], "cannot listen")]
+    try:
+        for args, message in cases:
+            result = CliRunner().invoke(main, args)
+            assert result.exit_code == 2, (args, result.output)
+            assert result.stderr.startswith("error: ") and message in result.stderr, (args, result.stderr)
+            assert len(result.stderr.strip().splitlines()) == 1
+    finally:
+        taken.close()
+
+
+def test_a_bundle_that_fails_to_load_stops_the_server_with_an_error(tmp_path, agreeing_bundle):
+    broken = tmp_path / "broken"
+    shutil.copytree(agreeing_bundle, broken)
+    model = broken / "target" / "model.onnx"
+    model.write_bytes(b"\0" * model.stat().st_size)  # same size: the manifest check passes, ONNX Runtime refuses
+    result = subprocess.run([sys.executable, "-m", "specdeploy", "serve", str(broken), "--port", "0"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("error: the model did not load")
+    assert "Traceback" not in result.stderr

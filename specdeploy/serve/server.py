@@ -55,8 +55,8 @@ def serve(config: ServeConfig, load: Callable[[], object] | None = None) -> None
 
     load: builds the Generator (default: specdeploy.load with the config's device and drafter)."""
     check_config(config)
-    _log_to_stderr()
     sock = bind(config.host, config.port)
+    _log_to_stderr()
     port = sock.getsockname()[1]
     app = create_app(config, load)
     service = app.state.service
