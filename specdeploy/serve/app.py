@@ -44,6 +44,7 @@ class Service:
         self.config = config
         self.model = config.model_name or Path(config.bundle).resolve().name
         self.max_context = manifest.max_context
+        self.created = _epoch(manifest.created)
         self.chat_template = load_chat_template(Path(config.bundle) / manifest.tokenizer.path)
         self.metrics = Metrics()
         self.worker = ModelWorker(load, config.max_queue, self.metrics, on_fatal=self.fatal)
@@ -80,6 +81,16 @@ class Service:
             raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
 
 
+def _epoch(iso_time: str) -> int:
+    """The manifest's creation time (ISO 8601) in Unix seconds, as /v1/models reports it; 0 if unreadable."""
+    import datetime
+
+    try:
+        return int(datetime.datetime.fromisoformat(iso_time).timestamp())
+    except (TypeError, ValueError):
+        return 0
+
+
 def create_app(config: ServeConfig, load: Callable[[], object] | None = None) -> Starlette:
     """The server application for `config`; `load` builds the Generator (default: specdeploy.load)."""
     if load is None:
@@ -105,7 +116,7 @@ def create_app(config: ServeConfig, load: Callable[[], object] | None = None) ->
     async def models(request: Request) -> Response:
         service.check_access(request)
         return JSONResponse({"object": "list", "data": [
-            {"id": service.model, "object": "model", "created": 0, "owned_by": "specdeploy",
+            {"id": service.model, "object": "model", "created": service.created, "owned_by": "specdeploy",
              "max_model_len": service.max_context}]})
 
     async def health(request: Request) -> Response:

@@ -84,8 +84,8 @@ def parse_request(body, kind: str, num_draft_tokens: int) -> GenerationRequest:
 
 def _options(body: dict, kind: str, num_draft_tokens: int) -> dict:
     max_tokens = _check_type(body, "max_tokens", int)
-    if kind == "chat" and max_tokens is None:
-        max_tokens = _check_type(body, "max_completion_tokens", int, "max_completion_tokens")
+    if kind == "chat" and body.get("max_completion_tokens") is not None:  # chat's newer name wins
+        max_tokens = _check_type(body, "max_completion_tokens", int)
     seed = _check_type(body, "seed", int)
     if seed is not None and not 0 <= seed < SEED_LIMIT:
         raise ApiError(400, f"seed must be in 0..{SEED_LIMIT - 1} (got {seed})", param="seed")
