@@ -7,6 +7,7 @@ pauses after each text piece: the output is the model's own, only slower.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -363,8 +364,10 @@ serve(ServeConfig(bundle={bundle!r}, port=0, drain_timeout_s={drain}),
 """
 
 
-def test_sigterm_finishes_in_flight_requests_and_refuses_new_ones(agreeing_bundle, tmp_path):
-    script = DRAIN_SCRIPT.format(tests=str(Path(__file__).parent), bundle=str(agreeing_bundle), drain=10)
+@contextlib.contextmanager
+def server_process(bundle, drain_timeout_s: float):
+    """A server in its own process (pieces take 30 ms), so SIGTERM reaches it as it would in production."""
+    script = DRAIN_SCRIPT.format(tests=str(Path(__file__).parent), bundle=str(bundle), drain=drain_timeout_s)
     process = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "SPECDEPLOY_SHARED_THREADS": "0"})
     try:
@@ -374,6 +377,16 @@ def test_sigterm_finishes_in_flight_requests_and_refuses_new_ones(agreeing_bundl
             assert line, "the server exited before listening"
         url = line.split("on ", 1)[1].split()[0]
         wait_for(lambda: httpx.get(url + "/health").status_code == 200, "the model to load", timeout_s=30)
+        yield process, url
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+        process.stderr.close()
+
+
+def test_sigterm_finishes_in_flight_requests_and_refuses_new_ones(agreeing_bundle):
+    with server_process(agreeing_bundle, drain_timeout_s=10) as (process, url):
         body = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
             lines = response.iter_lines()
@@ -384,11 +397,22 @@ def test_sigterm_finishes_in_flight_requests_and_refuses_new_ones(agreeing_bundl
         assert rest[-1] == "data: [DONE]"
         assert json.loads(rest[-2][len("data: "):])["choices"][0]["finish_reason"] in ("stop", "length")
         assert process.wait(15) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-        process.wait()
-        process.stderr.close()
+
+
+def test_sigterm_cuts_requests_off_at_the_drain_deadline(agreeing_bundle):
+    with server_process(agreeing_bundle, drain_timeout_s=0.5) as (process, url):
+        body = {"prompt": PROMPT, "max_tokens": 200, "temperature": 0, "stream": True}  # about 5 s of pieces
+        received = []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            process.send_signal(signal.SIGTERM)
+            start = time.monotonic()
+            with contextlib.suppress(httpx.TransportError):  # the connection closes mid-stream
+                received.extend(line for line in lines if line)
+        assert time.monotonic() - start < 4
+        assert "data: [DONE]" not in received
+        assert process.wait(10) == 0
 
 
 def _refused(url: str) -> bool:
