@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..bundle import load_manifest
+from ..errors import SpecdeployError
 from .chat import load_chat_template
 from .config import ServeConfig
 from .metrics import Metrics
@@ -173,8 +174,6 @@ async def _generate(service: Service, request: Request, kind: str) -> Response:
 
 
 def _render_chat(service: Service, messages: list[dict]) -> list[int]:
-    from ..errors import SpecdeployError
-
     if service.chat_template is None:
         raise ApiError(400, f"the model '{service.model}' has no chat template (its tokenizer_config.json names "
                             "none); use /v1/completions", code="no_chat_template")
