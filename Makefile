@@ -18,7 +18,7 @@ $(BIN)/python:
 # torch is pinned first and by version: a bare requirement may pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[export,test,bench]'
+	$(BIN)/python -m pip install --quiet -e '.[export,test,bench,serve]'
 	touch $@
 
 install: $(VENV)/.installed

@@ -404,3 +404,34 @@ def _plot(report: dict, path: str) -> None:
     right.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=100)
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(), required=False)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
+@click.option("--port", type=int, default=8000, show_default=True, help="0 picks a free port (it is logged).")
+@click.option("--max-queue", type=int, default=64, show_default=True,
+              help="Requests that may wait behind the one generating; one more answers 429.")
+@click.option("--num-draft-tokens", "-k", type=int, default=4, show_default=True,
+              help="k for requests that do not set num_draft_tokens.")
+@click.option("--drafter", default="hybrid", show_default=True, help="hybrid | model | prompt-lookup")
+@click.option("--device", default="cpu", show_default=True, help="cpu | cuda | tensorrt")
+@click.option("--api-key", envvar="SPECDEPLOY_API_KEY", default=None,
+              help="Require 'Authorization: Bearer KEY' on /v1/* (also read from $SPECDEPLOY_API_KEY).")
+@click.option("--max-body-bytes", type=int, default=1 << 20, show_default=True, help="Larger request bodies get 413.")
+@click.option("--drain-timeout", type=float, default=30.0, show_default=True,
+              help="Seconds in-flight requests get to finish after SIGTERM.")
+@click.option("--model-name", default=None, help="The model id to list (default: the bundle folder's name).")
+def serve(bundle, host, port, max_queue, num_draft_tokens, drafter, device, api_key, max_body_bytes, drain_timeout,
+          model_name) -> None:
+    """Serve a bundle over an OpenAI-compatible HTTP API (BUNDLE defaults to the demo bundle)."""
+    try:
+        from .serve import ServeConfig, serve as run_server
+    except ImportError as exc:
+        raise SpecdeployError(f"serving needs the serve extra (pip install 'specdeploy[serve]'): {exc}") from None
+
+    _return_freed_memory()
+    config = ServeConfig(bundle=resolve_bundle(bundle), host=host, port=port, max_queue=max_queue,
+                         num_draft_tokens=num_draft_tokens, drafter=drafter, device=device, api_key=api_key,
+                         max_body_bytes=max_body_bytes, drain_timeout_s=drain_timeout, model_name=model_name)
+    run_server(config)

@@ -66,6 +66,7 @@ class GenerationStats:
     new_tokens: int = 0
     rounds: int = 0  # target passes after the prefill (verify passes when speculative)
     drafted: int = 0
+    draft_rounds: int = 0  # rounds that verified at least one draft token (the rest ran the target alone)
     accepted: int = 0
     accepted_by_position: list[int] = field(default_factory=list)  # [k]: rounds that kept draft position i
     prefill_ms: float = 0.0
@@ -255,7 +256,7 @@ class Generator:
                 yield new
         finally:
             stats.decode_ms = (time.perf_counter() - decode_start) * 1000
-            stats.rounds, stats.drafted = rounds, drafted
+            stats.rounds, stats.drafted, stats.draft_rounds = rounds, drafted, sum(ended_at)
             stats.accepted = sum(count * accepted for accepted, count in enumerate(ended_at))
             if config.speculative:
                 stats.accepted_by_position = [sum(ended_at[position + 1 :]) for position in range(k)]

@@ -1,0 +1,260 @@
+"""The ASGI application: OpenAI routes, /health and /metrics over one ModelWorker.
+
+Request flow: auth (when an API key is set) -> the body, read up to the size limit -> validation
+(400s) -> the worker's queue (429 when full) -> the first event, raced against the client going
+away. Streaming starts only once generation has begun, so an invalid prompt is still a plain 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+from pathlib import Path
+from typing import Callable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..bundle import load_manifest
+from ..errors import SpecdeployError
+from .chat import load_chat_template
+from .config import ServeConfig
+from .metrics import Metrics
+from .protocol import ApiError, check_options, parse_request
+from .responses import Responder
+from .worker import Job, ModelWorker
+
+log = logging.getLogger("specdeploy.serve")
+
+
+class ClientGone(Exception):
+    """The client closed its connection before the response began."""
+
+
+class Service:
+    """What the routes share: the config, the worker, the metrics and the chat template."""
+
+    def __init__(self, config: ServeConfig, load: Callable[[], object]):
+        manifest = load_manifest(config.bundle)
+        self.config = config
+        self.model = config.model_name or Path(config.bundle).resolve().name
+        self.max_context = manifest.max_context
+        self.created = _epoch(manifest.created)
+        self.chat_template = load_chat_template(Path(config.bundle) / manifest.tokenizer.path)
+        self.metrics = Metrics()
+        self.worker = ModelWorker(load, config.max_queue, self.metrics, on_fatal=self.fatal)
+        self.draining = False
+        self.on_fatal: Callable[[str], None] | None = None  # set by the server: stop serving
+
+    def fatal(self, message: str) -> None:
+        if self.on_fatal is not None:
+            self.on_fatal(message)
+
+    def check_access(self, request: Request) -> None:
+        if self.draining:
+            raise ApiError(503, "the server is shutting down", kind="server_error", code="shutting_down")
+        key = self.config.api_key
+        if key is not None:
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                raise ApiError(401, "invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+
+    async def read_json(self, request: Request):
+        limit = self.config.max_body_bytes
+        too_large = ApiError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_large
+        try:
+            return json.loads(body)
+        except ValueError as exc:
+            raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+
+
+def _epoch(iso_time: str) -> int:
+    """The manifest's creation time (ISO 8601) in Unix seconds, as /v1/models reports it; 0 if unreadable."""
+    import datetime
+
+    try:
+        return int(datetime.datetime.fromisoformat(iso_time).timestamp())
+    except (TypeError, ValueError):
+        return 0
+
+
+def create_app(config: ServeConfig, load: Callable[[], object] | None = None) -> Starlette:
+    """The server application for `config`; `load` builds the Generator (default: specdeploy.load)."""
+    if load is None:
+        from ..runtime import load as load_bundle
+
+        def load():
+            return load_bundle(config.bundle, device=config.device, drafter=config.drafter)
+
+    service = Service(config, load)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        service.worker.start()
+        yield
+        await asyncio.to_thread(service.worker.stop)
+
+    async def completions(request: Request) -> Response:
+        return await _generate(service, request, "completion")
+
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(service, request, "chat")
+
+    async def models(request: Request) -> Response:
+        service.check_access(request)
+        return JSONResponse({"object": "list", "data": [
+            {"id": service.model, "object": "model", "created": service.created, "owned_by": "specdeploy",
+             "max_model_len": service.max_context}]})
+
+    async def health(request: Request) -> Response:
+        state = "draining" if service.draining else service.worker.state
+        body = {"status": "ok" if state == "ready" else state}
+        if service.worker.error:
+            body["error"] = service.worker.error
+        return JSONResponse(body, status_code=200 if state == "ready" else 503)
+
+    async def metrics(request: Request) -> Response:
+        return Response(service.metrics.render(), media_type=service.metrics.content_type)
+
+    routes = [Route("/v1/completions", completions, methods=["POST"]),
+              Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+              Route("/v1/models", models, methods=["GET"]),
+              Route("/health", health, methods=["GET"]),
+              Route("/metrics", metrics, methods=["GET"])]
+    handlers = {ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error}
+    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+    app.state.service = service
+    return CountRequests(app, service.metrics, {route.path for route in routes})
+
+
+async def _generate(service: Service, request: Request, kind: str) -> Response:
+    service.check_access(request)
+    if service.worker.state != "ready":
+        raise ApiError(503, f"the model is {service.worker.state}", kind="server_error", code="model_not_ready")
+    try:
+        body = await service.read_json(request)
+    except ClientDisconnect:
+        return Response(status_code=499)  # nobody reads it; the status shows in the request metrics
+    parsed = parse_request(body, kind, service.config.num_draft_tokens)
+    prompt = parsed.prompt
+    if parsed.chat:
+        prompt = _render_chat(service, prompt)
+    options = check_options(parsed.options, service.max_context)
+    responder = Responder(service.model, parsed.chat, options, parsed.include_usage)
+    job = Job(prompt, options, streaming=parsed.stream)
+    service.worker.submit(job)
+    try:
+        first_kind, value = await _first_event(job, request)
+    except ClientGone:
+        service.worker.cancel(job)
+        return Response(status_code=499)  # nobody reads it; the status shows in the request metrics
+    except BaseException:
+        service.worker.cancel(job)
+        raise
+    if first_kind == "error":
+        raise value
+    if first_kind == "done" and not parsed.stream:
+        return JSONResponse(responder.body(value))
+    return StreamingResponse(_events(service, job, responder, (first_kind, value)), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _render_chat(service: Service, messages: list[dict]) -> list[int]:
+    if service.chat_template is None:
+        raise ApiError(400, f"the model '{service.model}' has no chat template (its tokenizer_config.json names "
+                            "none); use /v1/completions", code="no_chat_template")
+    try:
+        text = service.chat_template.render(messages)
+    except SpecdeployError as exc:
+        raise ApiError(400, str(exc), param="messages") from None
+    codec = service.worker.generator.codec
+    return codec.tokenizer.encode(text, add_special_tokens=False).ids or codec.encode("")
+
+
+async def _first_event(job: Job, request: Request):
+    """The job's first event, unless the client disconnects first (ClientGone)."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    event = asyncio.ensure_future(job.events.get())
+    try:
+        done, _ = await asyncio.wait({watcher, event}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if event in done:
+        return event.result()
+    event.cancel()
+    raise ClientGone
+
+
+async def _events(service: Service, job: Job, responder: Responder, first):
+    """The SSE body: pieces as they come, the finish chunk, [DONE]. Leaving early (disconnect) cancels the job."""
+    try:
+        kind, value = first
+        yield responder.first()
+        while True:
+            if kind == "piece":
+                yield responder.piece(value)
+            elif kind == "done":
+                yield responder.finish(value)
+                return
+            else:
+                yield responder.error(value.body())
+                return
+            kind, value = await job.events.get()
+    finally:
+        service.worker.cancel(job)
+
+
+async def _api_error(request: Request, exc: ApiError) -> Response:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    body = {"error": {"message": f"{request.method} {request.url.path}: {exc.detail}", "type": kind, "param": None,
+                      "code": None}}
+    return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.error("%s %s failed: %r", request.method, request.url.path, exc)
+    body = {"error": {"message": f"internal error: {exc}", "type": "server_error", "param": None, "code": None}}
+    return JSONResponse(body, status_code=500)
+
+
+class CountRequests:
+    """ASGI middleware: counts every HTTP answer by endpoint and status code."""
+
+    def __init__(self, app, metrics: Metrics, endpoints: set[str]):
+        self.app, self.metrics, self.endpoints = app, metrics, endpoints
+        self.state = app.state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        endpoint = scope["path"] if scope["path"] in self.endpoints else "other"
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                self.metrics.requests.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)

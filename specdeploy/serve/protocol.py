@@ -1,0 +1,184 @@
+"""The OpenAI request bodies: validated and turned into a prompt plus GenerationConfig keyword arguments.
+
+Parameters OpenAI defines and this server cannot honour (n > 1, logprobs, penalties, tools...) are
+refused with a 400 naming them, never ignored; unknown fields are refused as OpenAI refuses them.
+Sampling extensions (`top_k`, `min_p`, `repetition_penalty`, `num_draft_tokens`, `speculative`,
+`draft_confidence`) pass through to the generator by name; a name the runtime's GenerationConfig
+does not have is a 400, and GenerationConfig's own validation decides the values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from dataclasses import dataclass
+
+from ..errors import SpecdeployError
+from ..runtime import GenerationConfig
+
+# name -> the JSON type its value must have (float takes integers too)
+EXTENSIONS = {"top_k": int, "min_p": float, "repetition_penalty": float, "num_draft_tokens": int, "speculative": bool,
+              "draft_confidence": float}
+COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "user",
+          *EXTENSIONS)
+# name -> the values that mean "not used"; anything else is refused.
+UNSUPPORTED_COMMON = {"n": (None, 1), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+                      "logit_bias": (None, {})}
+UNSUPPORTED = {
+    "completion": {**UNSUPPORTED_COMMON, "best_of": (None, 1), "echo": (None, False), "logprobs": (None,),
+                   "suffix": (None, "")},
+    "chat": {**UNSUPPORTED_COMMON, "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []),
+             "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
+             "parallel_tool_calls": (None, True, False), "functions": (None, []), "function_call": (None, "none")},
+}
+ACCEPTED = {"completion": frozenset(COMMON + ("prompt",) + tuple(UNSUPPORTED["completion"])),
+            "chat": frozenset(COMMON + ("messages", "max_completion_tokens") + tuple(UNSUPPORTED["chat"]))}
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; chat defaults to the rest of the context
+MAX_STOP_STRINGS = 16
+SEED_LIMIT = 2**63
+
+
+class ApiError(Exception):
+    """An error answered with an OpenAI-style body: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt: str | list[int] | list[dict]  # text or token ids; chat: the messages, rendered once the model is known
+    options: dict  # GenerationConfig keyword arguments
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk carrying usage
+    chat: bool
+
+
+def parse_request(body, kind: str, num_draft_tokens: int) -> GenerationRequest:
+    """Validate a /v1/completions (kind "completion") or /v1/chat/completions ("chat") body."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    unknown = sorted(set(body) - ACCEPTED[kind])
+    if unknown:
+        raise ApiError(400, f"unrecognized request argument: {unknown[0]}", param=unknown[0])
+    for name, unused in UNSUPPORTED[kind].items():
+        if name in body and body[name] not in unused:
+            raise ApiError(400, f"{name}={body[name]!r} is not supported by this server", param=name)
+    _check_type(body, "model", str)
+    stream = _check_type(body, "stream", bool) or False
+    stream_options = _check_type(body, "stream_options", dict) or {}
+    if stream_options and not stream:
+        raise ApiError(400, "stream_options is only allowed with stream=true", param="stream_options")
+    include_usage = _check_type(stream_options, "include_usage", bool, "stream_options.include_usage") or False
+    prompt = _messages(body) if kind == "chat" else _prompt(body)
+    options = _options(body, kind, num_draft_tokens)
+    return GenerationRequest(prompt=prompt, options=options, stream=stream, include_usage=include_usage,
+                             chat=kind == "chat")
+
+
+def _options(body: dict, kind: str, num_draft_tokens: int) -> dict:
+    max_tokens = _check_type(body, "max_tokens", int)
+    if kind == "chat" and body.get("max_completion_tokens") is not None:  # chat's newer name wins
+        max_tokens = _check_type(body, "max_completion_tokens", int)
+    seed = _check_type(body, "seed", int)
+    if seed is not None and not 0 <= seed < SEED_LIMIT:
+        raise ApiError(400, f"seed must be in 0..{SEED_LIMIT - 1} (got {seed})", param="seed")
+    options = {
+        "max_new_tokens": max_tokens if max_tokens is not None else (DEFAULT_MAX_TOKENS if kind == "completion" else None),
+        "temperature": _number(body, "temperature", 1.0),  # OpenAI's default: sampling, not greedy
+        "top_p": _number(body, "top_p", 1.0),
+        "seed": seed if seed is not None else secrets.randbelow(SEED_LIMIT),  # a fresh seed per request, as OpenAI does
+        "stop": _stop(body),
+        "num_draft_tokens": num_draft_tokens,
+    }
+    fields = {f.name for f in dataclasses.fields(GenerationConfig)}
+    for name, kind in EXTENSIONS.items():
+        if body.get(name) is None:
+            continue
+        if name not in fields:
+            raise ApiError(400, f"{name} is not supported by this server's runtime", param=name)
+        options[name] = _number(body, name, 0.0) if kind is float else _check_type(body, name, kind)
+    return options
+
+
+def check_options(options: dict, max_context: int) -> dict:
+    """The options with chat's open-ended max_tokens filled in, checked by GenerationConfig itself."""
+    options = dict(options)
+    if options["max_new_tokens"] is None:
+        options["max_new_tokens"] = max_context  # the loop stops at the context's end
+    fields = {key: value for key, value in options.items() if key != "stop"}
+    try:
+        GenerationConfig(stop=tuple(options["stop"]), **fields).validate()
+    except (SpecdeployError, TypeError) as exc:
+        raise ApiError(400, str(exc)) from None
+    return options
+
+
+def _prompt(body: dict) -> str | list[int]:
+    if "prompt" not in body:
+        raise ApiError(400, "prompt is required", param="prompt")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise ApiError(400, "this server takes one prompt per request", param="prompt")
+    raise ApiError(400, "prompt must be a string or a list of token ids", param="prompt")
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list", param="messages")
+    rendered = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ApiError(400, f"messages[{index}] must be an object with a string role", param="messages")
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: only text can be read by a text model
+            if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                       for part in content):
+                raise ApiError(400, f"messages[{index}].content: only text parts are supported", param="messages")
+            content = "".join(part["text"] for part in content)
+        elif content is not None and not isinstance(content, str):
+            raise ApiError(400, f"messages[{index}].content must be a string or a list of text parts",
+                           param="messages")
+        rendered.append({**message, "content": content or ""})
+    return rendered
+
+
+def _stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise ApiError(400, "stop must be a string or a list of strings", param="stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ApiError(400, f"at most {MAX_STOP_STRINGS} stop strings", param="stop")
+    return stops
+
+
+def _number(body: dict, name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ApiError(400, f"{name} must be a number", param=name)
+    return float(value)
+
+
+def _check_type(body: dict, name: str, kind: type, param: str | None = None):
+    value = body.get(name)
+    if value is not None and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
+        raise ApiError(400, f"{param or name} must be {'an' if kind is int else 'a'} {kind.__name__}", param=param or name)
+    return value

@@ -1,0 +1,105 @@
+"""`serve(config)`: the application on uvicorn, with a listening socket bound first and a draining SIGTERM.
+
+SIGTERM (or Ctrl-C) closes the listening socket, answers 503 to any request still arriving on an
+open connection, and gives in-flight requests `drain_timeout_s` to finish before they are cut off;
+a second Ctrl-C quits at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import sys
+from typing import Callable
+
+import uvicorn
+
+from ..bundle import load_manifest
+from ..errors import SpecdeployError
+from ..runtime import GenerationConfig
+from ..runtime.loader import DRAFTERS
+from .app import create_app
+from .config import ServeConfig
+
+log = logging.getLogger("specdeploy.serve")
+
+
+def check_config(config: ServeConfig) -> None:
+    """Refuse a bad configuration before anything listens (the model itself loads once the server is up)."""
+    load_manifest(config.bundle)
+    if config.drafter not in DRAFTERS:
+        raise SpecdeployError(f"unknown drafter '{config.drafter}' (choose from {', '.join(DRAFTERS)})")
+    GenerationConfig(num_draft_tokens=config.num_draft_tokens).validate()
+    if config.max_queue < 0 or config.max_body_bytes < 1 or config.drain_timeout_s < 0:
+        raise SpecdeployError("max queue and drain timeout must be >= 0, the body limit >= 1 byte")
+    if config.api_key is not None and not config.api_key.strip():
+        raise SpecdeployError("the API key is empty")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except (OSError, OverflowError) as exc:
+        raise SpecdeployError(f"cannot listen on {host}:{port}: {exc}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(config: ServeConfig, load: Callable[[], object] | None = None) -> None:
+    """Serve until SIGTERM or Ctrl-C; raises SpecdeployError if the model fails to load.
+
+    load: builds the Generator (default: specdeploy.load with the config's device and drafter)."""
+    check_config(config)
+    sock = bind(config.host, config.port)
+    _log_to_stderr()
+    port = sock.getsockname()[1]
+    app = create_app(config, load)
+    service = app.state.service
+    server = DrainingServer(uvicorn.Config(app, host=config.host, port=port, log_level="info",
+                                           timeout_graceful_shutdown=config.drain_timeout_s,
+                                           log_config=None))
+    server.on_drain = lambda: _drain(service, config.drain_timeout_s)
+    service.on_fatal = lambda message: setattr(server, "should_exit", True)
+    log.info("serving %s as '%s' on http://%s:%d (model loading; /health answers 200 once ready)",
+             config.bundle, service.model, config.host, port)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    if service.worker.state == "failed":
+        raise SpecdeployError(f"the model did not load: {service.worker.error}")
+
+
+def _drain(service, timeout_s: float) -> None:
+    service.draining = True
+    log.info("shutting down: new requests are refused; in-flight requests have %gs to finish", timeout_s)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose exit signal first marks the service as draining; the process then exits 0."""
+
+    def on_drain(self) -> None:  # replaced by serve()
+        pass
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+            return
+        self.should_exit = True
+        self.on_drain()
+
+
+def _log_to_stderr() -> None:
+    """Our log lines and uvicorn's (access log included) as plain lines on stderr."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    for name in ("specdeploy.serve", "uvicorn", "uvicorn.error", "uvicorn.access"):
+        logger = logging.getLogger(name)
+        logger.handlers = [handler]
+        logger.setLevel(logging.INFO)
+        logger.propagate = False

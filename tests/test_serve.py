@@ -1,0 +1,472 @@
+"""`specdeploy serve` against live servers on 127.0.0.1 (ephemeral ports): the OpenAI client and plain HTTP.
+
+Servers run uvicorn in a thread of this process on the tiny test bundles. Where a test needs the
+model busy for a while (a full queue, a disconnect, a drain), the real generator is wrapped so it
+pauses after each text piece: the output is the model's own, only slower.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from click.testing import CliRunner
+
+import specdeploy
+from specdeploy.bundle import MANIFEST_NAME, file_entry
+from specdeploy.cli import main
+from specdeploy.serve import ServeConfig, create_app
+from specdeploy.serve.server import bind
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('unknown role: ' + message['role']) }}{% endif %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+PROMPT = "def add(a, b):\n    return"
+MESSAGES = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
+
+
+class SlowModel:
+    """The real generator, pausing after each text piece: a model slow enough to queue behind."""
+
+    def __init__(self, generator, pause_s: float):
+        self.generator, self.pause_s = generator, pause_s
+
+    def __getattr__(self, name):
+        return getattr(self.generator, name)
+
+    def stream(self, prompt, **options):
+        pieces = self.generator.stream(prompt, **options)
+        try:
+            for piece in pieces:
+                time.sleep(self.pause_s)
+                yield piece
+        finally:
+            pieces.close()
+
+
+class LiveServer:
+    """create_app on uvicorn in a thread, listening on a free port of 127.0.0.1."""
+
+    def __init__(self, config: ServeConfig, load=None, wait_ready: bool = True):
+        self.app = create_app(config, load)
+        self.service = self.app.state.service
+        self.sock = bind("127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if wait_ready:
+            wait_for(lambda: httpx.get(self.url + "/health").status_code == 200, "the model to load")
+
+    def client(self, api_key: str = "none") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=30)
+
+    def metric(self, line_start: str) -> float:
+        for line in httpx.get(self.url + "/metrics").text.splitlines():
+            if line.startswith(line_start + " "):
+                return float(line.split()[-1])
+        return 0.0
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()
+
+
+def wait_for(condition, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def chat_bundle(tmp_path_factory, agreeing_bundle) -> Path:
+    """The agreeing bundle, its tokenizer_config.json given a chat template."""
+    out = tmp_path_factory.mktemp("chat") / "bundle"
+    shutil.copytree(agreeing_bundle, out)
+    config_path = out / "tokenizer" / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    config_path.write_text(json.dumps(config))
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    manifest["tokenizer"]["files"] = [file_entry(out, out / entry["path"]).__dict__ for entry in manifest["tokenizer"]["files"]]
+    (out / MANIFEST_NAME).write_text(json.dumps(manifest))
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(chat_bundle):
+    live = LiveServer(ServeConfig(bundle=str(chat_bundle), model_name="tiny"))
+    yield live
+    live.close()
+
+
+@pytest.fixture(scope="module")
+def keyed_server(agreeing_bundle):
+    """No chat template; an API key; a small body limit."""
+    live = LiveServer(ServeConfig(bundle=str(agreeing_bundle), api_key="secret", max_body_bytes=4096))
+    yield live
+    live.close()
+
+
+@pytest.fixture(scope="module")
+def slow_server(agreeing_bundle):
+    """One request may wait behind the running one; each text piece takes 20 ms."""
+    live = LiveServer(ServeConfig(bundle=str(agreeing_bundle), max_queue=1),
+                      load=lambda: SlowModel(specdeploy.load(agreeing_bundle), pause_s=0.02))
+    yield live
+    live.close()
+
+
+def run_cli_json(bundle, *args) -> dict:
+    result = CliRunner().invoke(main, ["run", str(bundle), "--json", *args])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_greedy_completion_equals_specdeploy_run_streamed_or_not(server, chat_bundle):
+    expected = run_cli_json(chat_bundle, "--prompt", PROMPT, "--max-new-tokens", "40", "--temperature", "0")
+    client = server.client()
+    response = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0)
+    assert response.choices[0].text == expected["text"]
+    assert response.usage.completion_tokens == len(expected["token_ids"])
+    assert response.usage.prompt_tokens == expected["stats"]["prompt_tokens"]
+    assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
+    assert response.choices[0].finish_reason == ("length" if len(expected["token_ids"]) == 40 else "stop")
+    extension = response.model_extra["specdeploy"]
+    assert extension["speculative"] and extension["drafted_tokens"] > 0
+    assert extension["tokens_per_round"] == pytest.approx(expected["stats"]["mean_accepted_tokens"])
+    assert len(extension["accepted_by_position"]) == 4
+
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected["text"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == response.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == response.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completion_options_match_the_runtime(server, chat_bundle):
+    client = server.client()
+    expected = run_cli_json(chat_bundle, "--prompt", PROMPT, "--max-new-tokens", "30", "--temperature", "0",
+                            "--stop", "\n", "--no-speculative")
+    stopped = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=30, temperature=0, stop="\n",
+                                        extra_body={"speculative": False})
+    assert stopped.choices[0].text == expected["text"]
+    assert stopped.model_extra["specdeploy"]["drafted_tokens"] == 0
+    # A prompt of token ids is the same prompt.
+    ids = specdeploy.load(chat_bundle).codec.encode(PROMPT)
+    by_text = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
+    by_ids = client.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    # Sampling: a seed reproduces, and no seed is a fresh one each request.
+    sampled = [client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=1.0, seed=5,
+                                         extra_body={"top_k": 50, "num_draft_tokens": 2}) for _ in range(2)]
+    assert sampled[0].choices[0].text == sampled[1].choices[0].text
+    assert len(sampled[0].model_extra["specdeploy"]["accepted_by_position"]) == 2
+    seeds = {client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1).model_extra["specdeploy"]["seed"]
+             for _ in range(3)}
+    assert len(seeds) == 3
+
+
+def test_chat_renders_the_template_as_transformers_does(server, chat_bundle):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_bundle / "tokenizer")
+    ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if isinstance(ids, dict) else ids
+    expected = specdeploy.load(chat_bundle).generate(list(ids), max_new_tokens=30, temperature=0)
+    client = server.client()
+    response = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=30, temperature=0)
+    assert response.object == "chat.completion"
+    assert response.choices[0].message.role == "assistant"
+    assert response.choices[0].message.content == expected.text
+    assert response.usage.prompt_tokens == len(ids)
+    chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=30, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason == response.choices[0].finish_reason
+    with pytest.raises(openai.BadRequestError, match="unknown role"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "tool", "content": "x"}])
+
+
+def test_chat_without_a_template_is_a_400(keyed_server):
+    with pytest.raises(openai.BadRequestError, match="no chat template") as caught:
+        keyed_server.client("secret").chat.completions.create(model="x", messages=MESSAGES)
+    assert caught.value.code == "no_chat_template"
+
+
+def test_models_health_metrics_and_unknown_routes(server):
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    server.client().completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
+    metrics = httpx.get(server.url + "/metrics")
+    assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
+    for name in ("specdeploy:requests_total", "specdeploy:prompt_tokens_total", "specdeploy:generation_tokens_total",
+                 "specdeploy:time_to_first_token_seconds_bucket", "specdeploy:e2e_request_latency_seconds_bucket",
+                 "specdeploy:num_requests_waiting", "specdeploy:spec_decode_num_drafts_total",
+                 "specdeploy:spec_decode_num_draft_tokens_total", "specdeploy:spec_decode_num_accepted_tokens_total",
+                 'specdeploy:spec_decode_num_accepted_tokens_per_pos_total{position="0"}'):
+        assert name in metrics.text, name
+    assert server.metric('specdeploy:requests_total{endpoint="/v1/completions",status="200"}') >= 1
+    assert server.metric("specdeploy:generation_tokens_total") >= 8
+    drafts = server.metric("specdeploy:spec_decode_num_draft_tokens_total")
+    accepted = server.metric("specdeploy:spec_decode_num_accepted_tokens_total")
+    by_position = server.metric('specdeploy:spec_decode_num_accepted_tokens_per_pos_total{position="0"}')
+    assert drafts > 0 and 0 <= by_position <= accepted <= drafts
+    missing = httpx.get(server.url + "/v1/nothing")
+    assert missing.status_code == 404 and "error" in missing.json()
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"prompt": PROMPT, "temperature": -1}, "temperature"),
+    ({"prompt": PROMPT, "top_p": 2}, "top_p"),
+    ({"prompt": PROMPT, "max_tokens": "many"}, "max_tokens"),
+    ({"prompt": PROMPT, "n": 2}, "n=2"),
+    ({"prompt": PROMPT, "logprobs": 3}, "logprobs"),
+    ({"prompt": PROMPT, "frobnicate": 1}, "unrecognized request argument"),
+    ({"prompt": [PROMPT, PROMPT]}, "one prompt per request"),
+    ({"prompt": [1, 2, 10**6]}, "token ids must be in"),
+    ({"prompt": "x " * 400, "stream": True}, "max context"),
+    ({"prompt": PROMPT, "num_draft_tokens": 99}, "num_draft_tokens"),
+    ({"prompt": PROMPT, "seed": -1}, "seed"),
+    ({"prompt": PROMPT, "stop": [1]}, "stop"),
+    ({"max_tokens": 3}, "prompt is required"),
+])
+def test_invalid_parameters_are_400s_with_openai_error_bodies(server, body, message):
+    response = httpx.post(server.url + "/v1/completions", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert message in error["message"] and error["type"] == "invalid_request_error"
+    assert not response.headers["content-type"].startswith("text/event-stream")
+
+
+def test_sampling_extensions_pass_through_by_name(server):
+    from dataclasses import fields
+
+    names = {f.name for f in fields(specdeploy.GenerationConfig)}
+    for name, value in (("min_p", 0.05), ("repetition_penalty", 1.1)):
+        response = httpx.post(server.url + "/v1/completions",
+                              json={"prompt": PROMPT, "max_tokens": 4, "seed": 1, name: value})
+        if name in names:
+            assert response.status_code == 200, response.text
+        else:
+            assert response.status_code == 400 and name in response.json()["error"]["message"]
+
+
+def test_api_key_and_body_limit(keyed_server):
+    url = keyed_server.url + "/v1/completions"
+    body = {"prompt": PROMPT, "max_tokens": 2}
+    assert httpx.post(url, json=body).status_code == 401
+    wrong = httpx.post(url, json=body, headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        keyed_server.client("nope").completions.create(model="x", prompt=PROMPT, max_tokens=2)
+    assert keyed_server.client("secret").completions.create(model="x", prompt=PROMPT, max_tokens=2).usage
+    assert httpx.get(keyed_server.url + "/health").status_code == 200  # probes need no key
+    headers = {"Authorization": "Bearer secret"}
+    large = httpx.post(url, json={"prompt": "x" * 5000}, headers=headers)
+    assert large.status_code == 413 and large.json()["error"]["code"] == "request_too_large"
+    chunked = httpx.post(url, content=(b"x" * 1024 for _ in range(8)), headers=headers)  # no Content-Length
+    assert chunked.status_code == 413
+
+
+def test_health_is_503_while_the_model_loads(agreeing_bundle):
+    release = threading.Event()
+
+    def load():
+        release.wait(10)
+        return specdeploy.load(agreeing_bundle)
+
+    live = LiveServer(ServeConfig(bundle=str(agreeing_bundle)), load=load, wait_ready=False)
+    try:
+        health = httpx.get(live.url + "/health")
+        assert health.status_code == 503 and health.json()["status"] == "loading"
+        refused = httpx.post(live.url + "/v1/completions", json={"prompt": PROMPT})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "model_not_ready"
+        release.set()
+        wait_for(lambda: httpx.get(live.url + "/health").status_code == 200, "the model to load")
+    finally:
+        release.set()
+        live.close()
+
+
+def test_full_queue_answers_429_and_health_answers_meanwhile(slow_server):
+    url = slow_server.url
+    long_request = {"prompt": PROMPT, "max_tokens": 200, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=30) as streaming:
+        with streaming.stream("POST", url + "/v1/completions", json=long_request) as running:
+            lines = running.iter_lines()
+            assert next(lines).startswith("data: ")  # generating now
+            queued = {}
+            waiter = threading.Thread(target=lambda: queued.update(response=httpx.post(
+                url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3}, timeout=30)))
+            waiter.start()
+            wait_for(lambda: slow_server.metric("specdeploy:num_requests_waiting") == 1, "a queued request")
+            start = time.monotonic()
+            assert httpx.get(url + "/health", timeout=2).status_code == 200
+            assert slow_server.metric("specdeploy:num_requests_running") == 1
+            assert time.monotonic() - start < 1.0  # answered between pieces, not after the generation
+            full = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
+            assert full.status_code == 429 and int(full.headers["Retry-After"]) >= 1
+            assert full.json()["error"]["code"] == "rate_limit_exceeded"
+            assert not queued  # still waiting behind the stream
+        waiter.join(30)  # the stream closed (a disconnect): the queued request runs
+    assert queued["response"].status_code == 200
+    assert slow_server.metric('specdeploy:requests_total{endpoint="/v1/completions",status="429"}') == 1
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_slot(slow_server):
+    aborted = slow_server.metric('specdeploy:request_finished_total{finished_reason="abort"}')
+    body = {"prompt": PROMPT, "max_tokens": 200, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", slow_server.url + "/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+    # The greedy stream runs to 178 tokens (about 3.5 s of pieces); the server notices the disconnect and stops at the next piece.
+    wait_for(lambda: slow_server.metric('specdeploy:request_finished_total{finished_reason="abort"}') == aborted + 1,
+             "the generation to stop", timeout_s=2)
+    assert slow_server.metric("specdeploy:num_requests_running") == 0
+    after = slow_server.client().completions.create(model="x", prompt=PROMPT, max_tokens=3, temperature=0)
+    assert after.usage.completion_tokens >= 1
+
+
+DRAIN_SCRIPT = """
+import sys, time
+sys.path.insert(0, {tests!r})
+import specdeploy
+from specdeploy.serve import ServeConfig, serve
+from test_serve import SlowModel
+serve(ServeConfig(bundle={bundle!r}, port=0, drain_timeout_s={drain}),
+      load=lambda: SlowModel(specdeploy.load({bundle!r}), pause_s=0.03))
+"""
+
+
+@contextlib.contextmanager
+def server_process(bundle, drain_timeout_s: float):
+    """A server in its own process (pieces take 30 ms), so SIGTERM reaches it as it would in production."""
+    script = DRAIN_SCRIPT.format(tests=str(Path(__file__).parent), bundle=str(bundle), drain=drain_timeout_s)
+    process = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "SPECDEPLOY_SHARED_THREADS": "0"})
+    try:
+        line = ""
+        while "http://" not in line:
+            line = process.stderr.readline()
+            assert line, "the server exited before listening"
+        url = line.split("on ", 1)[1].split()[0]
+        wait_for(lambda: httpx.get(url + "/health").status_code == 200, "the model to load", timeout_s=30)
+        yield process, url
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+        process.stderr.close()
+
+
+def test_sigterm_finishes_in_flight_requests_and_refuses_new_ones(agreeing_bundle):
+    with server_process(agreeing_bundle, drain_timeout_s=10) as (process, url):
+        body = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            process.send_signal(signal.SIGTERM)
+            wait_for(lambda: _refused(url), "new connections to be refused", timeout_s=5)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][len("data: "):])["choices"][0]["finish_reason"] in ("stop", "length")
+        assert process.wait(15) == 0
+
+
+def test_sigterm_cuts_requests_off_at_the_drain_deadline(agreeing_bundle):
+    with server_process(agreeing_bundle, drain_timeout_s=0.5) as (process, url):
+        body = {"prompt": PROMPT, "max_tokens": 200, "temperature": 0, "stream": True}  # about 5 s of pieces
+        received = []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            process.send_signal(signal.SIGTERM)
+            start = time.monotonic()
+            with contextlib.suppress(httpx.TransportError):  # the connection closes mid-stream
+                received.extend(line for line in lines if line)
+        assert time.monotonic() - start < 4
+        assert "data: [DONE]" not in received
+        assert process.wait(10) == 0
+
+
+def _refused(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=1).status_code == 503
+    except httpx.TransportError:
+        return True
+
+
+def test_a_client_that_gives_up_in_the_queue_leaves_it(slow_server):
+    aborted = slow_server.metric('specdeploy:request_finished_total{finished_reason="abort"}')
+    body = {"prompt": PROMPT, "max_tokens": 200, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", slow_server.url + "/v1/completions", json=body) as running:
+            lines = running.iter_lines()
+            assert next(lines).startswith("data: ")
+            impatient = httpx.Client(timeout=httpx.Timeout(30, read=0.3))
+            with pytest.raises(httpx.ReadTimeout):  # queued: no response yet
+                impatient.post(slow_server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
+            impatient.close()
+            wait_for(lambda: slow_server.metric("specdeploy:num_requests_waiting") == 0, "the queue to empty")
+            assert slow_server.metric('specdeploy:request_finished_total{finished_reason="abort"}') == aborted + 1
+            assert slow_server.metric("specdeploy:num_requests_running") == 1  # the stream is still generating
+            assert next(line for line in lines if line).startswith("data: ")
+
+
+def test_the_serve_command_refuses_bad_input_in_one_line(tmp_path, agreeing_bundle):
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    cases = [(["serve", str(tmp_path / "missing")], "bundle not found"),
+             (["serve", str(agreeing_bundle), "--drafter", "magic"], "unknown drafter"),
+             (["serve", str(agreeing_bundle), "-k", "0"], "num_draft_tokens"),
+             (["serve", str(agreeing_bundle), "--max-queue", "-1"], "max queue"),
+             (["serve", str(agreeing_bundle), "--port", str(taken.getsockname()[1])], "cannot listen")]
+    try:
+        for args, message in cases:
+            result = CliRunner().invoke(main, args)
+            assert result.exit_code == 2, (args, result.output)
+            assert result.stderr.startswith("error: ") and message in result.stderr, (args, result.stderr)
+            assert len(result.stderr.strip().splitlines()) == 1
+    finally:
+        taken.close()
+
+
+def test_a_bundle_that_fails_to_load_stops_the_server_with_an_error(tmp_path, agreeing_bundle):
+    broken = tmp_path / "broken"
+    shutil.copytree(agreeing_bundle, broken)
+    model = broken / "target" / "model.onnx"
+    model.write_bytes(b"\0" * model.stat().st_size)  # same size: the manifest check passes, ONNX Runtime refuses
+    result = subprocess.run([sys.executable, "-m", "specdeploy", "serve", str(broken), "--port", "0"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("error: the model did not load")
+    assert "Traceback" not in result.stderr
