@@ -163,3 +163,15 @@ def test_a_model_type_genai_is_not_checked_on_gets_no_config(bundles, tmp_path, 
     else:  # the target alone still runs
         assert genai.target_only == "target" and "target-only" in genai.unsupported
         assert (bundle / "target" / "genai_config.json").is_file()
+
+
+@pytest.mark.slow
+def test_genai_runs_an_fp16_bundle(tmp_path):
+    from specdeploy.defaults import demo_checkpoints
+    from specdeploy.export import ExportConfig, export_bundle
+
+    target, draft = demo_checkpoints()
+    bundle = tmp_path / "bundle"
+    export_bundle(ExportConfig(target=target, draft=draft, out=str(bundle), dtype="fp16"))
+    assert load_manifest(bundle).genai.speculative == "."
+    assert_matches_specdeploy_run(bundle, bundle, (), speculative=True)
