@@ -42,7 +42,8 @@ PY_PACKAGE_DIR = $(shell $(BIN)/python -c "import importlib.util as u; s = u.fin
 GENAI_DIR = $(call PY_PACKAGE_DIR,onnxruntime_genai)
 ORT_LIBRARY = $(firstword $(wildcard $(call PY_PACKAGE_DIR,onnxruntime)/capi/libonnxruntime.so.*))
 
-host: $(BUILD)/specdeploy-host
+# With the Makefile's own environment, installing comes first; another VENV must hold the wheel already.
+host: $(if $(filter .venv,$(VENV)),$(VENV)/.installed) $(BUILD)/specdeploy-host
 
 $(BUILD)/specdeploy-host: examples/cpp/host.cpp examples/cpp/oga.h
 	@test -n "$(GENAI_DIR)" -a -n "$(ORT_LIBRARY)" || { echo "error: onnxruntime-genai is not installed in $(VENV) (make install, or pip install 'specdeploy[hosts]' there)" >&2; exit 2; }
