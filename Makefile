@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM := false
 
 DEMO_PROMPT ?= def fibonacci(n):\n
 
-.PHONY: demo test bench install clean
+.PHONY: demo test bench install host clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +18,7 @@ $(BIN)/python:
 # torch is pinned first and by version: a bare requirement may pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[export,test,bench,serve]'
+	$(BIN)/python -m pip install --quiet -e '.[export,test,bench,serve,hosts]'
 	touch $@
 
 install: $(VENV)/.installed
@@ -32,6 +32,26 @@ test: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(BIN)/specdeploy bench
+
+# The C++ host (examples/cpp) against onnxruntime-genai's C library from the wheel in $(VENV).
+# genai loads ONNX Runtime (the onnxruntime wheel's library) as its own library is loaded, before
+# main() runs, so the host links that library too, under the name genai looks for: build/lib holds a
+# libonnxruntime.so.1 link to the wheel's versioned file. Both are found through the rpath.
+BUILD ?= build
+PY_PACKAGE_DIR = $(shell $(BIN)/python -c "import importlib.util as u; s = u.find_spec('$(1)'); print(s.submodule_search_locations[0] if s else '')" 2>/dev/null)
+GENAI_DIR = $(call PY_PACKAGE_DIR,onnxruntime_genai)
+ORT_LIBRARY = $(firstword $(wildcard $(call PY_PACKAGE_DIR,onnxruntime)/capi/libonnxruntime.so.*))
+
+# With the Makefile's own environment, installing comes first; another VENV must hold the wheel already.
+host: $(if $(filter .venv,$(VENV)),$(VENV)/.installed) $(BUILD)/specdeploy-host
+
+$(BUILD)/specdeploy-host: examples/cpp/host.cpp examples/cpp/oga.h
+	@test -n "$(GENAI_DIR)" -a -n "$(ORT_LIBRARY)" || { echo "error: onnxruntime-genai is not installed in $(VENV) (make install, or pip install 'specdeploy[hosts]' there)" >&2; exit 2; }
+	mkdir -p $(BUILD)/lib
+	ln -sf $(ORT_LIBRARY) $(BUILD)/lib/libonnxruntime.so.1
+	$(CXX) -std=c++17 -O2 -Wall -Wextra -o $@ examples/cpp/host.cpp \
+		-L$(GENAI_DIR) -lonnxruntime-genai -L$(BUILD)/lib -Wl,--no-as-needed -l:libonnxruntime.so.1 \
+		-Wl,-rpath,$(GENAI_DIR) -Wl,-rpath,'$$ORIGIN/lib'
 
 clean:
 	rm -rf $(VENV) $(SPECDEPLOY_HOME) .pytest_cache

@@ -6,6 +6,7 @@ A bundle is a folder:
     BUNDLE/target/           the target model's ONNX file(s)
     BUNDLE/draft/            the draft model's ONNX file(s)
     BUNDLE/tokenizer/        tokenizer.json and its config
+    BUNDLE/genai_config.json the same folder as an onnxruntime-genai model (see GenaiSpec)
 
 The export stage writes it, the runtime (or a C++ host) reads it. Nothing here
 imports torch, transformers or onnx.
@@ -118,6 +119,20 @@ class TokenizerSpec:
 
 
 @dataclass(frozen=True)
+class GenaiSpec:
+    """The bundle as an onnxruntime-genai model folder: `og.Model(BUNDLE / folder)` loads each variant written.
+
+    Every folder holds a genai_config.json (its model paths relative to it, never through '..') and copies of
+    the tokenizer files, where onnxruntime-genai looks for them."""
+
+    speculative: str | None  # folder of the target + draft config, relative to the root ("." is the root); None: not written
+    target_only: str | None  # folder of the target-only config; None: not written
+    max_draft_tokens: int  # the config's speculative.max_draft_tokens (K)
+    files: tuple[FileEntry, ...]  # the configs and tokenizer copies written for it
+    unsupported: str | None = None  # why a variant is missing (None: both are written)
+
+
+@dataclass(frozen=True)
 class Manifest:
     format_version: int
     specdeploy_version: str
@@ -128,6 +143,7 @@ class Manifest:
     tokenizer: TokenizerSpec
     export_options: dict[str, Any] = field(default_factory=dict)
     tool_versions: dict[str, str] = field(default_factory=dict)
+    genai: GenaiSpec | None = None  # None: exported before bundles carried an onnxruntime-genai config
 
     def model(self, role: str) -> ModelSpec:
         return self.target if role == "target" else self.draft
@@ -178,6 +194,8 @@ def _build(cls, data: dict[str, Any]):
             value = _build(ModelSpec, value)
         elif item.name == "tokenizer":
             value = _build(TokenizerSpec, value)
+        elif item.name == "genai" and value is not None:
+            value = _build(GenaiSpec, value)
         elif item.name == "eos_token_ids":
             value = tuple(value)
         kwargs[item.name] = value
@@ -230,7 +248,8 @@ def load_manifest(bundle_dir: str | Path, verify_checksums: bool = False) -> Man
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise SpecdeployError(f"manifest {path} is not valid JSON: {exc}") from None
     manifest = manifest_from_dict(data)
-    entries = [*manifest.target.files, *manifest.draft.files, *manifest.tokenizer.files]
+    entries = [*manifest.target.files, *manifest.draft.files, *manifest.tokenizer.files,
+               *(manifest.genai.files if manifest.genai else ())]
     for entry in entries:
         file_path = bundle_dir / entry.path
         if not file_path.is_file():

@@ -19,7 +19,7 @@ from .. import __version__
 from ..bundle import ROLES, FileEntry, Manifest, ModelSpec, ParityReport, TokenizerSpec, file_entry, save_manifest
 from ..errors import SpecdeployError
 from . import checkpoint as ckpt
-from . import convert, fused
+from . import convert, fused, genai
 from .parity import check_parity
 
 DTYPES = ("fp32", "fp16")
@@ -297,6 +297,7 @@ def export_bundle(config: ExportConfig, report: Reporter | None = None) -> Manif
             },
             tool_versions=_tool_versions(),
         )
+        manifest = genai.write_genai_config(manifest, root)
         save_manifest(manifest, root)
         _replace(root, out)
         return manifest
