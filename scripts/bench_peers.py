@@ -1,90 +1,67 @@
 #!/usr/bin/env python3
-"""Side-by-side speculative decoding of peer systems on the benchmark pair.
+"""specdeploy against its peers, each at its best, on the same prompts and the same token ids.
 
-Runs the SAME prompts (the SAME token ids) through
+Systems, every one target-only and speculative:
 
-1. onnxruntime-genai 0.18 (fp32, CPU): target-only (the model builder's plain
-   genai_config.json) vs. its own draft-model speculative decoding (one composed
-   genai_config.json with ``model.type = "speculative"``, a ``model.draft`` block
-   naming the draft ONNX model and ``speculative.max_draft_tokens = K``);
-2. Hugging Face transformers assisted generation on PyTorch (fp32, CPU):
-   ``target.generate(...)`` vs. ``target.generate(..., assistant_model=draft)``
-   with a constant K draft tokens per round,
+1. onnxruntime-genai 0.18 (fp32, CPU): the model builder's graphs of the same checkpoints;
+   speculative = its draft-model speculative decoding (``model.type = "speculative"``, a
+   ``model.draft`` block, ``speculative.max_draft_tokens = K``, a fixed K);
+2. Hugging Face transformers assisted generation on PyTorch (fp32, CPU), a constant K;
+3. specdeploy (``specdeploy bench`` on an exported bundle of the same pair, in the main venv).
 
-greedy and sampled (plain temperature sampling: top_k 0, top_p 1.0), and prints ONE
-JSON line (the last line of stdout). Progress goes to stderr.
+Peers at their best: before timing, each peer's settings that matter on a CPU are searched on a
+warm-up subset (greedy, the first ``--tune-prompts`` prompts, ``--tune-tokens`` new tokens, two
+interleaved passes): for onnxruntime-genai the intra-op threads of each session (1..nproc) and
+spinning on or off (``session.intra_op.allow_spinning``, passed through genai's session_options as a
+session config entry); for Hugging Face the torch threads (1..nproc). The fastest configuration of
+each variant (target-only, speculative) is chosen, printed in the JSON (``tuning``), and every
+setting is then timed with it *and* with the peer's defaults (genai: the builder's config as
+written; torch: its default thread count), so both are on record. Ratios compare us with the tuned
+peers.
 
-Environment (its own venv: onnxruntime-genai 0.18's model builder needs
-transformers 5, which the main .venv cannot have)::
+Same tokens: every system stops at EOS or at ``--max-new-tokens`` (nobody masks EOS), and
+tokens/s counts each system's own new tokens (EOS included), decode time only. Greedy outputs are
+cross-checked token for token between every pair of systems (``cross_check``: identical runs and
+the first mismatch index of each prompt).
+
+Sampling settings (``--settings``, comma-separated; words joined by "-"): ``greedy``, ``tT``
+(temperature), ``kK`` (top-k), ``pP`` (top-p), ``minpM`` (min-p), ``repR`` (repetition penalty).
+Default: ``greedy,t0.8,t0.8-k50-p0.95`` (greedy, plain temperature, the common setting). A
+setting a peer does not support (onnxruntime-genai 0.18 has no min-p) is reported as such.
+
+Environment (its own venv: onnxruntime-genai 0.18's model builder needs transformers 5, which the
+main .venv cannot have)::
 
     python3.11 -m venv .venv-peers
     .venv-peers/bin/pip install torch==2.13.0
     .venv-peers/bin/pip install -r scripts/peers-requirements.txt
 
-Run (from the repo root)::
+Run (from the repository root; PAIR is a folder holding the target and draft checkpoints)::
 
-    .venv-peers/bin/python scripts/bench_peers.py \
-        --target ../shared/models/codepair/target --draft ../shared/models/codepair/draft \
-        [--prompts specdeploy/data/code_prompts.json] [--max-new-tokens 128] \
-        [--num-draft-tokens 4] [--temperature 0.8] [--repeat 1] [--work .peers-work] \
-        [--ours BUNDLE]   # also `specdeploy bench BUNDLE` (main .venv), with ratios against each peer
+    specdeploy export --target PAIR/target --draft PAIR/draft --out bench-bundle
+    .venv-peers/bin/python scripts/bench_peers.py --target PAIR/target --draft PAIR/draft \
+        --ours bench-bundle [--settings greedy,t0.8,t0.8-k50-p0.95] [--max-new-tokens 128] \
+        [--num-draft-tokens 4] [--repeat 1] [--systems ort,hf] [--work .peers-work]
 
-Built ONNX models and the composed configs go to ``--work`` (default
-``.peers-work/`` in the repo root)::
+One JSON line is the last line of stdout; a Markdown table of the run goes to stderr at the end.
+onnxruntime-genai models and configs are built into ``--work`` (rebuilt when the checkpoint
+changes or with ``--rebuild``): ``onnx/target/`` and ``onnx/draft/`` (builder output) and
+``onnx/genai_config.json`` (speculative; 0.18 rejects ".." in model paths, hence one parent).
 
-    <work>/onnx/target/   model builder output; genai_config.json = target only
-    <work>/onnx/draft/    model builder output
-    <work>/onnx/genai_config.json   speculative: decoder = target/model.onnx,
-                                    draft = draft/model.onnx (0.18 rejects ".." in
-                                    model paths, hence the shared parent folder)
-
-They are rebuilt only when missing, when the source checkpoint changes, or with
-``--rebuild``.
-
-onnxruntime-genai 0.18 draft-model speculative decoding, as used here: the
-config's ``model.type`` is ``"speculative"``; ``model.decoder`` is the target;
-``model.draft`` is a second decoder block of the same shape (filename,
-session_options, inputs, outputs, head/layer counts) naming the draft; a
-top-level ``"speculative"`` object carries ``max_draft_tokens`` (K, 1..16),
-``min_adaptive_k`` (0 = fixed K) and ``cooldown``. The source is
-microsoft/onnxruntime-genai src/models/speculative_decoding.cpp (the
-``SpeculativeDecodingModel`` constructor requires ``model.draft.filename`` and the
-same execution provider for both models) and
-test/python/integration/test_integration_speculative.py (overlay
-``{"model": {"type": "speculative", "draft": ...}, "speculative":
-{"max_draft_tokens": 4}}``). The 0.18 wheel's
-``GeneratorParams.get_speculative_options()`` lists the same keys, and its
-``Generator.get_speculative_stats()`` gives the acceptance counts reported here.
-It supports batch 1, greedy and sampled (speculative-sampling acceptance),
-``min_length`` and ``repetition_penalty``.
-
-Measurement notes
------------------
-* Prompts are encoded once with the ``tokenizers`` library from the target
-  folder's tokenizer.json, ``add_special_tokens=False`` (no BOS), and those ids
-  are fed to every system.
-* Every run generates exactly ``--max-new-tokens`` tokens: EOS is masked until
-  then (onnxruntime-genai ``min_length``, HF ``min_new_tokens``); neither API
-  can simply ignore EOS. The actual counts are reported and used for tokens/s.
-* tokens/s is decode throughput. onnxruntime-genai: ``append_tokens(prompt)`` is
-  the prefill and is timed apart, so decode = the ``generate_next_token`` loop
-  and all new tokens count. HF ``generate`` cannot time the prefill apart, so
-  decode runs from the first streamed new tokens (the prefill plus the first
-  token, or the first assisted round) to the end, and the tokens of that first
-  chunk are left out of the count ("decode_tokens"). ``total_tokens_per_s``
-  (everything, prefill included) is reported beside it for both systems.
-* Each variant is warmed up once (a full-length greedy run on prompt 0) before
-  timing. Runs are interleaved per prompt (target-only and speculative back to
-  back, order alternating per repeat). Aggregates are sum(tokens)/sum(seconds)
-  over all prompts and repeats.
-* Sampled runs use seed ``1000 * prompt_index + repeat`` for both variants.
+Timing: onnxruntime-genai's prefill is ``append_tokens(prompt)``, timed apart; decode is the
+``generate_next_token`` loop. Hugging Face ``generate`` cannot time its prefill apart, so its decode
+runs from the first streamed chunk (prefill plus the first token or assisted round) to the end, and
+that chunk's tokens are not counted. specdeploy reports decode time itself. Variants are interleaved
+per prompt (order alternating per repeat); settings are the outer loop, every system timed within
+each setting, so that cross-system ratios of one setting are taken minutes apart, not tens of
+minutes. Sampled runs seed each run with ``1000 * prompt_index + repeat``.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import gc
+import itertools
 import json
 import os
 import platform
@@ -93,6 +70,7 @@ import subprocess
 import sys
 import time
 import traceback
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -102,13 +80,42 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_PROMPTS = REPO / "specdeploy" / "data" / "code_prompts.json"
 DEFAULT_WORK = REPO / ".peers-work"
+VARIANTS = ("target_only", "speculative")
 
 
 def log(*args) -> None:
     print(*args, file=sys.stderr, flush=True)
 
 
-# ----------------------------------------------------------------------------- prompts
+# ----------------------------------------------------------------------------- settings and prompts
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def parse_setting(name: str) -> Setting:
+    fields: dict = {}
+    for word in name.split("-"):
+        for prefix, key, kind in (("minp", "min_p", float), ("rep", "repetition_penalty", float),
+                                  ("t", "temperature", float), ("k", "top_k", int), ("p", "top_p", float)):
+            if word.startswith(prefix) and word != "greedy":
+                fields[key] = kind(word[len(prefix):])
+                break
+        else:
+            if word != "greedy":
+                raise ValueError(f"setting '{name}': unknown word '{word}' (greedy, tT, kK, pP, minpM, repR)")
+    return Setting(name=name, **fields)
 
 
 def load_prompts(path: Path) -> list[str]:
@@ -116,34 +123,23 @@ def load_prompts(path: Path) -> list[str]:
     try:
         data = json.loads(text)
     except json.JSONDecodeError:
-        data = None
-    if isinstance(data, list):
-        items = data
-    elif isinstance(data, dict):
-        items = [data]
-    else:  # JSONL
-        items = [json.loads(line) for line in text.splitlines() if line.strip()]
-    prompts = []
-    for item in items:
-        if isinstance(item, str):
-            prompts.append(item)
-        elif isinstance(item, dict) and isinstance(item.get("prompt"), str):
-            prompts.append(item["prompt"])
-        else:
-            raise ValueError(f"{path}: expected a JSON list of strings or JSONL with a 'prompt' field")
-    if not prompts:
-        raise ValueError(f"{path}: no prompts")
+        data = [json.loads(line) for line in text.splitlines() if line.strip()]
+    prompts = [item if isinstance(item, str) else item.get("prompt") for item in data]
+    if not prompts or not all(isinstance(p, str) for p in prompts):
+        raise ValueError(f"{path}: expected a JSON list of strings or JSONL with a 'prompt' field")
     return prompts
 
 
 def encode_prompts(target_dir: Path, prompts: list[str]) -> list[list[int]]:
+    """The ids every system is fed: the target's tokenizer.json with its own special tokens, as
+    specdeploy's codec encodes (for this pair's tokenizer that adds no BOS)."""
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
-    return [tok.encode(p, add_special_tokens=False).ids for p in prompts]
+    tokenizer = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
+    return [tokenizer.encode(p, add_special_tokens=True).ids for p in prompts]
 
 
-# ----------------------------------------------------------------------------- helpers
+# ----------------------------------------------------------------------------- aggregation
 
 
 def first_mismatch(a: list[int], b: list[int]) -> int | None:
@@ -153,486 +149,419 @@ def first_mismatch(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def summarize(runs: list[dict], n_prompts: int) -> dict:
-    tokens = sum(r["new_tokens"] for r in runs)
+def summarize(runs: list[dict]) -> dict:
     decode_tokens = sum(r["decode_tokens"] for r in runs)
     decode_s = sum(r["decode_s"] for r in runs)
-    total_s = sum(r["total_s"] for r in runs)
-    per_prompt = []
-    for pi in range(n_prompts):
-        rs = [r for r in runs if r["prompt_index"] == pi]
-        dt = sum(r["decode_tokens"] for r in rs)
-        ds = sum(r["decode_s"] for r in rs)
-        per_prompt.append(round(dt / ds, 2) if ds > 0 else None)
-    counts = sorted({r["new_tokens"] for r in runs})
     return {
-        "tokens_per_s": round(decode_tokens / decode_s, 3) if decode_s > 0 else None,
-        "total_tokens_per_s": round(tokens / total_s, 3) if total_s > 0 else None,
-        "new_tokens": tokens,
-        "new_tokens_per_run": counts[0] if len(counts) == 1 else counts,
+        "tokens_per_s": round(decode_tokens / decode_s, 2) if decode_s > 0 else None,
+        "new_tokens": sum(r["new_tokens"] for r in runs),
         "decode_tokens": decode_tokens,
         "decode_s": round(decode_s, 4),
-        "total_s": round(total_s, 4),
         "mean_prefill_ms": round(1000 * sum(r["prefill_s"] for r in runs) / len(runs), 3),
         "runs": len(runs),
-        "per_prompt_tokens_per_s": per_prompt,
     }
 
 
-def compare_block(t_runs, s_runs, n_prompts, greedy: bool, extra_spec=None) -> dict:
-    t = summarize(t_runs, n_prompts)
-    s = summarize(s_runs, n_prompts)
-    if extra_spec:
-        s.update(extra_spec(s_runs))
-    out = {
-        "target_only": t,
-        "speculative": s,
-        "speedup": round(s["tokens_per_s"] / t["tokens_per_s"], 4)
-        if s["tokens_per_s"] and t["tokens_per_s"]
-        else None,
-        "speedup_total": round(s["total_tokens_per_s"] / t["total_tokens_per_s"], 4)
-        if s["total_tokens_per_s"] and t["total_tokens_per_s"]
-        else None,
-    }
-    if greedy:
-        mism = []
-        for tr, sr in zip(t_runs, s_runs):
-            assert (tr["prompt_index"], tr["repeat"]) == (sr["prompt_index"], sr["repeat"])
-            mism.append(first_mismatch(tr["tokens"], sr["tokens"]))
-        out["identical_outputs"] = all(m is None for m in mism)
-        out["identical_runs"] = f"{sum(m is None for m in mism)}/{len(mism)}"
-        out["first_mismatch_index"] = mism
+def timed_block(run, n_prompts: int, repeat: int, setting: Setting, label: str) -> dict:
+    """run(variant, prompt_index, seed) for both variants, interleaved per prompt -> summaries and greedy ids."""
+    runs = {v: [] for v in VARIANTS}
+    for pi in range(n_prompts):
+        for rep in range(repeat):
+            order = VARIANTS if rep % 2 == 0 else VARIANTS[::-1]
+            for variant in order:
+                r = run(variant, pi, 1000 * pi + rep)
+                r.update(prompt_index=pi, repeat=rep)
+                runs[variant].append(r)
+        log(f"  {label} {setting.name} p{pi}: " + ", ".join(
+            f"{v} {runs[v][-1]['decode_tokens'] / max(runs[v][-1]['decode_s'], 1e-9):.0f} tok/s" for v in VARIANTS))
+    out = {v: summarize(runs[v]) for v in VARIANTS}
+    t, s = out["target_only"]["tokens_per_s"], out["speculative"]["tokens_per_s"]
+    out["speedup"] = round(s / t, 3) if s and t else None
+    if setting.greedy:
+        first = {v: [r["tokens"] for r in sorted(runs[v], key=lambda r: r["prompt_index"]) if r["repeat"] == 0]
+                 for v in VARIANTS}
+        mismatches = [first_mismatch(a, b) for a, b in zip(first["target_only"], first["speculative"])]
+        out["identical_outputs"] = all(m is None for m in mismatches)
+        out["greedy_ids"] = first["target_only"]
     return out
-
-
-def run_matrix(n_prompts, repeat, run_fn) -> dict:
-    """run_fn(variant, mode, prompt_index, seed) -> run dict. Interleaves variants per prompt."""
-    results = {m: {"target_only": [], "speculative": []} for m in ("greedy", "sampled")}
-    for mode in ("greedy", "sampled"):
-        for pi in range(n_prompts):
-            for rep in range(repeat):
-                seed = 1000 * pi + rep
-                order = ("target_only", "speculative") if rep % 2 == 0 else ("speculative", "target_only")
-                for variant in order:
-                    r = run_fn(variant, mode, pi, seed)
-                    r.update(prompt_index=pi, repeat=rep)
-                    results[mode][variant].append(r)
-                    log(
-                        f"  {mode:7s} p{pi} r{rep} {variant:11s} new={r['new_tokens']:4d} "
-                        f"decode={r['decode_tokens'] / r['decode_s']:8.1f} tok/s prefill={1000 * r['prefill_s']:.1f} ms"
-                    )
-    for mode in results:  # restore (prompt, repeat) order for pairing
-        for v in results[mode]:
-            results[mode][v].sort(key=lambda r: (r["prompt_index"], r["repeat"]))
-    return results
 
 
 # ----------------------------------------------------------------------------- onnxruntime-genai
 
 
-def checkpoint_stamp(src: Path, genai_version: str) -> dict:
-    files = sorted(src.glob("*.safetensors")) + sorted(src.glob("*.json"))
-    return {
-        "source": str(src.resolve()),
-        "files": {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in files},
-        "onnxruntime_genai": genai_version,
-        "precision": "fp32",
-        "execution_provider": "cpu",
-    }
+class GenaiPeer:
+    name = "ort_genai"
 
+    def __init__(self, args):
+        import onnxruntime_genai as og
 
-def build_onnx(src: Path, out: Path, cache: Path, genai_version: str, rebuild: bool) -> bool:
-    stamp = checkpoint_stamp(src, genai_version)
-    stamp_file = out / "build-stamp.json"
-    if (
-        not rebuild
-        and (out / "model.onnx").exists()
-        and (out / "genai_config.builder.json").exists()
-        and stamp_file.exists()
-        and json.loads(stamp_file.read_text()) == stamp
-    ):
-        return False
-    shutil.rmtree(out, ignore_errors=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        sys.executable, "-m", "onnxruntime_genai.models.builder",
-        "-i", str(src), "-o", str(out), "-p", "fp32", "-e", "cpu", "-c", str(cache),
-    ]
-    log("building:", " ".join(cmd))
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    log_file = out.parent / f"build-{out.name}.log"
-    log_file.write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0 or not (out / "model.onnx").exists():
-        raise RuntimeError(f"model builder failed for {src} (rc={proc.returncode}); see {log_file}: "
-                           + (proc.stdout + proc.stderr)[-2000:])
-    shutil.copy(out / "genai_config.json", out / "genai_config.builder.json")
-    stamp_file.write_text(json.dumps(stamp, indent=1))
-    return True
+        self.og, self.args = og, args
+        self.onnx_dir = args.work.resolve() / "onnx"
+        for role, src in (("target", args.target), ("draft", args.draft)):
+            self._build(src, self.onnx_dir / role)
+        self._compose()
+        self.version = og.__version__
+        self.models: dict = {}
 
+    def _build(self, src: Path, out: Path) -> None:
+        stamp = {"source": str(src.resolve()), "genai": self.og.__version__,
+                 "files": {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(src.iterdir())}}
+        stamp_file = out / "build-stamp.json"
+        if not self.args.rebuild and (out / "model.onnx").exists() and stamp_file.exists() \
+                and json.loads(stamp_file.read_text()) == stamp:
+            return
+        shutil.rmtree(out, ignore_errors=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(src), "-o", str(out),
+               "-p", "fp32", "-e", "cpu", "-c", str(self.args.work.resolve() / "hf-cache")]
+        log("building:", " ".join(cmd))
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0 or not (out / "model.onnx").exists():
+            raise RuntimeError(f"model builder failed for {src}: {(proc.stdout + proc.stderr)[-2000:]}")
+        shutil.copy(out / "genai_config.json", out / "genai_config.builder.json")
+        stamp_file.write_text(json.dumps(stamp, indent=1))
 
-def compose_configs(onnx_dir: Path, k: int, threads: int) -> dict:
-    """Write <onnx>/target/genai_config.json (target only) and <onnx>/genai_config.json (speculative)."""
-    tcfg = json.loads((onnx_dir / "target" / "genai_config.builder.json").read_text())
-    dcfg = json.loads((onnx_dir / "draft" / "genai_config.builder.json").read_text())
+    def _compose(self) -> None:
+        """target/genai_config.json: the builder's, untouched (the defaults); onnx/genai_config.json: speculative."""
+        target = json.loads((self.onnx_dir / "target" / "genai_config.builder.json").read_text())
+        draft = json.loads((self.onnx_dir / "draft" / "genai_config.builder.json").read_text())
+        (self.onnx_dir / "target" / "genai_config.json").write_text(json.dumps(target, indent=4))
+        spec = json.loads(json.dumps(target))
+        spec["model"]["type"] = "speculative"
+        spec["model"]["decoder"]["filename"] = "target/model.onnx"
+        spec["model"]["draft"] = dict(draft["model"]["decoder"], filename="draft/model.onnx")
+        # A fixed K every round (min_adaptive_k 0: no adaptive K; no cooldown), like HF's "constant" schedule.
+        spec["speculative"] = {"max_draft_tokens": self.args.num_draft_tokens, "min_adaptive_k": 0, "cooldown": False}
+        (self.onnx_dir / "genai_config.json").write_text(json.dumps(spec, indent=4))
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(self.onnx_dir / "target" / name, self.onnx_dir / name)
 
-    def pin_threads(decoder: dict) -> None:
-        so = decoder.setdefault("session_options", {})
-        so["intra_op_num_threads"] = threads
-        so["inter_op_num_threads"] = 1
+    def candidates(self, variant: str) -> list[dict]:
+        threads = range(1, (os.cpu_count() or 1) + 1)
+        if variant == "target_only":
+            return [{"target_threads": t, "spinning": s} for t in threads for s in (True, False)]
+        return [{"target_threads": t, "draft_threads": d, "spinning": s}
+                for t, d in itertools.product(threads, threads) for s in (True, False)]
 
-    plain = copy.deepcopy(tcfg)
-    pin_threads(plain["model"]["decoder"])
-    (onnx_dir / "target" / "genai_config.json").write_text(json.dumps(plain, indent=4))
+    def load(self, variant: str, config: dict | None):
+        """config None: the builder's genai_config as written (ONNX Runtime's defaults)."""
+        key = (variant, json.dumps(config, sort_keys=True))
+        if key in self.models:
+            return self.models[key]
+        folder = self.onnx_dir / ("target" if variant == "target_only" else "")
+        og_config = self.og.Config(str(folder))
+        if config is not None:
+            def options(threads: int) -> dict:
+                entry = {"intra_op_num_threads": threads, "inter_op_num_threads": 1}
+                if not config["spinning"]:
+                    entry["session.intra_op.allow_spinning"] = "0"
+                return {"session_options": entry}
+            overlay = {"model": {"decoder": options(config["target_threads"])}}
+            if variant == "speculative":
+                overlay["model"]["draft"] = options(config["draft_threads"])
+            og_config.overlay(json.dumps(overlay))
+        self.models[key] = self.og.Model(og_config)
+        return self.models[key]
 
-    spec = copy.deepcopy(plain)
-    spec["model"]["type"] = "speculative"
-    spec["model"]["decoder"]["filename"] = "target/model.onnx"
-    draft = copy.deepcopy(dcfg["model"]["decoder"])
-    draft["filename"] = "draft/model.onnx"
-    pin_threads(draft)
-    spec["model"]["draft"] = draft
-    # max_draft_tokens = K (0.18 accepts 1..16); min_adaptive_k 0 = adaptive K off; cooldown off:
-    # a fixed K every round, like HF's "constant" schedule.
-    spec["speculative"] = {"max_draft_tokens": k, "min_adaptive_k": 0, "cooldown": False}
-    (onnx_dir / "genai_config.json").write_text(json.dumps(spec, indent=4))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        if (onnx_dir / "target" / name).exists():
-            shutil.copy(onnx_dir / "target" / name, onnx_dir / name)
-    return spec
+    def supports(self, setting: Setting) -> str | None:
+        return "onnxruntime-genai 0.18 has no min_p search option" if setting.min_p else None
 
-
-ORT_STAT_KEYS = (
-    "rounds", "draft_tokens_proposed", "draft_tokens_accepted", "target_forward_passes",
-    "draft_forward_passes", "standard_fallback_steps", "effective_k", "tokens_emitted",
-    "target_verify_forward_passes", "target_reanchor_forward_passes", "target_reconciliation_forward_passes",
-    "total_draft_ms", "total_target_verify_ms", "total_target_reanchor_ms", "total_reconciliation_ms",
-)
-
-
-def bench_ort(args, ids_list: list[list[int]]) -> dict:
-    import onnxruntime_genai as og
-
-    res: dict = {"version": og.__version__ if hasattr(og, "__version__") else None}
-    try:
-        import onnxruntime
-
-        res["onnxruntime_version"] = onnxruntime.__version__
-    except Exception:  # noqa: BLE001
-        pass
-    work = args.work.resolve()
-    onnx_dir = work / "onnx"
-    for name, src in (("target", args.target), ("draft", args.draft)):
-        built = build_onnx(src, onnx_dir / name, work / "hf-cache", res["version"], args.rebuild)
-        log(f"onnx {name}: {'built' if built else 'up to date'} in {onnx_dir / name}")
-    spec_cfg = compose_configs(onnx_dir, args.num_draft_tokens, args.threads)
-    res["configs"] = {"target_only": str(onnx_dir / "target" / "genai_config.json"),
-                      "speculative": str(onnx_dir / "genai_config.json")}
-    res["genai_config_speculative_extract"] = {
-        "model.type": spec_cfg["model"]["type"],
-        "model.decoder.filename": spec_cfg["model"]["decoder"]["filename"],
-        "model.draft": spec_cfg["model"]["draft"],
-        "speculative": spec_cfg["speculative"],
-    }
-    res["intra_op_num_threads"] = args.threads
-
-    models = {"target_only": og.Model(str(onnx_dir / "target")), "speculative": og.Model(str(onnx_dir))}
-    res["model_type"] = {k: m.type for k, m in models.items()}
-    n = args.max_new_tokens
-
-    def run(variant: str, mode: str, pi: int, seed: int, ids=None, new=n) -> dict:
-        ids = ids_list[pi] if ids is None else ids
-        model = models[variant]
-        t_start = time.perf_counter()
+    def run(self, model, variant: str, ids: list[int], setting: Setting, seed: int, new_tokens: int) -> dict:
+        og = self.og
         params = og.GeneratorParams(model)
-        opts = dict(max_length=len(ids) + new, min_length=len(ids) + new, batch_size=1, num_beams=1,
-                    repetition_penalty=1.0, no_repeat_ngram_size=0)
-        if mode == "sampled":
-            opts.update(do_sample=True, temperature=args.temperature, top_k=args.top_k, top_p=1.0, random_seed=seed)
-        else:
-            opts.update(do_sample=False)
-        params.set_search_options(**opts)
+        options = dict(max_length=len(ids) + new_tokens, batch_size=1, num_beams=1,
+                       repetition_penalty=setting.repetition_penalty, do_sample=not setting.greedy)
+        if not setting.greedy:  # the builder's config says top_k 50: every knob is set explicitly
+            options.update(temperature=setting.temperature, top_k=setting.top_k, top_p=setting.top_p, random_seed=seed)
+        params.set_search_options(**options)
         if variant == "speculative":
-            params.set_speculative_options(max_draft_tokens=args.num_draft_tokens)
-        gen = og.Generator(model, params)
+            params.set_speculative_options(max_draft_tokens=self.args.num_draft_tokens)
+        generator = og.Generator(model, params)
         t0 = time.perf_counter()
-        gen.append_tokens(ids)
+        generator.append_tokens(ids)
         t1 = time.perf_counter()
-        while not gen.is_done():
-            gen.generate_next_token()
+        while not generator.is_done():
+            generator.generate_next_token()
         t2 = time.perf_counter()
-        toks = [int(x) for x in gen.get_sequence(0)][len(ids):]
-        out = {"tokens": toks, "new_tokens": len(toks), "decode_tokens": len(toks), "prefill_s": t1 - t0,
-               "decode_s": t2 - t1, "total_s": t2 - t_start}
-        if variant == "speculative":
-            st = gen.get_speculative_stats()
-            out["stats"] = {key: st.get(key) for key in ORT_STAT_KEYS}
-        del gen
-        return out
+        tokens = [int(x) for x in generator.get_sequence(0)][len(ids):]
+        return {"tokens": tokens, "new_tokens": len(tokens), "decode_tokens": len(tokens), "prefill_s": t1 - t0,
+                "decode_s": t2 - t1}
 
-    log("onnxruntime-genai warm-up")
-    for variant in models:
-        run(variant, "greedy", 0, 0)
-    log("onnxruntime-genai timed runs")
-    raw = run_matrix(len(ids_list), args.repeat, run)
-
-    def spec_extra(runs):
-        agg = {key: sum((r["stats"].get(key) or 0) for r in runs) for key in ORT_STAT_KEYS if key != "effective_k"}
-        agg = {key: round(v, 3) if isinstance(v, float) else v for key, v in agg.items()}
-        prop, acc = agg["draft_tokens_proposed"], agg["draft_tokens_accepted"]
-        dp, vp = agg["draft_forward_passes"], agg["target_verify_forward_passes"]
-        return {"ort_stats": {
-            **agg,
-            "ms_per_draft_pass": round(agg["total_draft_ms"] / dp, 3) if dp else None,
-            "ms_per_target_verify": round(agg["total_target_verify_ms"] / vp, 3) if vp else None,
-            "effective_k": sorted({r["stats"].get("effective_k") for r in runs}),
-            "acceptance_rate": round(acc / prop, 4) if prop else None,
-            "new_tokens_per_target_verify": round(sum(r["new_tokens"] for r in runs) / agg["target_forward_passes"], 4)
-            if agg["target_forward_passes"] else None,
-        }}
-
-    n_p = len(ids_list)
-    res["greedy"] = compare_block(raw["greedy"]["target_only"], raw["greedy"]["speculative"], n_p, True, spec_extra)
-    res["sampled"] = compare_block(raw["sampled"]["target_only"], raw["sampled"]["speculative"], n_p, False,
-                                   spec_extra)
-    res["token_ids"] = {"greedy_target_only": [r["tokens"] for r in raw["greedy"]["target_only"] if r["repeat"] == 0]}
-    res["timing"] = "decode = generate_next_token loop after append_tokens(prompt); prefill excluded; all new tokens counted"
-    del models
-    gc.collect()
-    return res
+    def close(self) -> None:
+        self.models.clear()
 
 
-# ----------------------------------------------------------------------------- HF assisted generation
+# ----------------------------------------------------------------------------- Hugging Face
 
 
-def bench_hf(args, ids_list: list[list[int]]) -> dict:
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM
-    from transformers.generation.streamers import BaseStreamer
+class HfPeer:
+    name = "hf_assisted"
 
-    transformers.logging.set_verbosity_error()  # the assistant's inner generate() warns on every call
+    def __init__(self, args):
+        import torch
+        import transformers
+        from transformers import AutoModelForCausalLM
 
-    torch.set_num_threads(args.threads)
-    try:
-        torch.set_num_interop_threads(1)
-    except RuntimeError:
-        pass
-    res: dict = {"version": transformers.__version__, "torch_version": torch.__version__,
-                 "torch_threads": torch.get_num_threads()}
+        transformers.logging.set_verbosity_error()  # the assistant's inner generate() warns on every call
+        self.torch, self.args = torch, args
+        self.default_threads = torch.get_num_threads()
+        self.version = transformers.__version__
+        load = lambda path: AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,  # noqa: E731
+                                                                 local_files_only=True).eval()
+        self.target, self.draft = load(args.target), load(args.draft)
+        # transformers 5 reads assisted generation's knobs from the assistant's generation_config:
+        # a constant K and no confidence-based early stop (its default threshold is 0.4).
+        draft_config = self.draft.generation_config
+        draft_config.num_assistant_tokens = args.num_draft_tokens
+        draft_config.num_assistant_tokens_schedule = "constant"
+        draft_config.assistant_confidence_threshold = 0.0
+        eos = self.target.config.eos_token_id
+        self.eos, self.pad = eos, (self.target.config.pad_token_id if self.target.config.pad_token_id is not None else eos)
 
-    target = AutoModelForCausalLM.from_pretrained(str(args.target), dtype=torch.float32, local_files_only=True).eval()
-    draft = AutoModelForCausalLM.from_pretrained(str(args.draft), dtype=torch.float32, local_files_only=True).eval()
-    # transformers 5 reads the assisted-generation knobs from the ASSISTANT's generation_config.
-    # Constant K, and no confidence-based early stop of drafting (default threshold 0.4).
-    gc_d = draft.generation_config
-    gc_d.num_assistant_tokens = args.num_draft_tokens
-    gc_d.num_assistant_tokens_schedule = "constant"
-    gc_d.assistant_confidence_threshold = 0.0
-    res["assistant_generation_config"] = {
-        "num_assistant_tokens": gc_d.num_assistant_tokens,
-        "num_assistant_tokens_schedule": gc_d.num_assistant_tokens_schedule,
-        "assistant_confidence_threshold": gc_d.assistant_confidence_threshold,
-    }
-    eos = target.config.eos_token_id
-    pad = target.config.pad_token_id if target.config.pad_token_id is not None else eos
-    calls = {"target": 0, "draft": 0}
-    target.register_forward_hook(lambda *a: calls.__setitem__("target", calls["target"] + 1))
-    draft.register_forward_hook(lambda *a: calls.__setitem__("draft", calls["draft"] + 1))
+    def candidates(self, variant: str) -> list[dict]:
+        return [{"torch_threads": t} for t in range(1, (os.cpu_count() or 1) + 1)]
 
-    class TimingStreamer(BaseStreamer):
-        def __init__(self):
-            self.prompt_seen = False
-            self.chunks: list[tuple[float, int]] = []
+    def load(self, variant: str, config: dict | None):
+        return {"torch_threads": self.default_threads if config is None else config["torch_threads"]}
 
-        def put(self, value):
-            if not self.prompt_seen:  # generate() first puts the prompt
-                self.prompt_seen = True
-                return
-            self.chunks.append((time.perf_counter(), int(value.numel())))
+    def supports(self, setting: Setting) -> str | None:
+        return None
 
-        def end(self):
-            pass
+    def run(self, model, variant: str, ids: list[int], setting: Setting, seed: int, new_tokens: int) -> dict:
+        from transformers.generation.streamers import BaseStreamer
 
-    n = args.max_new_tokens
+        torch = self.torch
+        torch.set_num_threads(model["torch_threads"])
 
-    def run(variant: str, mode: str, pi: int, seed: int) -> dict:
-        ids = ids_list[pi]
+        class Chunks(BaseStreamer):
+            def __init__(self):
+                self.seen_prompt, self.times = False, []
+
+            def put(self, value):
+                if self.seen_prompt:
+                    self.times.append((time.perf_counter(), int(value.numel())))
+                self.seen_prompt = True
+
+            def end(self):
+                pass
+
         input_ids = torch.tensor([ids], dtype=torch.long)
-        kwargs = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=n,
-                      min_new_tokens=n, eos_token_id=eos, pad_token_id=pad)
-        if mode == "sampled":
-            kwargs.update(do_sample=True, temperature=args.temperature, top_k=args.top_k, top_p=1.0)
-        else:
-            kwargs.update(do_sample=False)
+        kwargs = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
+                      eos_token_id=self.eos, pad_token_id=self.pad, repetition_penalty=setting.repetition_penalty,
+                      do_sample=not setting.greedy)
+        if not setting.greedy:
+            kwargs.update(temperature=setting.temperature, top_k=setting.top_k, top_p=setting.top_p,
+                          min_p=setting.min_p or None)
         if variant == "speculative":
-            kwargs.update(assistant_model=draft, num_assistant_tokens=args.num_draft_tokens,
-                          num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0)
-        streamer = TimingStreamer()
-        calls.update(target=0, draft=0)
+            kwargs.update(assistant_model=self.draft)
+        streamer = Chunks()
         torch.manual_seed(seed)
         with torch.inference_mode():
             t0 = time.perf_counter()
-            out = target.generate(**kwargs, streamer=streamer)
+            out = self.target.generate(**kwargs, streamer=streamer)
             t2 = time.perf_counter()
-        toks = [int(x) for x in out[0, len(ids):].tolist()]
-        t1, first_n = streamer.chunks[0]
-        return {"tokens": toks, "new_tokens": len(toks), "decode_tokens": len(toks) - first_n,
-                "prefill_s": t1 - t0, "decode_s": t2 - t1, "total_s": t2 - t0,
-                "first_chunk_tokens": first_n, "target_calls": calls["target"], "draft_calls": calls["draft"]}
+        tokens = [int(x) for x in out[0, len(ids):].tolist()]
+        t1, first = streamer.times[0]
+        return {"tokens": tokens, "new_tokens": len(tokens), "decode_tokens": len(tokens) - first,
+                "prefill_s": t1 - t0, "decode_s": t2 - t1}
 
-    log("HF warm-up")
-    for variant in ("target_only", "speculative"):
-        run(variant, "greedy", 0, 0)
-    log("HF timed runs")
-    raw = run_matrix(len(ids_list), args.repeat, run)
-
-    def spec_extra(runs):
-        tc = sum(r["target_calls"] for r in runs)
-        dc = sum(r["draft_calls"] for r in runs)
-        return {"hf_stats": {
-            "target_forward_calls": tc, "draft_forward_calls": dc,
-            "new_tokens_per_target_call": round(sum(r["new_tokens"] for r in runs) / tc, 4) if tc else None,
-            "draft_calls_per_target_call": round(dc / tc, 4) if tc else None,
-        }}
-
-    n_p = len(ids_list)
-    res["greedy"] = compare_block(raw["greedy"]["target_only"], raw["greedy"]["speculative"], n_p, True, spec_extra)
-    res["sampled"] = compare_block(raw["sampled"]["target_only"], raw["sampled"]["speculative"], n_p, False,
-                                   spec_extra)
-    res["token_ids"] = {"greedy_target_only": [r["tokens"] for r in raw["greedy"]["target_only"] if r["repeat"] == 0]}
-    res["timing"] = ("decode = from the first streamed new tokens (prefill + first token, or the first assisted "
-                     "round) to the end of generate(); the first chunk's tokens are not counted")
-    del target, draft
-    gc.collect()
-    return res
+    def close(self) -> None:
+        del self.target, self.draft
+        gc.collect()
 
 
-# ----------------------------------------------------------------------------- main
+# ----------------------------------------------------------------------------- tuning and timing
 
 
-def machine_info(threads: int) -> dict:
-    info = {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
-            "threads_requested": threads}
+def tune(peer, ids_list: list[list[int]], args) -> dict:
+    """Each variant's candidate configurations timed greedy on the warm-up subset; the fastest wins."""
+    subset = ids_list[: args.tune_prompts]
+    greedy = Setting("greedy")
+    result = {}
+    for variant in VARIANTS:
+        tried = {}
+        candidates = peer.candidates(variant)
+        for candidate in candidates:
+            peer.run(peer.load(variant, candidate), variant, subset[0], greedy, 0, 16)  # warm-up
+        for rnd in range(2):  # two passes, the second in reverse order: drift hits every candidate alike
+            for candidate in (candidates if rnd == 0 else candidates[::-1]):
+                model = peer.load(variant, candidate)
+                runs = [peer.run(model, variant, ids, greedy, 0, args.tune_tokens) for ids in subset]
+                totals = tried.setdefault(json.dumps(candidate, sort_keys=True), [0, 0.0])
+                totals[0] += sum(r["decode_tokens"] for r in runs)
+                totals[1] += sum(r["decode_s"] for r in runs)
+        speeds = {key: round(tokens / seconds, 1) for key, (tokens, seconds) in tried.items()}
+        best = max(speeds, key=speeds.get)
+        result[variant] = {"chosen": json.loads(best),
+                           "tried": [{"config": json.loads(key), "tokens_per_s": speed} for key, speed in speeds.items()]}
+        log(f"{peer.name} {variant}: chose {best} ({speeds[best]} tok/s of {speeds})")
+    if hasattr(peer, "models"):  # keep only the chosen models loaded
+        chosen = {(v, json.dumps(result[v]["chosen"], sort_keys=True)) for v in VARIANTS}
+        for key in [k for k in peer.models if k not in chosen]:
+            del peer.models[key]
+    return result
+
+
+def time_peer(peer, tuning: dict, ids_list, setting: Setting, args) -> dict:
+    reason = peer.supports(setting)
+    if reason:
+        return {"unsupported": reason}
+    out = {}
+    for label, configs in (("tuned", {v: tuning[v]["chosen"] for v in VARIANTS}), ("defaults", dict.fromkeys(VARIANTS))):
+        models = {v: peer.load(v, configs[v]) for v in VARIANTS}
+        run = lambda v, pi, seed: peer.run(models[v], v, ids_list[pi], setting, seed, args.max_new_tokens)  # noqa: E731
+        run("speculative", 0, 0), run("target_only", 0, 0)  # warm-up of this configuration
+        out[label] = timed_block(run, len(ids_list), args.repeat, setting, f"{peer.name} {label}")
+    return out
+
+
+# ----------------------------------------------------------------------------- specdeploy
+
+
+def bench_ours(args, setting: Setting, ids_list: list[list[int]]) -> dict:
+    """`specdeploy bench` on the bundle in the main venv, and (greedy) our speculative token ids of the same ids."""
+    cmd = [str(args.ours_python), "-m", "specdeploy", "bench", str(args.ours), "--prompts", str(args.prompts_used),
+           "--max-new-tokens", str(args.max_new_tokens), "-k", str(args.num_draft_tokens),
+           "--repeat", str(args.repeat), "--temperature", str(setting.temperature), "--json"]
+    for flag, value, off in (("--top-k", setting.top_k, 0), ("--top-p", setting.top_p, 1.0),
+                             ("--min-p", setting.min_p, 0.0), ("--repetition-penalty", setting.repetition_penalty, 1.0)):
+        if value != off:
+            cmd += [flag, str(value)]
+    log("specdeploy:", " ".join(cmd))
+    report = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=REPO).stdout.splitlines()[-1])
+    out = {v: {"tokens_per_s": round(report[v]["tokens_per_s"], 2), "new_tokens": report[v]["new_tokens"],
+               "time_share": report[v]["time_share"]} for v in VARIANTS}
+    out.update(speedup=round(report["speedup"], 3), identical_outputs=report["identical_outputs"],
+               acceptance_rate=round(report["acceptance_rate"], 4), command=" ".join(cmd))
+    if setting.greedy:
+        script = ("import json, sys, specdeploy\n"
+                  "g = specdeploy.load(sys.argv[1])\n"
+                  "spec = json.loads(sys.stdin.read())\n"
+                  "kwargs = dict(max_new_tokens=spec['n'], num_draft_tokens=spec['k'], temperature=0)\n"
+                  "if spec['rep'] != 1.0:\n"
+                  "    kwargs['repetition_penalty'] = spec['rep']\n"
+                  "print(json.dumps([g.generate(ids, **kwargs).token_ids for ids in spec['ids']]))\n")
+        spec = {"n": args.max_new_tokens, "k": args.num_draft_tokens, "rep": setting.repetition_penalty, "ids": ids_list}
+        done = subprocess.run([str(args.ours_python), "-c", script, str(args.ours)], input=json.dumps(spec),
+                              capture_output=True, text=True, check=True, cwd=REPO)
+        out["greedy_ids"] = json.loads(done.stdout.splitlines()[-1])
+    return out
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def cross_check(block: dict) -> dict:
+    """Greedy ids of every pair of systems: identical runs and first mismatch per prompt."""
+    ids = {name: result["greedy_ids"] for name, result in block.items() if "greedy_ids" in result}
+    out = {}
+    for a, b in itertools.combinations(sorted(ids), 2):
+        mismatches = [first_mismatch(x, y) for x, y in zip(ids[a], ids[b])]
+        out[f"{a}_vs_{b}"] = {"identical": f"{sum(m is None for m in mismatches)}/{len(mismatches)}",
+                              "first_mismatch_index": mismatches}
+    return out
+
+
+def table(result: dict) -> str:
+    lines = ["| setting | system | target-only tok/s | speculative tok/s | speedup | ours spec. vs it |",
+             "|---|---|---|---|---|---|"]
+    for name, block in result["settings"].items():
+        ours = block.get("specdeploy", {}).get("speculative", {}).get("tokens_per_s")
+        rows = [("specdeploy", block.get("specdeploy"))]
+        for peer in ("ort_genai", "hf_assisted"):
+            for label in ("tuned", "defaults"):
+                rows.append((f"{peer} ({label})", block.get(peer, {}).get(label)))
+        for system, r in rows:
+            if not r:
+                continue
+            t, s = r["target_only"]["tokens_per_s"], r["speculative"]["tokens_per_s"]
+            vs = f"{ours / s:.2f}x" if ours and s and system != "specdeploy" else ""
+            lines.append(f"| {name} | {system} | {t:.0f} | {s:.0f} | {r['speedup']:.2f} | {vs} |")
+    return "\n".join(lines)
+
+
+def machine_info() -> dict:
+    info = {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count()}
     try:
-        info["affinity_cpus"] = len(os.sched_getaffinity(0))
-    except AttributeError:
-        pass
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu_model"] = line.split(":", 1)[1].strip()
-                break
-        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
-        info["avx512f"] = " avx512f " in f" {flags} "
-    except OSError:
-        pass
-    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+        info["cpu_model"] = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
+        info["avx512f"] = any(line.startswith("flags") and " avx512f" in line for line in cpuinfo)
         info["loadavg_at_start"] = [round(x, 2) for x in os.getloadavg()]
-    except OSError:
+    except (OSError, StopIteration):
         pass
     return info
-
-
-def bench_ours(args) -> dict:
-    """`specdeploy bench` on the bundle, greedy then sampled, in the main venv (a subprocess: this venv
-    has transformers 5). Same prompts file, token budget, K and temperature as the peers."""
-    res: dict = {"bundle": str(args.ours)}
-    for mode, temperature in (("greedy", 0.0), ("sampled", args.temperature)):
-        cmd = [str(args.ours_python), "-m", "specdeploy", "bench", str(args.ours), "--prompts", str(args.prompts),
-               "--max-new-tokens", str(args.max_new_tokens), "-k", str(args.num_draft_tokens),
-               "--temperature", str(temperature), "--top-k", str(args.top_k), "--repeat", str(args.repeat), "--json"]
-        log(f"specdeploy {mode}: {' '.join(cmd)}")
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=REPO).stdout
-        report = json.loads(out.strip().splitlines()[-1])
-        res[mode] = {key: report[key] for key in ("target_only", "speculative", "speedup", "identical_outputs",
-                                                  "acceptance_rate", "mean_accepted_tokens", "peak_rss_mb",
-                                                  "memory_budget_mb", "drafter")}
-        res["command_" + mode] = " ".join(cmd)
-    return res
-
-
-def ratios(result: dict) -> dict:
-    """specdeploy against each peer, decode tokens/s over decode tokens/s (the issue's targets)."""
-    ours = result.get("specdeploy", {})
-    out: dict = {}
-    for key in ("ort_genai", "hf_assisted"):
-        peer = result.get(key, {})
-        for mode in ("greedy", "sampled"):
-            if mode not in ours or mode not in peer:
-                continue
-            for variant in ("target_only", "speculative"):
-                a, b = ours[mode][variant]["tokens_per_s"], peer[mode][variant]["tokens_per_s"]
-                if a and b:
-                    out[f"{mode}_{variant}_vs_{key}"] = round(a / b, 3)
-    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", type=Path, required=True, help="HF folder of the target model")
     ap.add_argument("--draft", type=Path, required=True, help="HF folder of the draft model")
-    ap.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS,
-                    help="JSON list of strings, or JSONL with a 'prompt' field")
+    ap.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="JSON list of strings, or JSONL with 'prompt'")
+    ap.add_argument("--settings", default="greedy,t0.8,t0.8-k50-p0.95", help="comma list (see the docstring)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--num-draft-tokens", type=int, default=4)
-    ap.add_argument("--temperature", type=float, default=0.8)
-    ap.add_argument("--top-k", type=int, default=0,
-                    help="top_k of the sampled runs, both systems (0 = off: plain temperature sampling)")
     ap.add_argument("--repeat", type=int, default=1)
-    ap.add_argument("--limit", type=int, default=None, help="use only the first N prompts (for trials)")
+    ap.add_argument("--limit", type=int, default=None, help="only the first N prompts (for trials)")
+    ap.add_argument("--tune-prompts", type=int, default=3, help="warm-up subset used to choose each peer's configuration")
+    ap.add_argument("--tune-tokens", type=int, default=64)
+    ap.add_argument("--systems", default="ort,hf", help="comma list of peers: ort, hf")
     ap.add_argument("--work", type=Path, default=DEFAULT_WORK, help="built ONNX models and configs")
-    ap.add_argument("--threads", type=int, default=2, help="ORT intra-op threads and torch threads")
-    ap.add_argument("--systems", default="ort,hf", help="comma list of: ort, hf")
     ap.add_argument("--rebuild", action="store_true", help="rebuild the ONNX models even if up to date")
-    ap.add_argument("--ours", type=Path, default=None,
-                    help="a specdeploy bundle of the same pair: run `specdeploy bench` on it in the same run")
+    ap.add_argument("--ours", type=Path, default=None, help="a specdeploy bundle of the same pair")
     ap.add_argument("--ours-python", type=Path, default=REPO / ".venv" / "bin" / "python",
                     help="the interpreter with specdeploy installed (the main venv)")
     args = ap.parse_args()
 
-    prompts = load_prompts(args.prompts)
-    if args.limit:
-        prompts = prompts[: args.limit]
+    settings = [parse_setting(name) for name in args.settings.split(",") if name]
+    prompts = load_prompts(args.prompts)[: args.limit]
+    args.work.mkdir(parents=True, exist_ok=True)
+    args.prompts_used = args.work / "prompts-used.json"  # what `specdeploy bench` reads: the same (limited) list
+    args.prompts_used.write_text(json.dumps(prompts))
     ids_list = encode_prompts(args.target, prompts)
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     result: dict = {
-        "prompts": len(prompts),
-        "prompts_file": str(args.prompts),
-        "prompt_tokens": [len(x) for x in ids_list],
-        "max_new_tokens": args.max_new_tokens,
-        "num_draft_tokens": args.num_draft_tokens,
-        "temperature": args.temperature,
-        "sampling": f"temperature {args.temperature}, top_k {args.top_k} (0 = off), top_p 1.0",
-        "top_k": args.top_k,
-        "repeat": args.repeat,
-        "eos": "masked until max_new_tokens (ORT min_length, HF min_new_tokens)",
-        "tokens_per_s": "decode-only, aggregated as sum(decode tokens)/sum(decode seconds); see each system's 'timing'",
+        "date": time.strftime("%Y-%m-%d"), "machine": machine_info(), "prompts": len(prompts),
+        "prompt_tokens": [len(ids) for ids in ids_list], "max_new_tokens": args.max_new_tokens,
+        "num_draft_tokens": args.num_draft_tokens, "repeat": args.repeat,
+        "settings_defined": {s.name: asdict(s) for s in settings},
+        "eos": "every system stops at EOS or max_new_tokens; tokens/s counts each system's own new tokens",
+        "tokens_per_s": "decode only: sum(decode tokens) / sum(decode seconds) over prompts and repeats",
+        "peers": {}, "tuning": {}, "settings": {s.name: {} for s in settings},
     }
-    for name, fn, key in (("ort", bench_ort, "ort_genai"), ("hf", bench_hf, "hf_assisted")):
-        if name not in systems:
-            continue
-        try:
-            result[key] = fn(args, ids_list)
-        except Exception as exc:  # noqa: BLE001
-            log(traceback.format_exc())
-            result[key] = {"error": f"{type(exc).__name__}: {exc}"}
-    if args.ours is not None:
-        result["specdeploy"] = bench_ours(args)
-        result["specdeploy_vs_peers"] = ratios(result)
-    ort, hf = result.get("ort_genai", {}), result.get("hf_assisted", {})
-    if "token_ids" in ort and "token_ids" in hf:
-        a, b = ort["token_ids"]["greedy_target_only"], hf["token_ids"]["greedy_target_only"]
-        mism = [first_mismatch(x, y) for x, y in zip(a, b)]
-        result["cross_check"] = {
-            "greedy_target_only_ort_vs_hf_identical": f"{sum(m is None for m in mism)}/{len(mism)}",
-            "first_mismatch_index": mism,
-        }
-    result["machine"] = machine_info(args.threads)
-    try:
-        result["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        pass
+    peers = []
+    for key, cls in (("ort", GenaiPeer), ("hf", HfPeer)):
+        if key in args.systems.split(","):
+            try:
+                peer = cls(args)
+                result["peers"][peer.name] = {"version": peer.version}
+                result["tuning"][peer.name] = tune(peer, ids_list, args)
+                peers.append(peer)
+            except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported, the others still run
+                log(traceback.format_exc())
+                result["peers"][cls.name] = {"error": f"{type(exc).__name__}: {exc}"}
+    for setting in settings:
+        block = result["settings"][setting.name]
+        for peer in peers:
+            block[peer.name] = time_peer(peer, result["tuning"][peer.name], ids_list, setting, args)
+        if args.ours is not None:
+            block["specdeploy"] = bench_ours(args, setting, ids_list)
+        flat = {"specdeploy": block.get("specdeploy", {})}
+        flat.update({f"{p.name}": block[p.name].get("tuned", {}) for p in peers})
+        if setting.greedy:
+            block["cross_check"] = cross_check({k: v for k, v in flat.items() if v})
+        ours = block.get("specdeploy", {})
+        block["ratios"] = {f"speculative_vs_{p.name}": round(ours["speculative"]["tokens_per_s"]
+                                                             / flat[p.name]["speculative"]["tokens_per_s"], 3)
+                           for p in peers if ours and "speculative" in flat[p.name]}
+    for peer in peers:
+        peer.close()
+    for block in result["settings"].values():  # ids were for the cross-check; keep the JSON line readable
+        for system in block.values():
+            for entry in ([system] + [system.get(label, {}) for label in ("tuned", "defaults")]
+                          if isinstance(system, dict) else []):
+                if isinstance(entry, dict):
+                    entry.pop("greedy_ids", None)
+    result["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    log(table(result))
     print(json.dumps(result, separators=(",", ":")), flush=True)
     return 0
 

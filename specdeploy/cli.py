@@ -175,7 +175,8 @@ def inspect(bundle, as_json, verify) -> None:
     row("parity prefill max|diff|", lambda s: f"{s.parity.prefill_max_abs_diff:.2e}")
     row("parity verify max|diff|", lambda s: f"{s.parity.verify_max_abs_diff:.2e}")
     row("parity greedy agreement", lambda s: f"{s.parity.prefill_greedy_agreement:.2f} / {s.parity.verify_greedy_agreement:.2f}")
-    row("parity check", lambda s: f"{s.parity.check} <= {s.parity.tolerance:g}: {'pass' if s.parity.passed else 'FAIL'}")
+    row("parity check", lambda s: f"{s.parity.check} {'<=' if s.parity.check == 'max_abs_diff' else '>='} "
+                                  f"{s.parity.tolerance:g}: {'pass' if s.parity.passed else 'FAIL'}")
     row("source", lambda s: s.source)
     console.print(table)
     tok = manifest.tokenizer
