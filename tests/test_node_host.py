@@ -117,7 +117,12 @@ def test_node_host_bad_input_is_one_error_line(node, bundles, tmp_path):
     manifest = json.loads((stale / "specdeploy.json").read_text())
     manifest.pop("accept")
     (stale / "specdeploy.json").write_text(json.dumps(manifest))
+    truncated = tmp_path / "truncated"
+    shutil.copytree(bundle, truncated)
+    with open(truncated / "accept" / "greedy.onnx", "ab") as handle:
+        handle.write(b"\0")
     cases = [(tmp_path / "missing", "x", 4, "not a specdeploy bundle"),
+             (truncated, "x", 4, "bundle is corrupt: accept/greedy.onnx has"),
              (bundle, "x", "four", "MAX_NEW_TOKENS must be a whole number"),
              (stale, "x", 4, "no accept graphs; re-export"),
              (bundle, "x " * 400, 4, "max context")]

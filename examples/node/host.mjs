@@ -43,10 +43,13 @@ function readManifest(bundle) {
   }
   if (!manifest.accept) throw new UsageError("the bundle has no accept graphs; re-export it with this specdeploy");
   for (const entry of [manifest.target, manifest.draft, manifest.tokenizer, manifest.accept].flatMap((s) => s.files)) {
-    if (!fs.existsSync(path.join(bundle, entry.path))) {
-      throw new UsageError(`bundle is incomplete: ${entry.path} is listed in the manifest but missing`);
-    }
+    const file = path.join(bundle, entry.path);
+    if (!fs.existsSync(file)) throw new UsageError(`bundle is incomplete: ${entry.path} is listed in the manifest but missing`);
+    const size = fs.statSync(file).size;
+    if (size !== entry.size) throw new UsageError(`bundle is corrupt: ${entry.path} has ${size} bytes, manifest says ${entry.size}`);
   }
+  const names = manifest.accept.greedy.inputs.map((t) => t.name).join(",");
+  if (names !== "target_logits,draft_tokens") throw new UsageError(`the greedy accept graph takes ${names}; this host knows target_logits,draft_tokens`);
   return manifest;
 }
 
