@@ -29,7 +29,7 @@ def cli(*args, **kwargs) -> subprocess.CompletedProcess:
 def test_every_architecture_exports_with_parity(bundles, arch):
     bundle = bundles(arch)
     manifest = load_manifest(bundle, verify_checksums=True)
-    assert {p.name for p in bundle.iterdir()} == {"specdeploy.json", "target", "draft", "tokenizer"}
+    assert {p.name for p in bundle.iterdir()} == {"specdeploy.json", "target", "draft", "tokenizer", "accept"}
     # An fp32 export quantizes the draft to int8 (--draft-quantize auto): its check is then greedy agreement.
     assert manifest.target.quantize == "none" and manifest.draft.quantize in ("int8", "none")
     assert manifest.export_options["draft_quantize"] == "auto"
