@@ -9,7 +9,8 @@ from Transformers via Speculative Decoding"), with k draft tokens x_0..x_{k-1}:
   - greedy: accept while x_i == argmax(target_logits_i); the next token is the argmax of the first
     row that disagrees (recovered), or of row k when all agree (bonus);
   - sampled: target_probs = the target's logits processed as `runtime/sampling.py:process_logits`
-    processes them (temperature, then top-k, then top-p, then min-p); x_i is accepted while
+    processes them (temperature, then top-k, then top-p), then min-p (tokens below min_p times the
+    most probable one dropped, as transformers' MinPLogitsWarper); x_i is accepted while
     uniforms[i] * draft_probs[i, x_i] < target_probs[i, x_i]; at the first rejection i the
     recovered token is drawn from normalize(max(0, target_probs_i - draft_probs_i)), when all k are
     accepted the bonus token from target_probs_k, either way by inverse CDF with uniforms[k].
