@@ -7,6 +7,7 @@ A bundle is a folder:
     BUNDLE/draft/            the draft model's ONNX file(s)
     BUNDLE/tokenizer/        tokenizer.json and its config
     BUNDLE/genai_config.json the same folder as an onnxruntime-genai model (see GenaiSpec)
+    BUNDLE/accept/           the accept step as ONNX graphs (greedy.onnx, sampled.onnx)
 
 The export stage writes it, the runtime (or a C++ host) reads it. Nothing here
 imports torch, transformers or onnx.
@@ -133,6 +134,26 @@ class GenaiSpec:
 
 
 @dataclass(frozen=True)
+class AcceptGraphSpec:
+    path: str  # relative to the bundle root
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+
+@dataclass(frozen=True)
+class AcceptSpec:
+    """The accept step as ONNX graphs (`specdeploy/export/accept.py` states the rule): the verify pass's
+    target logits and the draft tokens (sampled: also the draft's probabilities, k + 1 uniforms and the
+    settings) -> num_accepted and next_token."""
+
+    opset: int
+    processing: tuple[str, ...]  # the sampling settings the sampled graph takes, in the order it applies them
+    greedy: AcceptGraphSpec
+    sampled: AcceptGraphSpec
+    files: tuple[FileEntry, ...]
+
+
+@dataclass(frozen=True)
 class Manifest:
     format_version: int
     specdeploy_version: str
@@ -144,6 +165,7 @@ class Manifest:
     export_options: dict[str, Any] = field(default_factory=dict)
     tool_versions: dict[str, str] = field(default_factory=dict)
     genai: GenaiSpec | None = None  # None: exported before bundles carried an onnxruntime-genai config
+    accept: AcceptSpec | None = None  # bundles written before the accept graphs have none
 
     def model(self, role: str) -> ModelSpec:
         return self.target if role == "target" else self.draft
@@ -196,6 +218,10 @@ def _build(cls, data: dict[str, Any]):
             value = _build(TokenizerSpec, value)
         elif item.name == "genai" and value is not None:
             value = _build(GenaiSpec, value)
+        elif item.name == "accept" and value is not None:
+            value = _build(AcceptSpec, {**value, "processing": tuple(value["processing"])})
+        elif item.name in ("greedy", "sampled"):
+            value = _build(AcceptGraphSpec, value)
         elif item.name == "eos_token_ids":
             value = tuple(value)
         kwargs[item.name] = value
@@ -249,7 +275,8 @@ def load_manifest(bundle_dir: str | Path, verify_checksums: bool = False) -> Man
         raise SpecdeployError(f"manifest {path} is not valid JSON: {exc}") from None
     manifest = manifest_from_dict(data)
     entries = [*manifest.target.files, *manifest.draft.files, *manifest.tokenizer.files,
-               *(manifest.genai.files if manifest.genai else ())]
+               *(manifest.genai.files if manifest.genai else ()),
+               *(manifest.accept.files if manifest.accept is not None else ())]
     for entry in entries:
         file_path = bundle_dir / entry.path
         if not file_path.is_file():

@@ -30,7 +30,7 @@ def test_every_architecture_exports_with_parity(bundles, arch):
     bundle = bundles(arch)
     manifest = load_manifest(bundle, verify_checksums=True)
     genai_root_files = {entry.path for entry in manifest.genai.files if "/" not in entry.path}  # genai_config.json
-    assert {p.name for p in bundle.iterdir()} == {"specdeploy.json", "target", "draft", "tokenizer", *genai_root_files}
+    assert {p.name for p in bundle.iterdir()} == {"specdeploy.json", "target", "draft", "tokenizer", "accept", *genai_root_files}
     # An fp32 export quantizes the draft to int8 (--draft-quantize auto): its check is then greedy agreement.
     assert manifest.target.quantize == "none" and manifest.draft.quantize in ("int8", "none")
     assert manifest.export_options["draft_quantize"] == "auto"

@@ -20,6 +20,7 @@ from ..bundle import ROLES, FileEntry, Manifest, ModelSpec, ParityReport, Tokeni
 from ..errors import SpecdeployError
 from . import checkpoint as ckpt
 from . import convert, fused, genai
+from .accept import write_accept_graphs
 from .parity import check_parity
 
 DTYPES = ("fp32", "fp16")
@@ -296,6 +297,7 @@ def export_bundle(config: ExportConfig, report: Reporter | None = None) -> Manif
                 "trust_remote_code": config.trust_remote_code,
             },
             tool_versions=_tool_versions(),
+            accept=write_accept_graphs(root, specs["target"]),
         )
         manifest = genai.write_genai_config(manifest, root)
         save_manifest(manifest, root)

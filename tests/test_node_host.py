@@ -1,0 +1,132 @@
+"""examples/node/host.mjs: a Node.js host on onnxruntime-node prints `specdeploy run --temperature 0`'s text.
+
+The host reads nothing but the bundle's manifest, so these tests hold the manifest's contract (names,
+shapes, the shared-buffer and growing KV caches, mask and rollback, the accept graph) to the Python
+runtime's behaviour on the fused and the optimum graphs, fp32 and fp16, and the demo pair.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+NODE_DIR = Path(__file__).resolve().parents[1] / "examples" / "node"
+PROMPTS = ("def fibonacci(n):\n", "class Stack:\n    def push(self, item):\n        ")
+MAX_NEW_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def node():
+    """The node binary, with examples/node's locked packages installed (again only when the lock file changed)."""
+    node, npm = shutil.which("node"), shutil.which("npm")
+    if node is None or npm is None:
+        pytest.skip("the Node host needs node and npm (Node.js 18 or later) on PATH")
+    digest = hashlib.sha256((NODE_DIR / "package-lock.json").read_bytes()).hexdigest()
+    stamp = NODE_DIR / "node_modules" / ".installed-lock-sha256"
+    if not stamp.is_file() or stamp.read_text() != digest:
+        # --ignore-scripts: onnxruntime-node's install script downloads optional GPU binaries; its CPU library ships in the package.
+        result = subprocess.run([npm, "ci", "--ignore-scripts", "--no-audit", "--no-fund"], cwd=NODE_DIR,
+                                capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+        stamp.write_text(digest)
+    return node
+
+
+@pytest.fixture(scope="module")
+def demo_bundle(tmp_path_factory):
+    from specdeploy.defaults import demo_checkpoints
+    from specdeploy.export import ExportConfig, export_bundle
+
+    target, draft = demo_checkpoints()
+    out = tmp_path_factory.mktemp("demo") / "bundle"
+    export_bundle(ExportConfig(target=target, draft=draft, out=str(out)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def fp16_bundle(tmp_path_factory, trained_pair):
+    """fp16 fused graphs: float16 logits and KV buffers, and the target's two-token minimum pass."""
+    from conftest import export_pair
+
+    out = tmp_path_factory.mktemp("fp16") / "bundle"
+    export_pair(trained_pair, out, dtype="fp16")
+    return out
+
+
+def run_node(node, bundle, prompt: str, max_new_tokens, tmp_path) -> subprocess.CompletedProcess:
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text(prompt)
+    return subprocess.run([node, str(NODE_DIR / "host.mjs"), str(bundle), str(prompt_file), str(max_new_tokens)],
+                          capture_output=True, text=True)
+
+
+def python_greedy(bundle, prompt: str, max_new_tokens: int) -> dict:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-m", "specdeploy", "run", str(bundle), "--prompt", "-", "--temperature", "0",
+                             "--max-new-tokens", str(max_new_tokens), "--json"],
+                            input=prompt, capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def assert_same_text(node, bundle, tmp_path, prompts=PROMPTS):
+    for prompt in prompts:
+        expected = python_greedy(bundle, prompt, MAX_NEW_TOKENS)
+        result = run_node(node, bundle, prompt, MAX_NEW_TOKENS, tmp_path)
+        assert result.returncode == 0, result.stderr
+        assert expected["token_ids"], "the comparison needs generated tokens"
+        assert result.stdout == expected["text"], (prompt, result.stderr)
+        assert f"{len(expected['token_ids'])} tokens in" in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_node_host_prints_the_python_greedy_text(node, bundles, arch, tmp_path):
+    """llama: fused graphs, KV buffers shared between past and present; gpt2: optimum's growing pasts."""
+    assert_same_text(node, bundles(arch), tmp_path)
+
+
+@pytest.mark.slow
+def test_node_host_on_the_demo_pair(node, demo_bundle, tmp_path):
+    assert_same_text(node, demo_bundle, tmp_path)
+
+
+@pytest.mark.slow
+def test_node_host_on_fp16_graphs(node, fp16_bundle, tmp_path):
+    assert_same_text(node, fp16_bundle, tmp_path, prompts=PROMPTS[:1])
+
+
+def test_node_host_edge_lengths(node, bundles, tmp_path):
+    bundle = bundles("llama")
+    assert run_node(node, bundle, "def f(x):", 0, tmp_path).stdout == ""
+    # an empty prompt starts from BOS, as in the Python runtime
+    assert run_node(node, bundle, "", 6, tmp_path).stdout == python_greedy(bundle, "", 6)["text"]
+
+
+def test_node_host_bad_input_is_one_error_line(node, bundles, tmp_path):
+    bundle = bundles("llama")
+    stale = tmp_path / "stale"
+    shutil.copytree(bundle, stale)
+    manifest = json.loads((stale / "specdeploy.json").read_text())
+    manifest.pop("accept")
+    (stale / "specdeploy.json").write_text(json.dumps(manifest))
+    truncated = tmp_path / "truncated"
+    shutil.copytree(bundle, truncated)
+    with open(truncated / "accept" / "greedy.onnx", "ab") as handle:
+        handle.write(b"\0")
+    cases = [(tmp_path / "missing", "x", 4, "not a specdeploy bundle"),
+             (truncated, "x", 4, "bundle is corrupt: accept/greedy.onnx has"),
+             (bundle, "x", "four", "MAX_NEW_TOKENS must be a whole number"),
+             (stale, "x", 4, "no accept graphs; re-export"),
+             (bundle, "x " * 400, 4, "max context")]
+    for folder, prompt, max_new_tokens, message in cases:
+        result = run_node(node, folder, prompt, max_new_tokens, tmp_path)
+        assert result.returncode == 2 and result.stdout == ""
+        assert result.stderr.startswith("error: ") and message in result.stderr and result.stderr.count("\n") == 1
