@@ -71,7 +71,7 @@ def _hints(cls) -> dict[str, Any]:
 def build(cls, data: Any, where: str):
     """An instance of the dataclass cls from JSON data; SpecdeployError names the first bad field."""
     if not isinstance(data, dict):
-        raise SpecdeployError(f"manifest: {where} must be an object (got {_kind(data)})")
+        raise SpecdeployError(f"manifest: '{where or 'the top level'}' must be an object (got {_kind(data)})")
     fields = {item.name: item for item in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields), key=str)
     if unknown:
