@@ -118,7 +118,7 @@ def _use_global_pool(threads: int) -> None:
         _GLOBAL_POOL.append(threads)
 
 
-def session_options(config: SessionConfig):
+def session_options(config: SessionConfig, spec: ModelSpec | None = None):
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -137,6 +137,12 @@ def session_options(config: SessionConfig):
         options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.enable_cpu_mem_arena = config.memory_arena
+    # ONNX Runtime keeps one memory pattern per distinct set of input shapes, for as long as the
+    # session lives. A concatenating KV cache (a new past length every pass), or a GPU pass's mask
+    # as wide as the context, makes a new set nearly every pass: the patterns then grow without
+    # bound (resident memory then grows with every token). Only a CPU shared-buffer graph, whose shapes
+    # are the buffers' plus 1..PREFILL_CHUNK ids, keeps them.
+    options.enable_mem_pattern = spec is not None and spec.kv_cache.shared_buffer and config.device == "cpu"
 
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if config.allow_spinning else "0")
     options.log_severity_level = 3
@@ -159,7 +165,7 @@ class OrtEngine:
                 "export with --dtype fp16 (or --graph optimum) for --device cuda/tensorrt"
             )
         try:
-            self.session = ort.InferenceSession(str(model_path), session_options(config), providers=providers)
+            self.session = ort.InferenceSession(str(model_path), session_options(config, spec), providers=providers)
         except SpecdeployError:
             raise
         except Exception as exc:
