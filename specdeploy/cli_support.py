@@ -36,6 +36,9 @@ class ErrorMappingGroup(click.Group):
             return super().main(args, prog_name, standalone_mode=False, **kwargs)
         except click.exceptions.Exit as exc:
             sys.exit(exc.exit_code)
+        except click.exceptions.NoArgsIsHelpError as exc:  # a bare `specdeploy`: the help, not an error
+            click.echo(exc.ctx.get_help())
+            sys.exit(0)
         except click.Abort:
             fail("interrupted", EXIT_INTERRUPTED)
         except click.ClickException as exc:

@@ -159,3 +159,12 @@ def test_export_and_inspect_bad_input(tmp_path):
     (tmp_path / "specdeploy.json").write_bytes(b"\xff\xfe{}")
     assert_one_line(*invoke("verify", str(tmp_path))[::2], "is not UTF-8 (byte 0)")
     assert_one_line(*invoke("frobnicate")[::2], "No such command 'frobnicate'")
+
+
+def test_bare_command_shows_help_and_an_existing_non_bundle_is_named(tmp_path):
+    code, stdout, _ = invoke()
+    assert code == 0 and stdout.startswith("Usage:")
+    (tmp_path / "notes.txt").write_text("mine")
+    # without --force too: the message says it is not a bundle, not "pass --force"
+    assert_one_line(*invoke("export", "--out", str(tmp_path))[::2], "is not a specdeploy bundle")
+    assert (tmp_path / "notes.txt").read_text() == "mine"

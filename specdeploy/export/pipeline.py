@@ -264,11 +264,11 @@ def _check_out(out: Path, force: bool) -> None:
     """--out must be new, or (with --force) a bundle or an empty folder: nothing else is ever replaced."""
     if not out.exists():
         return
-    if not force:
-        raise SpecdeployError(f"--out {out} exists; pass --force to replace it")
     problem = swap.is_replaceable(out)
     if problem is not None:
         raise SpecdeployError(f"--out {out} {problem}; --force only replaces a specdeploy bundle, so nothing was touched")
+    if not force:
+        raise SpecdeployError(f"--out {out} exists; pass --force to replace it")
 
 
 def _max_context(config: ExportConfig, checkpoints: dict) -> int:
