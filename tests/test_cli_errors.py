@@ -115,28 +115,25 @@ def test_zero_tokens_is_not_an_error(bundle):
     assert code == 0 and "0 tokens" in stderr
 
 
-def test_an_onnx_runtime_failure_names_the_model_and_the_pass(bundle, monkeypatch):
-    import specdeploy.runtime as runtime
-    from onnxruntime.capi.onnxruntime_pybind11_state import RuntimeException
+def test_an_onnx_runtime_failure_names_the_model_and_the_pass(bundles, tmp_path):
+    """A real failure inside a run: the fused graphs' rotary tables end at the exported context, so a
+    manifest that claims a longer one (and is otherwise consistent) fails in its first pass."""
+    import shutil
 
-    real_load = runtime.load
-
-    def load_with_a_failing_target(*args, **kwargs):
-        generator = real_load(*args, **kwargs)
-
-        def fail(binding, options):
-            raise RuntimeException("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : Non-zero status code returned "
-                                   "while running MatMul node. Name:'/lm_head/MatMul'")
-
-        generator.target.engine._run = fail
-        return generator
-
-    monkeypatch.setattr(runtime, "load", load_with_a_failing_target)
-    code, _, stderr = invoke("run", bundle, "--prompt", "def f(x):", "--max-new-tokens", "4")
-    assert_one_line(code, stderr, "ONNX Runtime failed in the target model's prefill pass")
-    assert "target/model.onnx" in stderr and "/lm_head/MatMul" in stderr and "--debug" in stderr
-    code, _, stderr = invoke("--debug", "run", bundle, "--prompt", "def f(x):", "--max-new-tokens", "4")
-    assert code != 0  # --debug: the exception itself, with its traceback, for a bug report
+    bundle = tmp_path / "bundle"
+    shutil.copytree(bundles("llama"), bundle)
+    manifest = json.loads((bundle / "specdeploy.json").read_text())
+    assert manifest["target"]["graph"] == "fused" and manifest["max_context"] == 256
+    for data in (manifest, manifest["target"], manifest["draft"]):
+        data["max_context"] = 1024
+    (bundle / "specdeploy.json").write_text(json.dumps(manifest))
+    args = ["run", str(bundle), "--prompt", "x = 1\n" * 150, "--max-new-tokens", "4", "--no-speculative"]
+    code, _, stderr = invoke(*args)
+    assert_one_line(code, stderr, "ONNX Runtime failed in the target model's prefill pass (64 tokens after 0 cached; "
+                                  "target/model.onnx): ")
+    assert "GroupQueryAttention" in stderr and "--debug" in stderr
+    result = CliRunner().invoke(main, ["--debug", *args])
+    assert isinstance(result.exception, RuntimeError)  # --debug: the exception itself, for a bug report
 
 
 def test_unexpected_errors_are_one_line_and_debug_shows_them(bundle, monkeypatch):

@@ -145,7 +145,7 @@ def session_options(config: SessionConfig, spec: ModelSpec | None = None):
     options.enable_mem_pattern = spec is not None and spec.kv_cache.shared_buffer and config.device == "cpu"
 
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if config.allow_spinning else "0")
-    options.log_severity_level = 3
+    options.log_severity_level = 4  # fatal only: a failed run is reported as one line, by the caller
     return options
 
 
