@@ -9,32 +9,21 @@ from pathlib import Path
 
 import click
 
+from .cli_support import EXIT_INTERRUPTED, MAX_SEED, ErrorMappingGroup, Utf8Text
 from .errors import SpecdeployError
 
 BAR = "\u2500"
+SEED = click.IntRange(0, MAX_SEED)
+TEXT = Utf8Text()
 
 
-def _fail(message: str, code: int = 2) -> None:
-    click.echo(f"error: {message}", err=True)
-    sys.exit(code)
-
-
-class _Group(click.Group):
-    """Turns SpecdeployError and Ctrl-C into one line and a non-zero exit, never a traceback."""
-
-    def invoke(self, ctx):
-        try:
-            return super().invoke(ctx)
-        except SpecdeployError as exc:
-            _fail(str(exc))
-        except KeyboardInterrupt:
-            _fail("interrupted", 130)
-
-
-@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=ErrorMappingGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="specdeploy")
-def main() -> None:
-    """Speculative decoding bundles for ONNX Runtime: export a draft/target pair, then run it."""
+@click.option("--debug", is_flag=True, help="Show the Python traceback of an error instead of one line.")
+def main(debug) -> None:
+    """Speculative decoding bundles for ONNX Runtime: export a draft/target pair, then run it.
+
+    Every error is one 'error: ...' line on stderr and exit code 2 (Ctrl-C: 130)."""
 
 
 @main.command()
@@ -53,10 +42,12 @@ def main() -> None:
 @click.option("--graph", default="auto", show_default=True,
               help="auto | fused | optimum. fused: GroupQueryAttention with an in-place KV cache (Llama, Mistral, "
                    "Qwen2, Phi-3); optimum: optimum's export (every architecture); auto: fused where it applies.")
-@click.option("--force", is_flag=True, help="Replace --out if it exists.")
-@click.option("--trust-remote-code", is_flag=True, help="Allow checkpoints that ship their own model code.")
+@click.option("--force", is_flag=True, help="Replace --out if it holds a specdeploy bundle (nothing else is ever replaced).")
+@click.option("--trust-remote-code", is_flag=True, help="Allow checkpoints that ship their own model code (auto_map).")
+@click.option("--allow-pickle", is_flag=True,
+              help="Load pytorch_model.bin (pickle) weights, which can run code; safetensors are used whenever present.")
 def export(target, draft, out, dtype, quantize, draft_quantize, max_context, draft_window, graph, force,
-           trust_remote_code) -> None:
+           trust_remote_code, allow_pickle) -> None:
     """Export a draft and a target checkpoint into a validated bundle."""
     from .defaults import default_bundle, demo_checkpoints
 
@@ -69,7 +60,7 @@ def export(target, draft, out, dtype, quantize, draft_quantize, max_context, dra
         default_bundle().parent.mkdir(parents=True, exist_ok=True)
     _export(target, draft, out, dtype=dtype, quantize=quantize, draft_quantize=draft_quantize, max_context=max_context,
             draft_window=draft_window, graph=graph, force=force,
-            trust_remote_code=trust_remote_code)
+            trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
     click.echo(str(Path(out).resolve()))
 
 
@@ -133,14 +124,15 @@ def resolve_bundle(bundle: str | None) -> str:
     if not (path / "specdeploy.json").is_file():
         click.echo(f"no bundle named; exporting the embedded demo pair to {path} (first use only)", err=True)
         path.parent.mkdir(parents=True, exist_ok=True)
-        _export(*demo_checkpoints(), str(path), force=path.exists())
+        # Under the export's lock: a concurrent first use that got there first leaves its bundle to reuse.
+        _export(*demo_checkpoints(), str(path), force=True, reuse_existing=True)
     return str(path)
 
 
 @main.command()
 @click.argument("bundle", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
-@click.option("--verify", is_flag=True, help="Also check every file's sha256.")
+@click.option("--verify", is_flag=True, help="Also re-hash every file and compare it with the manifest.")
 def inspect(bundle, as_json, verify) -> None:
     """Summarize a bundle's manifest."""
     from rich.console import Console
@@ -148,7 +140,7 @@ def inspect(bundle, as_json, verify) -> None:
 
     from .bundle import load_manifest
 
-    manifest = load_manifest(bundle, verify_checksums=verify)
+    manifest = load_manifest(bundle, verify=verify)
     if as_json:
         click.echo(json.dumps(manifest.to_dict(), indent=2))
         return
@@ -184,48 +176,86 @@ def inspect(bundle, as_json, verify) -> None:
 
 
 @main.command()
+@click.argument("bundle", type=click.Path())
+def verify(bundle) -> None:
+    """Re-hash every file of a bundle against its manifest; name each damaged one (exit 2 if any)."""
+    import time
+
+    from .bundle import listed_files, load_manifest
+
+    start = time.perf_counter()
+    manifest = load_manifest(bundle, verify=True)
+    entries = listed_files(manifest)
+    size = sum(entry.size for entry in entries)
+    click.echo(f"ok: {len(entries)} files, {size / 1e6:.1f} MB, match their sha256 ({time.perf_counter() - start:.2f} s)")
+
+
+@main.command()
 @click.argument("bundle", type=click.Path(), required=False)
-@click.option("--prompt", required=True, help="Prompt text; '-' reads standard input.")
+@click.option("--prompt", required=True, type=TEXT, help="Prompt text (UTF-8); '-' reads standard input.")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
 @click.option("--top-k", type=int, default=0, show_default=True, help="0 is off.")
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="1.0 is off.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True, help="0 .. 2**64 - 1.")
 @click.option("--num-draft-tokens", "-k", type=int, default=4, show_default=True)
 @click.option("--draft-confidence", type=float, default=0.0, show_default=True,
               help="Stop drafting once the draft's top probability falls below this (0: always draft k).")
 @click.option("--no-speculative", is_flag=True, help="Target-only decoding (the baseline).")
-@click.option("--stop", multiple=True, help="Stop before this string (repeatable).")
+@click.option("--stop", multiple=True, type=TEXT, help="Stop before this string (repeatable).")
 @click.option("--device", default="cpu", show_default=True, help="cpu | cuda | tensorrt")
 @click.option("--drafter", default="hybrid", show_default=True, help="hybrid | model | prompt-lookup")
+@click.option("--verify", is_flag=True, help="Re-hash every bundle file before loading (sizes are always checked).")
 @click.option("--stream/--no-stream", default=True, show_default=True, help="Print text as it is accepted.")
 @click.option("--json", "as_json", is_flag=True, help='Print one JSON object {"text", "token_ids", "stats"}.')
 def run(bundle, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_draft_tokens, draft_confidence,
-        no_speculative, stop, device, drafter, stream, as_json) -> None:
-    """Generate from a prompt with speculative decoding (BUNDLE defaults to the demo bundle)."""
+        no_speculative, stop, device, drafter, verify, stream, as_json) -> None:
+    """Generate from a prompt with speculative decoding (BUNDLE defaults to the demo bundle).
+
+    Ctrl-C stops generation: the text so far and the stats are printed, and the exit code is 130."""
+    from .cli_support import read_stdin_text
     from .runtime import load
 
     if prompt == "-":
-        prompt = sys.stdin.read()
+        prompt = read_stdin_text()
     _return_freed_memory()
-    generator = load(resolve_bundle(bundle), device=device, drafter=drafter)
+    generator = load(resolve_bundle(bundle), device=device, drafter=drafter, verify=verify)
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                    num_draft_tokens=num_draft_tokens, draft_confidence=draft_confidence,
                    speculative=not no_speculative, stop=stop)
-    if as_json or not stream:
-        output = generator.generate(prompt, **options)
-        if as_json:
-            click.echo(json.dumps({"text": output.text, "token_ids": output.token_ids, "stats": output.stats.to_dict()}))
-            return
+    interrupted = False
+    try:
+        if as_json or not stream:
+            generator.generate(prompt, **options)
+        else:
+            _stream(generator.stream(prompt, **options))
+    except KeyboardInterrupt:
+        interrupted = True
+        if generator.last_output is None:  # before the first token: nothing to show
+            raise
+    output = generator.last_output
+    if as_json:
+        click.echo(json.dumps({"text": output.text, "token_ids": output.token_ids, "stats": output.stats.to_dict()}))
+    elif not stream:
         click.echo(output.text)
-    else:
-        pieces = generator.stream(prompt, **options)
+    click.echo(format_stats(output.stats), err=True)
+    if output.stats.note:
+        click.echo(f"note: {output.stats.note}", err=True)
+    if interrupted:
+        sys.exit(EXIT_INTERRUPTED)
+
+
+def _stream(pieces) -> None:
+    """Print pieces as they come; Ctrl-C between pieces closes the stream (so it records what came out)."""
+    try:
         for piece in pieces:
             click.echo(piece, nl=False)
             sys.stdout.flush()
+    except KeyboardInterrupt:
+        pieces.close()
+        raise
+    finally:
         click.echo()
-        output = generator.last_output
-    click.echo(format_stats(output.stats), err=True)
 
 
 def format_stats(stats) -> str:
@@ -264,26 +294,30 @@ def _parse_draft_tokens(value: str) -> tuple[int, ...] | None:
 @click.option("--draft-confidence", type=float, default=0.0, show_default=True,
               help="Stop drafting once the draft's top probability falls below this.")
 @click.option("--repeat", type=int, default=1, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True, help="0 .. 2**64 - 1.")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--drafter", default="hybrid", show_default=True, help="hybrid | model | prompt-lookup")
+@click.option("--verify", is_flag=True, help="Re-hash every bundle file before loading (sizes are always checked).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on the last line of stdout.")
 @click.option("--plot", type=click.Path(), default=None, help="Draw speedup vs k and acceptance by position (PNG).")
 def bench(bundle, prompts_file, max_new_tokens, prompt_tokens, num_draft_tokens, temperature, top_k, top_p, draft_confidence, repeat,
-          seed, device, drafter, as_json, plot) -> None:
+          seed, device, drafter, verify, as_json, plot) -> None:
     """Target-only vs speculative decoding on the same prompts: speed, acceptance, cost model."""
     from rich.console import Console
 
-    from .bench import BenchConfig, builtin_prompts, context_sweep, lengthen_prompts, read_prompts, run_bench
+    from .bench import BenchConfig, builtin_prompts, context_sweep, lengthen_prompts, run_bench
+    from .cli_support import check_output_file, read_prompts_file
     from .runtime import load
 
     if repeat < 1 or max_new_tokens < 1:
         raise SpecdeployError("--repeat and --max-new-tokens must be at least 1")
-    _return_freed_memory()
-    generator = load(resolve_bundle(bundle), device=device, drafter=drafter)
-    prompts = read_prompts(prompts_file) if prompts_file else builtin_prompts()
-    lengths = _parse_prompt_tokens(prompt_tokens, max_new_tokens, generator.max_context)
     ks = _parse_draft_tokens(num_draft_tokens)
+    if plot:
+        check_output_file(plot, "--plot")  # before the benchmark, not after it
+    prompts = read_prompts_file(prompts_file) if prompts_file else builtin_prompts()
+    _return_freed_memory()
+    generator = load(resolve_bundle(bundle), device=device, drafter=drafter, verify=verify)
+    lengths = _parse_prompt_tokens(prompt_tokens, max_new_tokens, generator.max_context)
     console = Console(stderr=True)
     reports = []
     for length in lengths:
@@ -297,71 +331,17 @@ def bench(bundle, prompts_file, max_new_tokens, prompt_tokens, num_draft_tokens,
         report["prompt_tokens"] = length
         reports.append(report)
     report = reports[0] if len(reports) == 1 else context_sweep(reports)
+    from .bench_output import plot_report, print_bench, print_context_sweep
+
     if plot:
-        _plot(report, plot)
+        plot_report(report, plot)
     if as_json:
         click.echo(json.dumps(report))
     else:
         for each in report.get("by_prompt_tokens", [report]):
-            _print_bench(each)
+            print_bench(each)
         if "context_sweep" in report:
-            _print_context_sweep(report["context_sweep"])
-
-
-def _print_bench(report: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    base = report["target_only"]
-    rows = report["by_num_draft_tokens"]
-    context = f"{report['prompt_tokens']}-token prompts" if report.get("prompt_tokens") else "prompts"
-    table = Table(title=f"{report['prompts']} {context} x {report['max_new_tokens']} new tokens, temperature "
-                        f"{report['temperature']}, repeat {report['repeat']}, drafter {report.get('drafter', '')}")
-    table.add_column("")
-    table.add_column("target-only", justify="right")
-    for row in rows:
-        table.add_column(f"k={row['num_draft_tokens']}", justify="right")
-
-    def add(name, base_value, getter):
-        table.add_row(name, base_value, *(getter(row) for row in rows))
-
-    def shares(totals):
-        share = totals["time_share"]
-        return f"{share['draft']:.0%} / {share['target']:.0%} / {share['other']:.0%}"
-
-    add("tokens/s", f"{base['tokens_per_s']:.1f}", lambda r: f"{r['speculative']['tokens_per_s']:.1f}")
-    add("speedup", "1.00", lambda r: f"{r['speedup']:.2f}")
-    add("identical outputs", "", lambda r: "" if r["identical_outputs"] is None else ("yes" if r["identical_outputs"] else "NO"))
-    add("acceptance rate", "", lambda r: f"{r['acceptance_rate']:.2f}")
-    add("tokens per round", "1.00", lambda r: f"{r['mean_accepted_tokens']:.2f}")
-    add("accepted by position", "", lambda r: " ".join(f"{a / max(r['speculative']['rounds'], 1):.2f}" for a in r["accepted_by_position"]))
-    add("draft step cost c", "", lambda r: f"{r['cost_ratio_c']:.3f}")
-    add("verify cost v", "1.00", lambda r: f"{r['verify_cost_v']:.2f}")
-    add("fitted alpha", "", lambda r: f"{r['fitted_alpha']:.2f}")
-    add("Leviathan bound", "", lambda r: f"{r['leviathan_bound']:.2f}")
-    add("efficiency", "", lambda r: f"{r['efficiency']:.0%}")
-    add("time draft/target/other", shares(base), lambda r: shares(r["speculative"]))
-    add("prefill ms (mean)", f"{base['prefill_ms_mean']:.1f}", lambda r: f"{r['speculative']['prefill_ms_mean']:.1f}")
-    console = Console() if sys.stdout.isatty() else Console(width=130)  # logs and pipes get the whole table
-    console.print(table)
-    console.print(f"peak RSS {report['peak_rss_mb']:.0f} MB (fp32 weights + KV caches at max context: "
-                  f"{report['memory_budget_mb']:.0f} MB)")
-
-
-def _print_context_sweep(rows: list[dict]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="decode speed against prompt length (one run)")
-    for name in ("prompt tokens", "target-only tok/s", "ms/token", "vs first", "speculative tok/s", "vs first",
-                 "acceptance", "tokens/round"):
-        table.add_column(name, justify="right")
-    for row in rows:
-        table.add_row(str(row["prompt_tokens"]), f"{row['target_only_tokens_per_s']:.1f}",
-                      f"{row['target_only_ms_per_token']:.2f}", f"{row['target_only_vs_first']:.2f}",
-                      f"{row['speculative_tokens_per_s']:.1f}", f"{row['speculative_vs_first']:.2f}",
-                      f"{row['acceptance_rate']:.2f}", f"{row['mean_accepted_tokens']:.2f}")
-    (Console() if sys.stdout.isatty() else Console(width=130)).print(table)
+            print_context_sweep(report["context_sweep"])
 
 
 def _parse_prompt_tokens(value: str | None, max_new_tokens: int, max_context: int) -> tuple[int | None, ...]:
@@ -378,32 +358,6 @@ def _parse_prompt_tokens(value: str | None, max_new_tokens: int, max_context: in
             raise SpecdeployError(f"--prompt-tokens {length} + --max-new-tokens {max_new_tokens} exceed the bundle's "
                                   f"max context {max_context}")
     return lengths
-
-
-def _plot(report: dict, path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise SpecdeployError("--plot needs matplotlib (pip install 'specdeploy[bench]')") from None
-    rows = report["by_num_draft_tokens"]
-    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    left.plot([r["num_draft_tokens"] for r in rows], [r["speedup"] for r in rows], "o-", label="measured")
-    left.plot([r["num_draft_tokens"] for r in rows], [r["leviathan_bound"] for r in rows], "s--", label="bound")
-    left.set_xlabel("draft tokens k")
-    left.set_ylabel("speedup over target-only")
-    left.legend()
-    for r in rows:
-        rounds = r["speculative"]["rounds"]
-        right.plot(range(1, len(r["accepted_by_position"]) + 1), [a / rounds for a in r["accepted_by_position"]], "o-",
-                   label=f"k={r['num_draft_tokens']}")
-    right.set_xlabel("draft position")
-    right.set_ylabel("fraction of rounds accepted")
-    right.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
 
 
 @main.command()

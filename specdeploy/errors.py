@@ -1,5 +1,37 @@
 """The one exception type a user sees: its message is the whole one-line explanation."""
 
+from __future__ import annotations
+
+import traceback
+
 
 class SpecdeployError(Exception):
     """Bad input or an unusable artifact; the CLI prints the message and exits non-zero."""
+
+
+def describe_unexpected(exc: BaseException) -> str:
+    """One line for an exception that is not a SpecdeployError (the CLI prints it after 'error: ').
+
+    A failure raised by ONNX Runtime inside an engine's pass (its run raises a plain RuntimeError,
+    so it is told by where it was raised: the innermost frame is an engine method) names the
+    model and the pass, from that frame's `self.spec`, tokens in the pass and cached length;
+    anything else is its type and first line."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    frames = [frame for frame, _ in traceback.walk_tb(exc.__traceback__)]
+    innermost = frames[-1].f_locals if frames else {}
+    owner = innermost.get("self")
+    if not (hasattr(owner, "spec") and hasattr(owner, "session")):
+        if type(exc).__module__.startswith("onnxruntime"):
+            return f"ONNX Runtime failed: {first}"
+        return f"{type(exc).__name__}: {first}"
+    spec = owner.spec
+    count = innermost.get("count", 1 if "token" in innermost else None)
+    cache = innermost.get("cache")
+    if any(frame.f_code.co_name == "prefill" for frame in frames):
+        pass_kind = "prefill pass"
+    elif count == 1:
+        pass_kind = "single-token step"
+    else:
+        pass_kind = "verify pass" if spec.role == "target" else "draft pass"
+    where = f"{count} tokens after {getattr(cache, 'length', '?')} cached; " if count is not None else ""
+    return f"ONNX Runtime failed in the {spec.role} model's {pass_kind} ({where}{spec.onnx_path}): {first}"

@@ -200,3 +200,29 @@ def self_draft_bundle(tmp_path_factory, checkpoints):
     # fp32 draft: an int8 copy of the target would not agree with it on every token.
     export_bundle(ExportConfig(target=str(pair["target"]), draft=str(pair["target"]), out=str(out), draft_quantize="none"))
     return out
+
+
+LONG_CONTEXT = 4608
+
+
+@pytest.fixture(scope="session")
+def long_bundle(tmp_path_factory, checkpoints):
+    """The Llama pair with a 4,608-token context and no EOS token: generation always runs to its budget."""
+    import json
+    import shutil
+
+    from specdeploy.export import ExportConfig, export_bundle
+
+    root = tmp_path_factory.mktemp("long")
+    pair = {}
+    for role, source in checkpoints("llama").items():
+        folder = pair[role] = root / role
+        shutil.copytree(source, folder)
+        for name, changes in (("config.json", {"max_position_embeddings": LONG_CONTEXT, "eos_token_id": None}),
+                              ("generation_config.json", {"eos_token_id": None})):
+            config = json.loads((folder / name).read_text())
+            (folder / name).write_text(json.dumps({**config, **changes}))
+    out = root / "bundle"
+    export_bundle(ExportConfig(target=str(pair["target"]), draft=str(pair["draft"]), out=str(out),
+                               max_context=LONG_CONTEXT))
+    return out

@@ -204,7 +204,7 @@ def test_min_p_follows_the_numpy_sampler(sampled):
 
 def test_export_writes_the_accept_graphs_into_the_manifest(agreeing_bundle, bundles):
     for bundle in (agreeing_bundle, bundles("gpt2")):  # the fused graph's opset, and optimum's
-        manifest = load_manifest(bundle, verify_checksums=True)
+        manifest = load_manifest(bundle, verify=True)
         spec = manifest.accept
         assert spec.opset == accept.model_opset(bundle / manifest.target.onnx_path)
         assert spec.processing == accept.PROCESSING

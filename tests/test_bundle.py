@@ -45,10 +45,10 @@ def test_manifest_records_everything_a_host_needs(bundles):
     "corrupt, message",
     [
         (lambda d: d.update(format_version=2), "format_version 2 is not supported"),
-        (lambda d: d.pop("target"), "lacks the field 'target'"),
+        (lambda d: d.pop("target"), "'target' is missing"),
         (lambda d: d["draft"].update(vocab_size=7), "vocab_size"),
         (lambda d: d["target"]["files"][0].update(size=1), "corrupt"),
-        (lambda d: d["target"]["files"][0].update(path="target/gone.onnx"), "missing"),
+        (lambda d: d["target"]["files"][-1].update(path="target/gone.onnx.data"), "missing"),
     ],
 )
 def test_bad_manifests_are_refused(bundle_copy, corrupt, message):
@@ -68,7 +68,7 @@ def test_checksums_catch_changed_files(bundle_copy):
     tokenizer.write_bytes(bytes(content))
     load_manifest(bundle_copy)  # same size: only the checksum tells
     with pytest.raises(SpecdeployError, match="sha256"):
-        load_manifest(bundle_copy, verify_checksums=True)
+        load_manifest(bundle_copy, verify=True)
 
 
 def test_not_json_and_not_a_bundle(tmp_path):

@@ -113,7 +113,7 @@ def test_genai_runs_the_demo_pair_both_ways(demo_bundle):
 
 def test_manifest_records_the_genai_folders(bundles):
     bundle = bundles("llama")
-    manifest = load_manifest(bundle, verify_checksums=True)  # the configs and tokenizer copies are checksummed too
+    manifest = load_manifest(bundle, verify=True)  # the configs and tokenizer copies are checksummed too
     genai = manifest.genai
     assert (genai.speculative, genai.target_only, genai.unsupported) == (".", "target", None)
     listed = {entry.path for entry in genai.files}

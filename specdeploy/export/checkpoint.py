@@ -13,8 +13,10 @@ from typing import Any
 
 from ..errors import SpecdeployError
 
-WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "model*.bin")
+SAFE_WEIGHTS = "*.safetensors"
+PICKLE_WEIGHTS = ("pytorch_model*.bin", "model*.bin")  # torch.load: unpickling can run arbitrary code
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+SLOW_TOKENIZER_FILES = ("tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -56,14 +58,37 @@ def _int_ids(value) -> tuple[int, ...]:
     return (int(value),)
 
 
-def load_checkpoint(name: str, role: str, trust_remote_code: bool = False) -> Checkpoint:
+def check_weights(path: Path, role: str, allow_pickle: bool) -> None:
+    """safetensors weights, or pickle ones only when allowed (transformers loads safetensors first when both exist)."""
+    if any(path.glob(SAFE_WEIGHTS)):
+        return
+    pickled = sorted(p.name for pattern in PICKLE_WEIGHTS for p in path.glob(pattern))
+    if not pickled:
+        raise SpecdeployError(f"--{role} {path}: has config.json but no weights (*.safetensors or pytorch_model*.bin)")
+    if not allow_pickle:
+        raise SpecdeployError(
+            f"--{role} {path}: the weights are pickle files ({pickled[0]}), which can run code when loaded; "
+            "convert them to safetensors, or pass --allow-pickle if you trust the checkpoint"
+        )
+
+
+def _read_config(path: Path, role: str) -> dict:
+    try:
+        raw = json.loads((path / "config.json").read_bytes().decode("utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise SpecdeployError(f"--{role} {path}: config.json is not valid JSON: {str(exc)[:200]}") from None
+    if not isinstance(raw, dict):
+        raise SpecdeployError(f"--{role} {path}: config.json is not a JSON object")
+    return raw
+
+
+def load_checkpoint(name: str, role: str, trust_remote_code: bool = False, allow_pickle: bool = False) -> Checkpoint:
     """Resolve, check for config and weights, and check that optimum can export it as a causal LM."""
     path = resolve_checkpoint(name, role)
     if not (path / "config.json").is_file():
         raise SpecdeployError(f"--{role} {path}: no config.json (not a Hugging Face checkpoint folder)")
-    if not any(any(path.glob(pattern)) for pattern in WEIGHT_PATTERNS):
-        raise SpecdeployError(f"--{role} {path}: has config.json but no weights (*.safetensors or pytorch_model*.bin)")
-    raw = json.loads((path / "config.json").read_text())
+    check_weights(path, role, allow_pickle)
+    raw = _read_config(path, role)
     if raw.get("auto_map") and not trust_remote_code:
         raise SpecdeployError(
             f"--{role} {path}: the checkpoint needs custom code (auto_map); pass --trust-remote-code if you trust it"
@@ -114,10 +139,17 @@ def load_tokenizer_json(checkpoint: Checkpoint, work_dir: Path) -> Path:
         return checkpoint.path
     from transformers import AutoTokenizer
 
+    where = f"--{checkpoint.role} {checkpoint.path}"
+    if not any((checkpoint.path / name).is_file() for name in TOKENIZER_FILES + SLOW_TOKENIZER_FILES):
+        raise SpecdeployError(f"{where}: no tokenizer (tokenizer.json, or a tokenizer_config.json with its vocabulary); "
+                              "copy the tokenizer files of the pair into the checkpoint folder")
     try:
         tokenizer = AutoTokenizer.from_pretrained(checkpoint.path, use_fast=True, local_files_only=True)
     except Exception as exc:
-        raise SpecdeployError(f"--{checkpoint.role} {checkpoint.path}: no usable tokenizer: {str(exc).splitlines()[0]}") from None
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise SpecdeployError(f"{where}: no usable tokenizer: {first}") from None
+    if tokenizer is None or isinstance(tokenizer, bool):
+        raise SpecdeployError(f"{where}: no usable tokenizer (transformers found none in the folder)")
     if not getattr(tokenizer, "is_fast", False):
         raise SpecdeployError(f"--{checkpoint.role} {checkpoint.path}: the tokenizer has no tokenizer.json form")
     out = work_dir / f"{checkpoint.role}-tokenizer"

@@ -1,8 +1,8 @@
 """`specdeploy export`: two checkpoints -> a validated bundle, written atomically.
 
 Stages: load, export, optimize (fp16 / weight-only quantization), validate (parity), write.
-Everything is built in a temporary folder beside the output and renamed into place at the end,
-so a failure or Ctrl-C leaves nothing behind.
+Everything is built in a temporary folder beside the output and swapped into place at the end
+(see swap.py), so a failure or Ctrl-C leaves nothing behind and an existing bundle untouched.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Callable
 
 from .. import __version__
-from ..bundle import ROLES, FileEntry, Manifest, ModelSpec, ParityReport, TokenizerSpec, file_entry, save_manifest
+from .. import swap
+from ..bundle import (FORMAT_VERSION, ROLES, FileEntry, Manifest, ModelSpec, ParityReport, TokenizerSpec, file_entry,
+                      load_manifest, save_manifest)
 from ..errors import SpecdeployError
 from . import checkpoint as ckpt
 from . import convert, fused, genai
@@ -49,8 +51,12 @@ class ExportConfig:
     # -> 0.41, speculative 348 -> 405 tok/s. Needs the fused graph for the draft.
     draft_window: int | None = None
     max_context: int | None = None  # default: the smaller max_position_embeddings of the two
-    force: bool = False  # replace an existing --out
-    trust_remote_code: bool = False
+    force: bool = False  # replace an existing --out, if it is a specdeploy bundle (or an empty folder)
+    # An --out that already holds a bundle (perhaps made by a concurrent export while this one
+    # waited for the lock) is kept and its manifest returned: the default bundle's first use.
+    reuse_existing: bool = False
+    trust_remote_code: bool = False  # run model code shipped with a checkpoint (auto_map)
+    allow_pickle: bool = False  # load pytorch_model.bin (pickle) weights when a checkpoint has no safetensors
     opset: int | None = None  # default: optimum's choice for the architecture
     # auto: the fused in-place-KV graph where the architecture allows it (fused.unsupported_reason),
     # optimum's graph elsewhere; fused / optimum force one (fused fails where it cannot apply).
@@ -79,10 +85,6 @@ def _check_options(config: ExportConfig) -> Path:
     if config.max_context is not None and config.max_context < 2:
         raise SpecdeployError("--max-context must be at least 2")
     out = Path(config.out).expanduser().resolve()
-    if out.exists() and not config.force:
-        raise SpecdeployError(f"--out {out} exists; pass --force to replace it")
-    if out.exists() and not out.is_dir():
-        raise SpecdeployError(f"--out {out} exists and is not a folder")
     if not out.parent.is_dir():
         raise SpecdeployError(f"--out {out}: the folder {out.parent} does not exist")
     return out
@@ -226,7 +228,10 @@ def _tool_versions() -> dict[str, str]:
 
 
 def export_bundle(config: ExportConfig, report: Reporter | None = None) -> Manifest:
-    """Export, validate and write the bundle; returns its manifest. Raises SpecdeployError on bad input."""
+    """Export, validate and write the bundle; returns its manifest. Raises SpecdeployError on bad input.
+
+    Holds `.NAME.lock` beside --out from start to end, so two exports to one path run one after
+    the other; leftovers of an interrupted export to the same path are cleaned first."""
     report = report or (lambda stage, detail: None)
     out = _check_options(config)
     from ..runtime.engine import global_pool_active
@@ -236,75 +241,102 @@ def export_bundle(config: ExportConfig, report: Reporter | None = None) -> Manif
             "cannot export in a process where specdeploy.load switched ONNX Runtime to its shared thread pool "
             "(optimum needs per-session pools): export first, or set SPECDEPLOY_SHARED_THREADS=0"
         )
-    convert.quiet_export_logs()
+    with swap.bundle_lock(out, on_wait=lambda message: report("wait", message)):
+        for action in swap.clean_leftovers(out):
+            report("clean", action)
+        if config.reuse_existing and out.is_dir() and swap.is_replaceable(out) is None and any(out.iterdir()):
+            return load_manifest(out)  # a concurrent export made it while this one waited
+        _check_out(out, config.force)
+        convert.quiet_export_logs()
+        report("load", "reading checkpoints")
+        checkpoints = {role: ckpt.load_checkpoint(getattr(config, role), role, config.trust_remote_code,
+                                                  config.allow_pickle) for role in ROLES}
+        max_context = _max_context(config, checkpoints)
+        work = Path(tempfile.mkdtemp(prefix=f".{out.name}{swap.PARTIAL}", dir=out.parent))
+        try:
+            manifest = _build_bundle(config, checkpoints, max_context, work, report)
+            swap.replace(work / "bundle", out)
+            return manifest
+        finally:
+            shutil.rmtree(work, ignore_errors=True)  # with the old bundle, if one was exchanged for the new
 
-    report("load", "reading checkpoints")
-    checkpoints = {
-        "target": ckpt.load_checkpoint(config.target, "target", config.trust_remote_code),
-        "draft": ckpt.load_checkpoint(config.draft, "draft", config.trust_remote_code),
-    }
+
+def _check_out(out: Path, force: bool) -> None:
+    """--out must be new, or (with --force) a bundle or an empty folder: nothing else is ever replaced."""
+    if not out.exists():
+        return
+    problem = swap.is_replaceable(out)
+    if problem is not None:
+        raise SpecdeployError(f"--out {out} {problem}; --force only replaces a specdeploy bundle, so nothing was touched")
+    if not force:
+        raise SpecdeployError(f"--out {out} exists; pass --force to replace it")
+
+
+def _max_context(config: ExportConfig, checkpoints: dict) -> int:
     limits = [m for m in (_max_positions(c.config) for c in checkpoints.values()) if m]
     model_limit = min(limits) if limits else None
     max_context = config.max_context or model_limit or 2048
     if model_limit and max_context > model_limit:
         raise SpecdeployError(f"--max-context {max_context} exceeds the models' max_position_embeddings {model_limit}")
+    return max_context
 
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
-        root = work / "bundle"
-        root.mkdir()
-        tokenizer_dirs = {role: ckpt.load_tokenizer_json(c, work) for role, c in checkpoints.items()}
-        ckpt.check_pair(checkpoints["target"], checkpoints["draft"], tokenizer_dirs["target"], tokenizer_dirs["draft"])
 
-        specs: dict[str, ModelSpec] = {}
-        for role in ROLES:
-            checkpoint = checkpoints[role]
-            report("load", f"{role}: {checkpoint.path.name}")
-            model = convert.load_torch_model(checkpoint.path, role, config.trust_remote_code)
-            num_parameters = sum(p.numel() for p in model.parameters())
-            graph = _choose_graph(model, role, config.graph, max_context)
-            if role == "draft" and config.draft_window is not None and graph != "fused":
-                raise SpecdeployError(
-                    f"--draft-window needs the fused graph for the draft, which cannot take it: "
-                    f"{fused.unsupported_reason(model, max_context) or '--graph optimum was asked for'}"
-                )
-            quantize, chosen_by_auto = _quantize_for(role, config)
-            spec = _build_model(role, quantize, model, checkpoint, root, config, max_context, num_parameters, graph,
-                                tokenizer_dirs["target"], report, fallback_to_fp32=chosen_by_auto)
-            del model
-            specs[role] = spec
-            if not spec.parity.passed:
-                raise SpecdeployError(f"parity check failed for the {role}: {_parity_failure(spec.parity)}; nothing was written")
+def _build_bundle(config: ExportConfig, checkpoints: dict, max_context: int, work: Path, report: Reporter) -> Manifest:
+    """Both models, the tokenizer and the manifest, in work/bundle."""
+    root = work / "bundle"
+    root.mkdir()
+    tokenizer_dirs = {role: ckpt.load_tokenizer_json(c, work) for role, c in checkpoints.items()}
+    ckpt.check_pair(checkpoints["target"], checkpoints["draft"], tokenizer_dirs["target"], tokenizer_dirs["draft"])
+    specs: dict[str, ModelSpec] = {}
+    for role in ROLES:
+        checkpoint = checkpoints[role]
+        report("load", f"{role}: {checkpoint.path.name}")
+        model = convert.load_torch_model(checkpoint.path, role, config.trust_remote_code)
+        num_parameters = sum(p.numel() for p in model.parameters())
+        graph = _choose_graph(model, role, config.graph, max_context)
+        if role == "draft" and config.draft_window is not None and graph != "fused":
+            raise SpecdeployError(
+                f"--draft-window needs the fused graph for the draft, which cannot take it: "
+                f"{fused.unsupported_reason(model, max_context) or '--graph optimum was asked for'}"
+            )
+        quantize, chosen_by_auto = _quantize_for(role, config)
+        specs[role] = _build_model(role, quantize, model, checkpoint, root, config, max_context, num_parameters, graph,
+                                   tokenizer_dirs["target"], report, fallback_to_fp32=chosen_by_auto)
+        del model
+        if not specs[role].parity.passed:
+            raise SpecdeployError(f"parity check failed for the {role}: {_parity_failure(specs[role].parity)}; nothing was written")
+    report("write", "tokenizer and manifest")
+    manifest = Manifest(
+        format_version=FORMAT_VERSION,
+        specdeploy_version=__version__,
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        max_context=max_context,
+        target=specs["target"],
+        draft=specs["draft"],
+        tokenizer=_copy_tokenizer(tokenizer_dirs["target"], root, checkpoints["target"]),
+        export_options=_export_options(config, max_context),
+        tool_versions=_tool_versions(),
+        accept=write_accept_graphs(root, specs["target"]),
+    )
+    manifest = genai.write_genai_config(manifest, root)
+    save_manifest(manifest, root)
+    load_manifest(root)  # what the runtime will read, read back through the same checks (files hashed above)
+    return manifest
 
-        report("write", "tokenizer and manifest")
-        manifest = Manifest(
-            format_version=1,
-            specdeploy_version=__version__,
-            created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            max_context=max_context,
-            target=specs["target"],
-            draft=specs["draft"],
-            tokenizer=_copy_tokenizer(tokenizer_dirs["target"], root, checkpoints["target"]),
-            export_options={
-                "dtype": config.dtype,
-                "quantize": config.quantize,
-                "draft_quantize": config.draft_quantize,
-                "draft_window": config.draft_window,
-                "max_context": max_context,
-                "opset": config.opset,
-                "graph": config.graph,
-                "task": convert.TASK,
-                "trust_remote_code": config.trust_remote_code,
-            },
-            tool_versions=_tool_versions(),
-            accept=write_accept_graphs(root, specs["target"]),
-        )
-        manifest = genai.write_genai_config(manifest, root)
-        save_manifest(manifest, root)
-        _replace(root, out)
-        return manifest
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+
+def _export_options(config: ExportConfig, max_context: int) -> dict:
+    return {
+        "dtype": config.dtype,
+        "quantize": config.quantize,
+        "draft_quantize": config.draft_quantize,
+        "draft_window": config.draft_window,
+        "max_context": max_context,
+        "opset": config.opset,
+        "graph": config.graph,
+        "task": convert.TASK,
+        "trust_remote_code": config.trust_remote_code,
+        "allow_pickle": config.allow_pickle,
+    }
 
 
 def _copy_tokenizer(source: Path, root: Path, target: ckpt.Checkpoint) -> TokenizerSpec:
@@ -313,7 +345,7 @@ def _copy_tokenizer(source: Path, root: Path, target: ckpt.Checkpoint) -> Tokeni
     folder = root / "tokenizer"
     folder.mkdir()
     entries: list[FileEntry] = []
-    for name in ckpt.TOKENIZER_FILES:
+    for name in (*ckpt.TOKENIZER_FILES, "chat_template.jinja"):  # the template, where a checkpoint keeps it apart
         if (source / name).is_file():
             shutil.copy2(source / name, folder / name)
             entries.append(file_entry(root, folder / name))
@@ -326,14 +358,3 @@ def _copy_tokenizer(source: Path, root: Path, target: ckpt.Checkpoint) -> Tokeni
         eos_token_ids=target.eos_token_ids,
         pad_token_id=target.pad_token_id,
     )
-
-
-def _replace(built: Path, out: Path) -> None:
-    """Rename the finished bundle into place; an old bundle (with --force) goes only once the new one is there."""
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{datetime.datetime.now().strftime('%H%M%S%f')}")
-        out.rename(old)
-    built.rename(out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

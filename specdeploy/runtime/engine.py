@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..bundle import ModelSpec
+from ..bundle import ModelSpec, check_graph_io
 from ..errors import SpecdeployError
 from .kv_cache import KVCache, SharedKVCache, _ortvalue
 
@@ -49,22 +49,37 @@ def trt_profiles(spec: ModelSpec, max_context: int, max_new: int = 33) -> dict[s
     """Explicit TensorRT optimization profiles (min/opt/max shapes) for every dynamic input.
 
     Format from the ONNX Runtime TensorRT EP docs: "name:1x4x0x64,name2:...". Inputs run 1..max_new
-    tokens per pass (k + 1 <= 33), on a past of 0..max_context - 1 positions."""
+    tokens per pass (k + 1 <= 33) or a prefill chunk, on a past of 0..max_context - 1 positions.
+    TensorRT needs min <= opt <= max on every axis: opt is the typical shape, clamped into range
+    (a short context puts the usual 512-position opt above max)."""
+    longest_pass = min(max(max_new, PREFILL_CHUNK), max_context)
+    ranges = {"tokens": (1, 5, longest_pass), "mask": (1, 512, max_context), "past": (0, 512, max_context - 1)}
+    ranges = {axis: (low, min(max(opt, low), high), high) for axis, (low, opt, high) in ranges.items()}
     shapes = {"min": [], "opt": [], "max": []}
     for tensor in spec.inputs:
         if tensor.name in ("input_ids", "position_ids"):
-            dims = {"min": (1, 1), "opt": (1, 5), "max": (1, max(max_new, PREFILL_CHUNK))}
+            dims = {key: (1, n) for key, n in zip(shapes, ranges["tokens"])}
         elif tensor.name == "attention_mask":
-            dims = {"min": (1, 1), "opt": (1, 512), "max": (1, max_context)}
+            dims = {key: (1, n) for key, n in zip(shapes, ranges["mask"])}
         else:  # past keys and values [1, kv_heads, past, head_dim]; a shared buffer is always max_context long
             heads, head_dim = tensor.shape[1], tensor.shape[3]
-            lengths = {"min": 0, "opt": 512, "max": max_context - 1}
-            if spec.kv_cache.shared_buffer:
-                lengths = dict.fromkeys(lengths, max_context)
-            dims = {k: (1, heads, past, head_dim) for k, past in lengths.items()}
+            lengths = (max_context,) * 3 if spec.kv_cache.shared_buffer else ranges["past"]
+            dims = {key: (1, heads, past, head_dim) for key, past in zip(shapes, lengths)}
         for key, value in dims.items():
             shapes[key].append(f"{tensor.name}:{'x'.join(str(d) for d in value)}")
     return {f"trt_profile_{key}_shapes": ",".join(items) for key, items in shapes.items()}
+
+
+def trt_options(config: SessionConfig, spec: ModelSpec | None) -> dict:
+    """The TensorRT execution provider's options: fp16 kernels only for an fp16 bundle (an fp32 one
+    would otherwise run at fp16 precision without saying so), the engine cache, the profiles."""
+    options = {"trt_fp16_enable": spec is not None and spec.dtype == "fp16",
+               "trt_engine_cache_enable": config.trt_cache_dir is not None}
+    if config.trt_cache_dir:
+        options["trt_engine_cache_path"] = config.trt_cache_dir
+    if spec is not None:
+        options.update(trt_profiles(spec, spec.max_context))
+    return options
 
 
 def providers_for(config: SessionConfig, spec: ModelSpec | None = None) -> list:
@@ -84,12 +99,7 @@ def providers_for(config: SessionConfig, spec: ModelSpec | None = None) -> list:
         return ["CUDAExecutionProvider", "CPUExecutionProvider"]
     if "TensorrtExecutionProvider" not in available:
         raise SpecdeployError("device 'tensorrt' needs an onnxruntime-gpu build with the TensorRT execution provider")
-    trt_options = {"trt_fp16_enable": True, "trt_engine_cache_enable": config.trt_cache_dir is not None}
-    if config.trt_cache_dir:
-        trt_options["trt_engine_cache_path"] = config.trt_cache_dir
-    if spec is not None:
-        trt_options.update(trt_profiles(spec, spec.max_context))
-    return [("TensorrtExecutionProvider", trt_options), "CUDAExecutionProvider", "CPUExecutionProvider"]
+    return [("TensorrtExecutionProvider", trt_options(config, spec)), "CUDAExecutionProvider", "CPUExecutionProvider"]
 
 
 _GLOBAL_POOL: list[int] = []  # the size the process-wide pool was created with; ONNX Runtime allows it once
@@ -108,7 +118,7 @@ def _use_global_pool(threads: int) -> None:
         _GLOBAL_POOL.append(threads)
 
 
-def session_options(config: SessionConfig):
+def session_options(config: SessionConfig, spec: ModelSpec | None = None):
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -127,9 +137,15 @@ def session_options(config: SessionConfig):
         options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.enable_cpu_mem_arena = config.memory_arena
+    # ONNX Runtime keeps one memory pattern per distinct set of input shapes, for as long as the
+    # session lives. A concatenating KV cache (a new past length every pass), or a GPU pass's mask
+    # as wide as the context, makes a new set nearly every pass: the patterns then grow without
+    # bound (resident memory then grows with every token). Only a CPU shared-buffer graph, whose shapes
+    # are the buffers' plus 1..PREFILL_CHUNK ids, keeps them.
+    options.enable_mem_pattern = spec is not None and spec.kv_cache.shared_buffer and config.device == "cpu"
 
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if config.allow_spinning else "0")
-    options.log_severity_level = 3
+    options.log_severity_level = 4  # fatal only: a failed run is reported as one line, by the caller
     return options
 
 
@@ -149,11 +165,12 @@ class OrtEngine:
                 "export with --dtype fp16 (or --graph optimum) for --device cuda/tensorrt"
             )
         try:
-            self.session = ort.InferenceSession(str(model_path), session_options(config), providers=providers)
+            self.session = ort.InferenceSession(str(model_path), session_options(config, spec), providers=providers)
         except SpecdeployError:
             raise
         except Exception as exc:
             raise SpecdeployError(f"ONNX Runtime cannot load {model_path}: {str(exc).splitlines()[0]}") from None
+        check_graph_io(spec, self.session.get_inputs(), self.session.get_outputs())
         names = set(spec.input_names)
         self._has_mask = "attention_mask" in names
         self._has_positions = "position_ids" in names

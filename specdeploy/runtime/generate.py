@@ -76,7 +76,8 @@ class GenerationStats:
     target_ms: float = 0.0  # inside the target's ONNX Runtime calls, decode only
     other_ms: float = 0.0  # decode time outside both: sampling, acceptance, bookkeeping
     decode_ms: float = 0.0
-    finish_reason: str = ""  # eos | length | stop | context
+    finish_reason: str = ""  # eos | length (max_new_tokens or the context limit) | stop | interrupted
+    note: str = ""  # why generation ended, in words, when the reason alone does not say (the context limit)
 
     @property
     def acceptance_rate(self) -> float:
@@ -154,9 +155,13 @@ class Generator:
 
     def stream(self, prompt: str | list[int], **kwargs) -> Iterator[str]:
         """Yield text pieces as tokens are accepted; same arguments as generate."""
-        for item in self._run(prompt, self._config(kwargs), streaming=True):
-            if isinstance(item, str):
-                yield item
+        run = self._run(prompt, self._config(kwargs), streaming=True)
+        try:
+            for item in run:
+                if isinstance(item, str):
+                    yield item
+        finally:
+            run.close()  # a stream closed early still sets last_output (finish_reason "interrupted")
 
     def generate(self, prompt: str | list[int], **kwargs) -> GenerationOutput:
         """Generate from a prompt (text or token ids); see GenerationConfig for the arguments."""
@@ -172,7 +177,7 @@ class Generator:
         text = TextStream(self.codec, config.stop) if streaming or config.stop else None
         budget = min(config.max_new_tokens, self.max_context - len(prompt_ids))
         new_tokens: list[int] = []
-        finish = "length" if budget == config.max_new_tokens else "context"
+        finish, stopped_by = "length", None
         rounds = self._rounds(prompt_ids, budget, config, stats)
         try:
             for round_tokens in rounds:
@@ -191,18 +196,24 @@ class Generator:
                 else:
                     continue
                 break
+        except (KeyboardInterrupt, GeneratorExit) as exc:  # Ctrl-C, or a stream closed early: keep what came out
+            finish, stopped_by = "interrupted", exc
         finally:
             rounds.close()  # settles the timing stats now, not when garbage-collected
         if text is not None:
             piece = text.finish()
-            if piece and streaming:
+            if piece and streaming and stopped_by is None:
                 yield piece
             output_text = text.text
         else:
             output_text = self.codec.decode(new_tokens)
         stats.new_tokens = len(new_tokens)
         stats.finish_reason = finish
+        if finish == "length" and budget < config.max_new_tokens:
+            stats.note = f"stopped at the bundle's max context of {self.max_context} tokens (prompt {len(prompt_ids)} + {budget} new)"
         self.last_output = GenerationOutput(text=output_text, token_ids=new_tokens, stats=stats)
+        if isinstance(stopped_by, KeyboardInterrupt):
+            raise stopped_by
 
     def _rounds(self, prompt_ids: list[int], budget: int, config: GenerationConfig,
                 stats: GenerationStats) -> Iterator[list[int]]:

@@ -15,7 +15,7 @@ from .text import TextCodec
 DRAFTERS = ("model", "prompt-lookup", "hybrid")
 
 
-def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verify_checksums: bool = False,
+def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verify: bool = False,
          session: SessionConfig | None = None, lookup_ngram: int = 2) -> Generator:
     """Load a bundle for generation on `device` (cpu | cuda | tensorrt).
 
@@ -23,11 +23,14 @@ def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verif
     draft model otherwise), "model" (the draft model every round) or "prompt-lookup" (no model).
     All three are exact: they change speed, never the output.
 
+    Every file the manifest lists is checked for its place and size; verify=True also re-hashes
+    each one against its sha256 (a same-size corrupted weights file is caught only then).
+
     By default ONNX Runtime runs on one process-wide thread pool (fastest when draft and target
     alternate); set SPECDEPLOY_SHARED_THREADS=0, or pass a SessionConfig with shared_threads=False,
     in a process whose other ONNX Runtime sessions need their own pools."""
     bundle = Path(bundle)
-    manifest = load_manifest(bundle, verify_checksums=verify_checksums)
+    manifest = load_manifest(bundle, verify=verify)
     if drafter not in DRAFTERS:
         raise SpecdeployError(f"unknown drafter '{drafter}' (choose from {', '.join(DRAFTERS)})")
     config = session or SessionConfig(

@@ -1,0 +1,170 @@
+"""Replacing a bundle folder so that it is never lost: a lock, an atomic exchange, and leftovers.
+
+An export builds the new bundle in `.NAME.partial-*` beside NAME and, holding `.NAME.lock` (a
+POSIX flock, the file deleted on release), swaps it into place. On Linux the swap is one renameat2(RENAME_EXCHANGE) call: at every instant
+NAME is the old bundle or the new one, and the old one ends up inside the partial folder, which
+is then deleted. Where the exchange is not available (another OS, some network file systems) it
+is two renames, NAME -> `.NAME.old-*` then the new one -> NAME; a crash between them leaves NAME
+missing, and the next export or load renames the old bundle back. Leftover partial and old
+folders are deleted by the next export to the same NAME (under the lock, so never a live one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import datetime
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+from .errors import SpecdeployError
+
+PARTIAL, OLD = ".partial-", ".old-"
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+
+
+def lock_path(out: Path) -> Path:
+    return out.parent / f".{out.name}.lock"
+
+
+@contextlib.contextmanager
+def bundle_lock(out: Path, on_wait: Callable[[str], None] | None = None, timeout: float = -1) -> Iterator[None]:
+    """Hold `.NAME.lock` beside out: one export (or recovery) per bundle path at a time.
+
+    A second holder waits (on_wait is told once) up to timeout seconds (-1: for as long as it
+    takes). The lock file exists only while held: the holder deletes it before letting go, and a
+    waiter that then wins the lock on the deleted file sees it is no longer the one at the path
+    and tries again (so two holders can never both believe they hold it)."""
+    path = lock_path(out)
+    deadline = None if timeout < 0 else time.monotonic() + timeout
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise SpecdeployError(f"cannot create the lock file {path}: {exc.strerror or exc}") from None
+        try:
+            if not _try_lock(fd, blocking=False):
+                if on_wait is not None:
+                    on_wait(f"another export to {out} is running; waiting for it to finish")
+                    on_wait = None
+                while not _try_lock(fd, blocking=deadline is None):
+                    if time.monotonic() >= deadline:
+                        raise SpecdeployError(f"another export to {out} holds {path}; try again when it has finished")
+                    time.sleep(0.1)
+        except BaseException:
+            os.close(fd)
+            raise
+        if _same_file(fd, path):
+            break
+        os.close(fd)  # won the lock on a file its last holder had deleted: try the one at the path now
+    try:
+        yield
+    finally:
+        os.unlink(path)  # while still held: see the docstring
+        os.close(fd)
+
+
+def _try_lock(fd: int, blocking: bool) -> bool:
+    import fcntl
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if blocking else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.fstat(fd).st_ino == os.stat(path).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def leftovers(out: Path) -> list[Path]:
+    """Partial and old folders an interrupted export to out left beside it."""
+    prefixes = (f".{out.name}{PARTIAL}", f".{out.name}{OLD}")
+    if not out.parent.is_dir():
+        return []
+    return sorted(p for p in out.parent.iterdir() if p.name.startswith(prefixes))
+
+
+def clean_leftovers(out: Path) -> list[str]:
+    """With the lock held: bring back an old bundle that lost its name, delete the other leftovers.
+
+    Returns one line per action, for the caller to report."""
+    actions = []
+    if not out.exists():
+        olds = [p for p in leftovers(out) if p.name.startswith(f".{out.name}{OLD}") and _is_bundle(p)]
+        if olds:
+            os.rename(olds[-1], out)  # the newest: names sort by time
+            actions.append(f"restored {out} from {olds[-1].name} (an export was interrupted while replacing it)")
+    for path in leftovers(out):
+        shutil.rmtree(path, ignore_errors=True)
+        actions.append(f"removed {path.name}, left by an interrupted export")
+    return actions
+
+
+def recover_missing(out: Path) -> bool:
+    """out is missing: if an interrupted replacement left the old bundle aside, put it back. True if it did."""
+    out = Path(out).expanduser().absolute()
+    if not any(p.name.startswith(f".{out.name}{OLD}") for p in leftovers(out)):
+        return False
+    try:
+        with bundle_lock(out, timeout=0):
+            clean_leftovers(out)
+    except SpecdeployError:
+        return False  # an export to out is running: it will put a bundle there
+    return out.is_dir()
+
+
+def replace(built: Path, out: Path) -> None:
+    """Move the finished bundle built to out; an existing out (already checked to be a bundle) is
+    exchanged with it atomically and left at built, for the caller to delete."""
+    if not out.exists():
+        os.rename(built, out)
+        return
+    if _exchange(built, out):
+        return
+    old = out.with_name(f".{out.name}{OLD}{datetime.datetime.now().strftime('%Y%m%d%H%M%S%f')}")
+    os.rename(out, old)
+    os.rename(built, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _exchange(first: Path, second: Path) -> bool:
+    """renameat2(first, second, RENAME_EXCHANGE): both names swap in one step. False where unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    result = renameat2(_AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), _RENAME_EXCHANGE)
+    return result == 0
+
+
+def _is_bundle(path: Path) -> bool:
+    from .bundle import MANIFEST_NAME
+
+    return (path / MANIFEST_NAME).is_file()
+
+
+def is_replaceable(out: Path) -> str | None:
+    """None if --force may replace out (an empty folder, or a folder whose manifest parses as a
+    specdeploy bundle's); otherwise why not, in words."""
+    from .bundle import MANIFEST_NAME, read_manifest
+
+    if out.is_symlink() or not out.is_dir():
+        return "is not a folder" if not out.is_symlink() else "is a symbolic link"
+    if not any(out.iterdir()):
+        return None
+    if not (out / MANIFEST_NAME).is_file():
+        return f"is not a specdeploy bundle (no {MANIFEST_NAME})"
+    try:
+        read_manifest(out)
+    except SpecdeployError as exc:
+        return f"does not hold a specdeploy bundle ({exc})"
+    return None

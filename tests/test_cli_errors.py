@@ -1,0 +1,167 @@
+"""Every bad input to every command: one `error: ...` line on stderr, exit code 2, no traceback
+(`--debug` shows it). Most run in-process (click's runner); argv bytes need a real process."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from specdeploy.cli import main
+
+
+def invoke(*args, input=None):
+    result = CliRunner().invoke(main, list(args), input=input)
+    return result.exit_code, result.stdout, result.stderr
+
+
+def assert_one_line(code, stderr, message):
+    assert code == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    assert message in lines[0], lines[0]
+    assert "Traceback" not in stderr
+
+
+@pytest.fixture(scope="module")
+def bundle(agreeing_bundle):
+    return str(agreeing_bundle)
+
+
+@pytest.fixture
+def files(tmp_path):
+    (tmp_path / "list.json").write_text('{"prompts": ["a"]}')
+    (tmp_path / "empty.json").write_text("[]")
+    (tmp_path / "numbers.json").write_text("[1, 2]")
+    (tmp_path / "latin1.json").write_bytes('["caf\xe9"]'.encode("latin-1"))
+    (tmp_path / "deep.json").write_text("[" * 100000 + "]" * 100000)
+    return tmp_path
+
+
+RUN_CASES = [
+    (["--seed", "-1"], "'--seed': -1 is not in the range 0<=x<=18446744073709551615"),
+    (["--seed", str(2**64)], "is not in the range"),
+    (["--seed", "1.5"], "'--seed'"),
+    (["--max-new-tokens", "many"], "'--max-new-tokens': 'many' is not a valid integer"),
+    (["--temperature", "nan"], "temperature"),
+    (["--temperature", "inf"], "temperature"),
+    (["--top-p", "1.5"], "top_p"),
+    (["--num-draft-tokens", "0"], "num_draft_tokens"),
+    (["--draft-confidence", "1"], "draft_confidence"),
+    (["--device", "cuda"], "needs onnxruntime-gpu"),
+    (["--device", "tensorrt"], "needs onnxruntime-gpu"),
+    (["--device", "tpu"], "unknown device 'tpu'"),
+    (["--drafter", "oracle"], "unknown drafter 'oracle'"),
+    (["--frobnicate"], "No such option '--frobnicate'"),
+    (["--prompt", "\udcff\udcfe"], "not valid UTF-8: byte 0xff at offset 0"),
+    (["--stop", "ok\udcc3"], "not valid UTF-8: byte 0xc3 at offset 2"),
+]
+
+
+@pytest.mark.parametrize("args, message", RUN_CASES, ids=[" ".join(a)[:30] for a, _ in RUN_CASES])
+def test_run_bad_input(bundle, args, message):
+    prompt = [] if "--prompt" in args else ["--prompt", "x"]
+    assert_one_line(*invoke("run", bundle, *prompt, *args)[::2], message)
+
+
+def test_run_missing_prompt_and_bundle(tmp_path):
+    assert_one_line(*invoke("run", str(tmp_path))[::2], "Missing option '--prompt'")
+    assert_one_line(*invoke("run", str(tmp_path / "none"), "--prompt", "x")[::2], "bundle not found")
+    assert_one_line(*invoke("run", str(tmp_path), "--prompt", "x")[::2], "not a specdeploy bundle")
+
+
+def test_stdin_must_be_utf8(bundle):
+    code, _, stderr = invoke("run", bundle, "--prompt", "-", input=b"def f():\n    return '\xe9'\n")
+    assert_one_line(code, stderr, "standard input is not valid UTF-8: byte 0xe9 at offset 21")
+
+
+def test_argv_bytes_in_a_real_process(bundle):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-m", "specdeploy", "run", bundle, "--prompt", b"abc\xff"],
+                            capture_output=True, text=True, env=env)
+    assert_one_line(result.returncode, result.stderr, "not valid UTF-8: byte 0xff at offset 3")
+
+
+@pytest.mark.parametrize("name, message", [
+    ("missing.json", "no such file"),
+    ("list.json", "expected a JSON list of strings"),
+    ("empty.json", "expected a JSON list of strings"),
+    ("numbers.json", "expected a JSON list of strings"),
+    ("latin1.json", "is not valid UTF-8: byte 0xe9 at offset 5"),
+    ("deep.json", "--prompts"),
+    (".", "not a file"),
+])
+def test_bench_bad_prompts(bundle, files, name, message):
+    assert_one_line(*invoke("bench", bundle, "--prompts", str(files / name))[::2], message)
+
+
+def test_bench_bad_options(bundle, tmp_path):
+    assert_one_line(*invoke("bench", bundle, "--plot", str(tmp_path / "no" / "plot.png"))[::2], "does not exist")
+    assert_one_line(*invoke("bench", bundle, "--plot", str(tmp_path))[::2], "is a folder")
+    assert_one_line(*invoke("bench", bundle, "--repeat", "0")[::2], "at least 1")
+    assert_one_line(*invoke("bench", bundle, "-k", "2,x")[::2], "--num-draft-tokens '2,x'")
+    assert_one_line(*invoke("bench", bundle, "--prompt-tokens", "100000")[::2], "exceed the bundle's max context")
+    assert_one_line(*invoke("bench", bundle, "--seed", "-5")[::2], "'--seed'")
+
+
+def test_zero_tokens_is_not_an_error(bundle):
+    code, stdout, stderr = invoke("run", bundle, "--prompt", "x", "--max-new-tokens", "0", "--json")
+    assert code == 0, stderr
+    payload = json.loads(stdout)
+    assert payload["token_ids"] == [] and payload["stats"]["tokens_per_s"] == 0.0
+    code, _, stderr = invoke("run", bundle, "--prompt", "x", "--max-new-tokens", "0")
+    assert code == 0 and "0 tokens" in stderr
+
+
+def test_an_onnx_runtime_failure_names_the_model_and_the_pass(bundles, tmp_path):
+    """A real failure inside a run: the fused graphs' rotary tables end at the exported context, so a
+    manifest that claims a longer one (and is otherwise consistent) fails in its first pass."""
+    import shutil
+
+    bundle = tmp_path / "bundle"
+    shutil.copytree(bundles("llama"), bundle)
+    manifest = json.loads((bundle / "specdeploy.json").read_text())
+    assert manifest["target"]["graph"] == "fused" and manifest["max_context"] == 256
+    for data in (manifest, manifest["target"], manifest["draft"]):
+        data["max_context"] = 1024
+    (bundle / "specdeploy.json").write_text(json.dumps(manifest))
+    args = ["run", str(bundle), "--prompt", "x = 1\n" * 150, "--max-new-tokens", "4", "--no-speculative"]
+    code, _, stderr = invoke(*args)
+    assert_one_line(code, stderr, "ONNX Runtime failed in the target model's prefill pass (64 tokens after 0 cached; "
+                                  "target/model.onnx): ")
+    assert "GroupQueryAttention" in stderr and "--debug" in stderr
+    result = CliRunner().invoke(main, ["--debug", *args])
+    assert isinstance(result.exception, RuntimeError)  # --debug: the exception itself, for a bug report
+
+
+def test_unexpected_errors_are_one_line_and_debug_shows_them(bundle, monkeypatch):
+    import specdeploy.runtime as runtime
+
+    def broken(*args, **kwargs):
+        raise ValueError("something nobody planned for")
+
+    monkeypatch.setattr(runtime, "load", broken)
+    assert_one_line(*invoke("run", bundle, "--prompt", "x")[::2], "ValueError: something nobody planned for")
+    result = CliRunner().invoke(main, ["--debug", "run", bundle, "--prompt", "x"])
+    assert isinstance(result.exception, ValueError)
+
+
+def test_export_and_inspect_bad_input(tmp_path):
+    assert_one_line(*invoke("export", "--out", str(tmp_path / "no" / "bundle"))[::2], "does not exist")
+    assert_one_line(*invoke("export", "--target", str(tmp_path))[::2], "pass both --target and --draft")
+    assert_one_line(*invoke("export", "--max-context", "1")[::2], "--max-context must be at least 2")
+    assert_one_line(*invoke("inspect", str(tmp_path))[::2], "not a specdeploy bundle")
+    (tmp_path / "specdeploy.json").write_bytes(b"\xff\xfe{}")
+    assert_one_line(*invoke("verify", str(tmp_path))[::2], "is not UTF-8 (byte 0)")
+    assert_one_line(*invoke("frobnicate")[::2], "No such command 'frobnicate'")
+
+
+def test_bare_command_shows_help_and_an_existing_non_bundle_is_named(tmp_path):
+    code, stdout, _ = invoke()
+    assert code == 0 and stdout.startswith("Usage:")
+    (tmp_path / "notes.txt").write_text("mine")
+    # without --force too: the message says it is not a bundle, not "pass --force"
+    assert_one_line(*invoke("export", "--out", str(tmp_path))[::2], "is not a specdeploy bundle")
+    assert (tmp_path / "notes.txt").read_text() == "mine"
