@@ -189,6 +189,10 @@ def inspect(bundle, as_json, verify) -> None:
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
 @click.option("--top-k", type=int, default=0, show_default=True, help="0 is off.")
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="1.0 is off.")
+@click.option("--min-p", type=float, default=0.0, show_default=True,
+              help="Keep tokens at least this fraction as likely as the most likely one; 0 is off.")
+@click.option("--repetition-penalty", type=float, default=1.0, show_default=True,
+              help="Divide positive / multiply negative logits of tokens already in the context (HF's); 1.0 is off.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--num-draft-tokens", "-k", type=int, default=4, show_default=True)
 @click.option("--draft-confidence", type=float, default=0.0, show_default=True,
@@ -199,7 +203,7 @@ def inspect(bundle, as_json, verify) -> None:
 @click.option("--drafter", default="hybrid", show_default=True, help="hybrid | model | prompt-lookup")
 @click.option("--stream/--no-stream", default=True, show_default=True, help="Print text as it is accepted.")
 @click.option("--json", "as_json", is_flag=True, help='Print one JSON object {"text", "token_ids", "stats"}.')
-def run(bundle, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_draft_tokens, draft_confidence,
+def run(bundle, prompt, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, num_draft_tokens, draft_confidence,
         no_speculative, stop, device, drafter, stream, as_json) -> None:
     """Generate from a prompt with speculative decoding (BUNDLE defaults to the demo bundle)."""
     from .runtime import load
@@ -208,7 +212,8 @@ def run(bundle, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_dra
         prompt = sys.stdin.read()
     _return_freed_memory()
     generator = load(resolve_bundle(bundle), device=device, drafter=drafter)
-    options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+    options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                   repetition_penalty=repetition_penalty, seed=seed,
                    num_draft_tokens=num_draft_tokens, draft_confidence=draft_confidence,
                    speculative=not no_speculative, stop=stop)
     if as_json or not stream:
@@ -260,6 +265,8 @@ def _parse_draft_tokens(value: str) -> tuple[int, ...] | None:
 @click.option("--temperature", type=float, default=0.0, show_default=True)
 @click.option("--top-k", type=int, default=0, show_default=True)
 @click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--min-p", type=float, default=0.0, show_default=True)
+@click.option("--repetition-penalty", type=float, default=1.0, show_default=True)
 @click.option("--draft-confidence", type=float, default=0.0, show_default=True,
               help="Stop drafting once the draft's top probability falls below this.")
 @click.option("--repeat", type=int, default=1, show_default=True)
@@ -268,7 +275,8 @@ def _parse_draft_tokens(value: str) -> tuple[int, ...] | None:
 @click.option("--drafter", default="hybrid", show_default=True, help="hybrid | model | prompt-lookup")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on the last line of stdout.")
 @click.option("--plot", type=click.Path(), default=None, help="Draw speedup vs k and acceptance by position (PNG).")
-def bench(bundle, prompts_file, max_new_tokens, prompt_tokens, num_draft_tokens, temperature, top_k, top_p, draft_confidence, repeat,
+def bench(bundle, prompts_file, max_new_tokens, prompt_tokens, num_draft_tokens, temperature, top_k, top_p, min_p,
+          repetition_penalty, draft_confidence, repeat,
           seed, device, drafter, as_json, plot) -> None:
     """Target-only vs speculative decoding on the same prompts: speed, acceptance, cost model."""
     from rich.console import Console
@@ -288,7 +296,8 @@ def bench(bundle, prompts_file, max_new_tokens, prompt_tokens, num_draft_tokens,
     for length in lengths:
         lengthened = [tuple(ids) for ids in lengthen_prompts(prompts, generator.codec.encode, length)] if length else prompts
         config = BenchConfig(prompts=tuple(lengthened), max_new_tokens=max_new_tokens, num_draft_tokens=ks,
-                             temperature=temperature, top_k=top_k, top_p=top_p, draft_confidence=draft_confidence,
+                             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                             repetition_penalty=repetition_penalty, draft_confidence=draft_confidence,
                              repeat=repeat, seed=seed)
         with console.status("bench") as status:
             report = run_bench(generator, config, progress=lambda message: status.update(f"{length or ''} {message}"))
@@ -307,6 +316,16 @@ def bench(bundle, prompts_file, max_new_tokens, prompt_tokens, num_draft_tokens,
             _print_context_sweep(report["context_sweep"])
 
 
+def _sampling_label(report: dict) -> str:
+    """'temperature 0.8, top-k 50, top-p 0.95': the sampling settings a bench report ran with (those that are on)."""
+    parts = [f"temperature {report['temperature']}" if report["temperature"] else "greedy"]
+    for key, name, off in (("top_k", "top-k", 0), ("top_p", "top-p", 1.0), ("min_p", "min-p", 0.0),
+                           ("repetition_penalty", "repetition penalty", 1.0)):
+        if report.get(key, off) != off:
+            parts.append(f"{name} {report[key]}")
+    return ", ".join(parts)
+
+
 def _print_bench(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -314,8 +333,8 @@ def _print_bench(report: dict) -> None:
     base = report["target_only"]
     rows = report["by_num_draft_tokens"]
     context = f"{report['prompt_tokens']}-token prompts" if report.get("prompt_tokens") else "prompts"
-    table = Table(title=f"{report['prompts']} {context} x {report['max_new_tokens']} new tokens, temperature "
-                        f"{report['temperature']}, repeat {report['repeat']}, drafter {report.get('drafter', '')}")
+    table = Table(title=f"{report['prompts']} {context} x {report['max_new_tokens']} new tokens, {_sampling_label(report)}, "
+                        f"repeat {report['repeat']}, drafter {report.get('drafter', '')}")
     table.add_column("")
     table.add_column("target-only", justify="right")
     for row in rows:
