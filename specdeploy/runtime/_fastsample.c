@@ -593,29 +593,116 @@ typedef struct {
     float penalty;             /* 1: off */
 } Settings;
 
-/* A truncated row: its support (top-k by selection, or the candidates that can hold the top-p nucleus),
- * then the nucleus and min-p within it; the support's exponentials, from row [n] (no NaN, finite max). */
-static Sparse *truncate_row(const Settings *p, const float *row, float *out, Py_ssize_t n, float shift) {
+/* A top-k row: its support by partial selection, then the nucleus and min-p within it; the support's
+ * exponentials, from row [n] (no NaN, finite max). */
+static Sparse *top_k_row(const Settings *p, const float *row, Py_ssize_t n, float shift) {
     Sparse *s = &scratch.sparse;
     const float inverse = p->inverse_temperature;
-    double total = 0.0;
-    if (0 < p->top_k && p->top_k < n) {
-        block_maxima(row, n, scratch.maxima);
-        const float kth = kth_largest(row, n, p->top_k, scratch.maxima, scratch.work);
-        s->count = collect_at_least(row, n, kth, scratch.maxima, s->indices);
-        for (Py_ssize_t j = 0; j < s->count; j++) s->weights[j] = exp_nonpositive(row[s->indices[j]] * inverse - shift);
-        if (p->top_p < 1.0) total = sparse_sums(s, n);
-    } else { /* top-p over the whole row: tokens below (1 - top_p) * total / n hold less than 1 - top_p together */
-        exp_row(row, out, n, inverse, shift);
-        total = block_sums_of(out, n, scratch.dense_blocks);
-        const float floor = (float)((1.0 - p->top_p) * total / (double)n * (1.0 - 1e-6));
-        block_maxima(out, n, scratch.maxima);
-        s->count = collect_at_least(out, n, floor, scratch.maxima, s->indices);
-        for (Py_ssize_t j = 0; j < s->count; j++) s->weights[j] = out[s->indices[j]];
-    }
-    if (p->top_p < 1.0) keep_nucleus(s, p->top_p * total);
+    block_maxima(row, n, scratch.maxima);
+    const float kth = kth_largest(row, n, p->top_k, scratch.maxima, scratch.work);
+    s->count = collect_at_least(row, n, kth, scratch.maxima, s->indices);
+    for (Py_ssize_t j = 0; j < s->count; j++) s->weights[j] = exp_nonpositive(row[s->indices[j]] * inverse - shift);
+    if (p->top_p < 1.0) keep_nucleus(s, p->top_p * sparse_sums(s, n));
     if (p->log_min_p > -INFINITY) keep_min_p(s, row, inverse, shift, p->log_min_p);
     return s;
+}
+
+#define KEY_SHIFT 20 /* a weight's bucket: its float's exponent and 3 leading mantissa bits (2^(1/8) apart) */
+#define MAX_BUCKETS 1024
+#define HISTOGRAMS 4 /* interleaved, so that neighbouring tokens in one bucket do not wait on each other */
+
+static inline int32_t weight_key(float weight) {
+    int32_t bits;
+    memcpy(&bits, &weight, sizeof bits);
+    return bits >> KEY_SHIFT;
+}
+
+static inline int32_t bucket_of(float weight, int32_t low) {
+    const int32_t key = weight_key(weight) - low;
+    return key > 0 ? key : 0;
+}
+
+/* Whether any of the LANES weights at x is in bucket (in vector registers with GCC). */
+static inline int any_in_bucket(const float *restrict x, int32_t low, int32_t bucket) {
+#if defined(__GNUC__)
+    MaskLanes keys;
+    memcpy(&keys, x, sizeof keys);
+    keys = (keys >> KEY_SHIFT) - low;
+    keys = keys & (keys > 0); /* negative keys (comparisons give -1 where true) go to the lowest bucket, 0 */
+    const MaskLanes hit = keys == bucket;
+    int32_t found = 0;
+    for (int l = 0; l < LANES; l++) found |= hit[l];
+    return found != 0;
+#else
+    int found = 0;
+    for (int l = 0; l < LANES; l++) found |= bucket_of(x[l], low) == bucket;
+    return found;
+#endif
+}
+
+/* (values, ids) [return] = the weights [n] in bucket (the lowest bucket: every weight below it too), in
+ * token order; a bucket holds few of a row's tokens. */
+ROW_PASS static Py_ssize_t bucket_members(const float *restrict weights, Py_ssize_t n, int32_t low, int32_t bucket,
+                                          float *restrict values, Py_ssize_t *restrict ids) {
+    Py_ssize_t count = 0, i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        if (!any_in_bucket(weights + i, low, bucket)) continue;
+        for (int l = 0; l < LANES; l++)
+            if (bucket_of(weights[i + l], low) == bucket) {
+                values[count] = weights[i + l];
+                ids[count++] = i + l;
+            }
+    }
+    for (; i < n; i++)
+        if (bucket_of(weights[i], low) == bucket) {
+            values[count] = weights[i];
+            ids[count++] = i;
+        }
+    return count;
+}
+
+/* The nucleus's last token over a whole row of weights [n] (exponentials, the largest 1), without sorting it:
+ * a histogram of the mass by bucket finds the bucket the cut falls in (weights below (1 - top_p) / n
+ * hold less than 1 - top_p of a mass of at least 1 together, and share the lowest bucket), and the
+ * mass selection runs over that bucket's tokens alone. */
+static void dense_nucleus_cut(const float *weights, Py_ssize_t n, double top_p, float *cut_value, Py_ssize_t *cut_id) {
+    static double histogram[HISTOGRAMS * MAX_BUCKETS];
+    const int32_t low = weight_key((float)((1.0 - top_p) / (double)n * (1.0 - 1e-6)));
+    const Py_ssize_t buckets = weight_key(1.0f) - low + 1; /* <= 1017: weights are in [0, 1] */
+    memset(histogram, 0, sizeof(double) * HISTOGRAMS * (size_t)buckets);
+    Py_ssize_t i = 0;
+    for (; i + HISTOGRAMS <= n; i += HISTOGRAMS)
+        for (int h = 0; h < HISTOGRAMS; h++) histogram[h * buckets + bucket_of(weights[i + h], low)] += weights[i + h];
+    for (; i < n; i++) histogram[bucket_of(weights[i], low)] += weights[i];
+    double total = 0.0;
+    for (Py_ssize_t b = 0; b < buckets; b++) {
+        for (int h = 1; h < HISTOGRAMS; h++) histogram[b] += histogram[h * buckets + b];
+        total += histogram[b];
+    }
+    const double target = top_p * total;
+    double before = 0.0; /* mass of the buckets above the cut's */
+    Py_ssize_t bucket = buckets - 1;
+    for (; bucket > 0 && before + histogram[bucket] < target; bucket--) before += histogram[bucket];
+    const Py_ssize_t count = bucket_members(weights, n, low, (int32_t)bucket, scratch.work, scratch.work_indices);
+    nucleus_cut(scratch.work, scratch.work_indices, count, target - before, cut_value, cut_id);
+}
+
+/* out [n] = weights kept by the nucleus (ranked no later than its last token) and by min-p, else 0. */
+ROW_PASS static void mask_row(float *restrict out, const float *restrict row, Py_ssize_t n, float cut_value,
+                              Py_ssize_t cut_id, float inverse, float shift, float log_min_p) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const int kept = (out[i] > cut_value || (out[i] == cut_value && i <= cut_id)) && row[i] * inverse - shift >= log_min_p;
+        out[i] = kept ? out[i] : 0.0f;
+    }
+}
+
+/* Normalizes a dense row of weights out [n] (the most probable one 1); with a uniform, returns the token it
+ * draws from them first (as softmax_row does), else 0. */
+static Py_ssize_t finish_dense(float *out, Py_ssize_t n, const double *uniform) {
+    const double total = block_sums_of(out, n, scratch.dense_blocks);
+    const Py_ssize_t token = uniform != NULL ? draw_blocks(out, n, scratch.dense_blocks, total, *uniform) : 0;
+    scale_row(out, n, (float)(1.0 / total));
+    return token;
 }
 
 /* out [n] = the processed distribution of logits [n] (sampling.process_row), with the context's penalty
@@ -638,12 +725,17 @@ static Py_ssize_t process_row(const Settings *p, const float *logits, float *out
     const float shift = max * p->inverse_temperature;
     if (!truncated) { /* min-p alone: one pass */
         exp_row_above(row, out, n, p->inverse_temperature, shift, p->log_min_p);
-        const double total = block_sums_of(out, n, scratch.dense_blocks);
-        const Py_ssize_t token = uniform != NULL ? draw_blocks(out, n, scratch.dense_blocks, total, *uniform) : 0;
-        scale_row(out, n, (float)(1.0 / total));
-        return token;
+        return finish_dense(out, n, uniform);
     }
-    Sparse *s = truncate_row(p, row, out, n, shift);
+    if (!(0 < p->top_k && p->top_k < n)) { /* top-p over the whole row: dense, as the min-p row */
+        float cut_value;
+        Py_ssize_t cut_id;
+        exp_row(row, out, n, p->inverse_temperature, shift);
+        dense_nucleus_cut(out, n, p->top_p, &cut_value, &cut_id);
+        mask_row(out, row, n, cut_value, cut_id, p->inverse_temperature, shift, p->log_min_p);
+        return finish_dense(out, n, uniform);
+    }
+    Sparse *s = top_k_row(p, row, n, shift);
     const double total = sparse_sums(s, n); /* >= 1: the most probable token stays, with e^0 */
     const Py_ssize_t token = uniform != NULL ? sparse_draw(s, total, *uniform) : 0;
     const float scale = (float)(1.0 / total);
