@@ -205,6 +205,8 @@ static Py_ssize_t scan_residual(const float *target, const float *draft, Py_ssiz
 
 static Py_ssize_t num_blocks_of(Py_ssize_t n) { return (n + BLOCK - 1) / BLOCK; }
 
+static Py_ssize_t num_chunks_of(Py_ssize_t n) { return (n + LANES - 1) / LANES; }
+
 /* Two-level inverse-CDF draw from non-negative weights with known block sums. */
 static Py_ssize_t draw_blocks(const float *weights, Py_ssize_t n, const double *block_sums, double total, double uniform) {
     double point = uniform * total;
@@ -256,7 +258,7 @@ static struct {
     float *work;               /* [n] selection scratch */
     Py_ssize_t *work_indices;  /* [n] */
     double *dense_blocks;      /* [blocks] block sums of dense rows */
-    float *maxima;             /* [blocks] block maxima */
+    float *maxima;             /* [chunks] chunk maxima */
     Sparse sparse;
 } scratch;
 
@@ -273,7 +275,7 @@ static int ensure_scratch(Py_ssize_t n) {
         PyMem_Realloc(scratch.sparse.block_starts, (count + 1) * sizeof(Py_ssize_t)),
     };
     double *sums = PyMem_Realloc(scratch.sparse.block_sums, count * sizeof(double));
-    float *maxima = PyMem_Realloc(scratch.maxima, blocks * sizeof(float));
+    float *maxima = PyMem_Realloc(scratch.maxima, (size_t)num_chunks_of(n) * sizeof(float));
     if (maxima) scratch.maxima = maxima;
     /* A failed realloc leaves its block as it was: keep whatever succeeded, report the failure. */
     if (parts[0]) scratch.penalized = parts[0];
@@ -326,25 +328,29 @@ ROW_PASS static int any_nan(const float *restrict row, Py_ssize_t n) {
     return found;
 }
 
-/* The largest of the BLOCK values at x (no NaN): whether a block holds a value above a threshold, in
- * vector maxima (GCC vector extensions; other compilers vectorize the plain loop or not). */
+/* The largest of the LANES values at x (no NaN): in vector registers with GCC (a max with the lanes
+ * swapped in halves, quarters, ...), so that a row's chunk maxima cost about one pass over it. */
 #if defined(__GNUC__)
-static inline float block_max(const float *restrict x) {
-    FloatLanes lanes, next;
+static inline float chunk_max(const float *restrict x) {
+    static const MaskLanes swaps[4] = {
+        {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7},
+        {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11},
+        {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13},
+        {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14},
+    };
+    FloatLanes lanes;
     memcpy(&lanes, x, sizeof lanes);
-    for (int i = LANES; i < BLOCK; i += LANES) {
-        memcpy(&next, x + i, sizeof next);
-        const MaskLanes greater = next > lanes;
-        lanes = (FloatLanes)((greater & (MaskLanes)next) | (~greater & (MaskLanes)lanes));
+    for (int step = 0; step < 4; step++) {
+        const FloatLanes other = __builtin_shuffle(lanes, swaps[step]);
+        const MaskLanes greater = other > lanes;
+        lanes = (FloatLanes)((greater & (MaskLanes)other) | (~greater & (MaskLanes)lanes));
     }
-    float best = lanes[0];
-    for (int l = 1; l < LANES; l++) best = lanes[l] > best ? lanes[l] : best;
-    return best;
+    return lanes[0];
 }
 #else
-static inline float block_max(const float *restrict x) {
+static inline float chunk_max(const float *restrict x) {
     float best = x[0];
-    for (int i = 1; i < BLOCK; i++) best = x[i] > best ? x[i] : best;
+    for (int l = 1; l < LANES; l++) best = x[l] > best ? x[l] : best;
     return best;
 }
 #endif
@@ -372,33 +378,33 @@ static float select_descending(float *values, Py_ssize_t count, Py_ssize_t k) {
     return values[target];
 }
 
-/* maxima [num_blocks_of(n)] = the largest value of each block of BLOCK values of row [n] (no NaN). */
-ROW_PASS static void block_maxima(const float *restrict row, Py_ssize_t n, float *restrict maxima) {
-    Py_ssize_t b = 0, start = 0;
-    for (; start + BLOCK <= n; b++, start += BLOCK) maxima[b] = block_max(row + start);
+/* maxima [num_chunks_of(n)] = the largest value of each chunk of LANES values of row [n] (no NaN). */
+ROW_PASS static void chunk_maxima(const float *restrict row, Py_ssize_t n, float *restrict maxima) {
+    Py_ssize_t c = 0, start = 0;
+    for (; start + LANES <= n; c++, start += LANES) maxima[c] = chunk_max(row + start);
     if (start < n) {
         float best = row[start];
         for (Py_ssize_t i = start + 1; i < n; i++) best = row[i] > best ? row[i] : best;
-        maxima[b] = best;
+        maxima[c] = best;
     }
 }
 
-/* The k-th largest of row [n] (1 <= k < n; no NaN), by partial selection. The k-th largest of the blocks'
- * maxima is a lower bound (k values reach it), so only the blocks whose maximum reaches it can hold the
+/* The k-th largest of row [n] (1 <= k < n; no NaN), by partial selection. The k-th largest of the chunks'
+ * maxima is a lower bound (k values reach it), so only the chunks whose maximum reaches it can hold the
  * k largest values; their values at or above it are few, and one selection over them finds the k-th.
  * work [n] is scratch. */
 static float kth_largest(const float *row, Py_ssize_t n, Py_ssize_t k, const float *maxima, float *work) {
-    const Py_ssize_t num_blocks = num_blocks_of(n);
+    const Py_ssize_t num_chunks = num_chunks_of(n);
     float bound = -INFINITY;
-    if (k <= num_blocks) {
-        memcpy(work, maxima, (size_t)num_blocks * sizeof *work);
-        bound = select_descending(work, num_blocks, k);
+    if (k <= num_chunks) {
+        memcpy(work, maxima, (size_t)num_chunks * sizeof *work);
+        bound = select_descending(work, num_chunks, k);
     }
     Py_ssize_t count = 0;
-    for (Py_ssize_t b = 0; b < num_blocks; b++) {
-        if (!(maxima[b] >= bound)) continue;
-        const Py_ssize_t end = (b + 1) * BLOCK < n ? (b + 1) * BLOCK : n;
-        for (Py_ssize_t i = b * BLOCK; i < end; i++) { /* branch-free: half of a block's values may pass */
+    for (Py_ssize_t c = 0; c < num_chunks; c++) {
+        if (!(maxima[c] >= bound)) continue;
+        const Py_ssize_t end = (c + 1) * LANES < n ? (c + 1) * LANES : n;
+        for (Py_ssize_t i = c * LANES; i < end; i++) { /* branch-free: any of a chunk's values may pass */
             work[count] = row[i];
             count += row[i] >= bound;
         }
@@ -406,15 +412,15 @@ static float kth_largest(const float *row, Py_ssize_t n, Py_ssize_t k, const flo
     return count < k ? -INFINITY : select_descending(work, count, k);
 }
 
-/* indices [return] = the ids of row [n] whose value is >= threshold, ascending; blocks whose maximum
- * (maxima, as block_maxima gives them) is below it are not read. */
+/* indices [return] = the ids of row [n] whose value is >= threshold, ascending; chunks whose maximum
+ * (maxima, as chunk_maxima gives them) is below it are not read. */
 static Py_ssize_t collect_at_least(const float *row, Py_ssize_t n, float threshold, const float *maxima,
                                    Py_ssize_t *indices) {
     Py_ssize_t count = 0;
-    for (Py_ssize_t b = 0; b < num_blocks_of(n); b++) {
-        if (!(maxima[b] >= threshold)) continue;
-        const Py_ssize_t end = (b + 1) * BLOCK < n ? (b + 1) * BLOCK : n;
-        for (Py_ssize_t i = b * BLOCK; i < end; i++) {
+    for (Py_ssize_t c = 0; c < num_chunks_of(n); c++) {
+        if (!(maxima[c] >= threshold)) continue;
+        const Py_ssize_t end = (c + 1) * LANES < n ? (c + 1) * LANES : n;
+        for (Py_ssize_t i = c * LANES; i < end; i++) {
             indices[count] = i;
             count += row[i] >= threshold;
         }
@@ -598,7 +604,7 @@ typedef struct {
 static Sparse *top_k_row(const Settings *p, const float *row, Py_ssize_t n, float shift) {
     Sparse *s = &scratch.sparse;
     const float inverse = p->inverse_temperature;
-    block_maxima(row, n, scratch.maxima);
+    chunk_maxima(row, n, scratch.maxima);
     const float kth = kth_largest(row, n, p->top_k, scratch.maxima, scratch.work);
     s->count = collect_at_least(row, n, kth, scratch.maxima, s->indices);
     for (Py_ssize_t j = 0; j < s->count; j++) s->weights[j] = exp_nonpositive(row[s->indices[j]] * inverse - shift);
