@@ -213,15 +213,17 @@ class Sampler:
             inverse = 0.0 if params.greedy else 1.0 / params.temperature
             self.kernel = _fastsample.Processor(inverse, params.top_k, params.top_p, params.min_p,
                                                 params.repetition_penalty)
+        # The penalty's ids [count] and mask [vocab] as the kernel takes them (None: no penalty).
+        self._ids, self._mask = (None, None) if self.penalty is None else (self.penalty.ids, self.penalty.mask)
 
     def sync(self, context: list[int]) -> None:
         if self.penalty is not None:
             self.penalty.sync(context)
+            self._ids, self._mask = self.penalty.ids, self.penalty.mask
 
     def penalty_args(self) -> tuple:
         """(ids [count], mask [vocab]) for the C kernel, or (None, None) without a penalty."""
-        penalty = self.penalty
-        return (None, None) if penalty is None else (penalty.ids, penalty.mask)
+        return self._ids, self._mask
 
     def _penalized_ids(self, extras) -> np.ndarray | None:
         return None if self.penalty is None else self.penalty.with_extras(extras)
@@ -232,7 +234,7 @@ class Sampler:
             return int(logits.argmax())
         if self.kernel is not None:
             try:
-                return self.kernel.argmax(logits, self.penalty.ids, self.penalty.mask, extras)
+                return self.kernel.argmax(logits, self._ids, self._mask, extras)
             except TypeError:  # not float32, or not contiguous: the same token, in NumPy
                 pass
         return int(penalize(logits, self._penalized_ids(extras), self.params.repetition_penalty).argmax())
@@ -240,14 +242,13 @@ class Sampler:
     def distribution(self, logits: np.ndarray, out: np.ndarray, extras=()) -> np.ndarray:
         """out [vocab] = the processed distribution of logits [vocab] (process_row's)."""
         if self.kernel is not None:
-            ids, mask = self.penalty_args()
             try:
-                self.kernel.sample(logits, out, None, ids, mask, extras)
+                self.kernel.sample(logits, out, None, self._ids, self._mask, extras)
                 return out
             except TypeError:
                 logits = np.ascontiguousarray(logits, dtype=np.float32)
                 if c_takes(out):
-                    self.kernel.sample(logits, out, None, ids, mask, extras)
+                    self.kernel.sample(logits, out, None, self._ids, self._mask, extras)
                     return out
         return process_row(logits, self.params, out, self._penalized_ids(extras))
 
@@ -256,12 +257,11 @@ class Sampler:
         [vocab] receives. The C kernel draws from the row's exponentials just before they are divided
         by their sum (the same distribution, without a second pass over the row)."""
         if self.kernel is not None:
-            ids, mask = self.penalty_args()
             try:
-                return self.kernel.sample(logits, out, uniform, ids, mask, extras)
+                return self.kernel.sample(logits, out, uniform, self._ids, self._mask, extras)
             except TypeError:
-                return self.kernel.sample(np.ascontiguousarray(logits, dtype=np.float32), out, uniform, ids, mask,
-                                          extras)
+                return self.kernel.sample(np.ascontiguousarray(logits, dtype=np.float32), out, uniform, self._ids,
+                                          self._mask, extras)
         return draw(self.distribution(logits, out, extras), uniform)
 
 
