@@ -322,6 +322,44 @@ static void penalize_into(const float *logits, float *out, Py_ssize_t n, const C
     }
 }
 
+/* The maximum of row [n], or NaN when the row holds a NaN: a truncated row's check, in one pass. */
+#if defined(__GNUC__)
+ROW_PASS static float checked_max(const float *restrict row, Py_ssize_t n) {
+    FloatLanes lanes;
+    for (int l = 0; l < LANES; l++) lanes[l] = -INFINITY;
+    MaskLanes nan = {0};
+    Py_ssize_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        FloatLanes x;
+        memcpy(&x, row + i, sizeof x);
+        const MaskLanes greater = x > lanes;
+        lanes = (FloatLanes)((greater & (MaskLanes)x) | (~greater & (MaskLanes)lanes));
+        nan |= x != x;
+    }
+    float best = lanes[0];
+    int found = nan[0] != 0;
+    for (int l = 1; l < LANES; l++) {
+        best = lanes[l] > best ? lanes[l] : best;
+        found |= nan[l] != 0;
+    }
+    for (; i < n; i++) {
+        best = row[i] > best ? row[i] : best;
+        found |= row[i] != row[i];
+    }
+    return found ? NAN : best;
+}
+#else
+static float checked_max(const float *restrict row, Py_ssize_t n) {
+    float best = -INFINITY;
+    int found = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        best = row[i] > best ? row[i] : best;
+        found |= row[i] != row[i];
+    }
+    return found ? NAN : best;
+}
+#endif
+
 ROW_PASS static int any_nan(const float *restrict row, Py_ssize_t n) {
     int found = 0;
     for (Py_ssize_t i = 0; i < n; i++) found |= row[i] != row[i];
@@ -331,13 +369,15 @@ ROW_PASS static int any_nan(const float *restrict row, Py_ssize_t n) {
 /* The largest of the LANES values at x (no NaN): in vector registers with GCC (a max with the lanes
  * swapped in halves, quarters, ...), so that a row's chunk maxima cost about one pass over it. */
 #if defined(__GNUC__)
+/* Lane permutations that swap halves, quarters, eighths and neighbours: four steps reduce 16 lanes. */
+static const MaskLanes swaps[4] = {
+    {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7},
+    {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11},
+    {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13},
+    {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14},
+};
+
 static inline float chunk_max(const float *restrict x) {
-    static const MaskLanes swaps[4] = {
-        {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7},
-        {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11},
-        {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13},
-        {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14},
-    };
     FloatLanes lanes;
     memcpy(&lanes, x, sizeof lanes);
     for (int step = 0; step < 4; step++) {
@@ -635,10 +675,9 @@ static inline int any_in_bucket(const float *restrict x, int32_t low, int32_t bu
     memcpy(&keys, x, sizeof keys);
     keys = (keys >> KEY_SHIFT) - low;
     keys = keys & (keys > 0); /* negative keys (comparisons give -1 where true) go to the lowest bucket, 0 */
-    const MaskLanes hit = keys == bucket;
-    int32_t found = 0;
-    for (int l = 0; l < LANES; l++) found |= hit[l];
-    return found != 0;
+    MaskLanes hit = keys == bucket;
+    for (int step = 0; step < 4; step++) hit |= __builtin_shuffle(hit, swaps[step]);
+    return hit[0] != 0;
 #else
     int found = 0;
     for (int l = 0; l < LANES; l++) found |= bucket_of(x[l], low) == bucket;
@@ -693,19 +732,21 @@ static void dense_nucleus_cut(const float *weights, Py_ssize_t n, double top_p, 
     nucleus_cut(scratch.work, scratch.work_indices, count, target - before, cut_value, cut_id);
 }
 
-/* out [n] = weights kept by the nucleus (ranked no later than its last token) and by min-p, else 0. */
-ROW_PASS static void mask_row(float *restrict out, const float *restrict row, Py_ssize_t n, float cut_value,
-                              Py_ssize_t cut_id, float inverse, float shift, float log_min_p) {
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const int kept = (out[i] > cut_value || (out[i] == cut_value && i <= cut_id)) && row[i] * inverse - shift >= log_min_p;
-        out[i] = kept ? out[i] : 0.0f;
-    }
+/* out [n] = the weights kept by the nucleus (ranked no later than its last token) and by min-p, else 0;
+ * returns their total, with their block sums as block_sums_of adds them (the same pass). */
+#define NUCLEUS_KEPT(i) \
+    ((out[i] > cut_value || (out[i] == cut_value && (i) <= cut_id)) && row[i] * inverse - shift >= log_min_p)
+#define NUCLEUS_MASKED(i) (out[i] = NUCLEUS_KEPT(i) ? out[i] : 0.0f)
+
+ROW_PASS static double mask_row(float *restrict out, const float *restrict row, Py_ssize_t n, float cut_value,
+                                Py_ssize_t cut_id, float inverse, float shift, float log_min_p,
+                                double *restrict block_sums) {
+    BLOCK_SUMS(NUCLEUS_MASKED);
 }
 
-/* Normalizes a dense row of weights out [n] (the most probable one 1); with a uniform, returns the token it
- * draws from them first (as softmax_row does), else 0. */
-static Py_ssize_t finish_dense(float *out, Py_ssize_t n, const double *uniform) {
-    const double total = block_sums_of(out, n, scratch.dense_blocks);
+/* Normalizes a dense row of weights out [n] (the most probable one 1) whose block sums and total are known;
+ * with a uniform, returns the token it draws from them first (as softmax_row does), else 0. */
+static Py_ssize_t finish_dense(float *out, Py_ssize_t n, double total, const double *uniform) {
     const Py_ssize_t token = uniform != NULL ? draw_blocks(out, n, scratch.dense_blocks, total, *uniform) : 0;
     scale_row(out, n, (float)(1.0 / total));
     return token;
@@ -726,20 +767,21 @@ static Py_ssize_t process_row(const Settings *p, const float *logits, float *out
     *support = NULL;
     const int truncated = (0 < p->top_k && p->top_k < n) || p->top_p < 1.0;
     if (!truncated && p->log_min_p == -INFINITY) return softmax_row(row, out, n, p->inverse_temperature, scratch.dense_blocks, uniform);
-    const float max = row_max(row, n);
-    if (!isfinite(max) || any_nan(row, n)) return no_distribution(out, n);
+    const float max = checked_max(row, n);
+    if (!isfinite(max)) return no_distribution(out, n); /* a NaN or an infinite logit, or every logit -inf */
     const float shift = max * p->inverse_temperature;
     if (!truncated) { /* min-p alone: one pass */
         exp_row_above(row, out, n, p->inverse_temperature, shift, p->log_min_p);
-        return finish_dense(out, n, uniform);
+        return finish_dense(out, n, block_sums_of(out, n, scratch.dense_blocks), uniform);
     }
     if (!(0 < p->top_k && p->top_k < n)) { /* top-p over the whole row: dense, as the min-p row */
         float cut_value;
         Py_ssize_t cut_id;
         exp_row(row, out, n, p->inverse_temperature, shift);
         dense_nucleus_cut(out, n, p->top_p, &cut_value, &cut_id);
-        mask_row(out, row, n, cut_value, cut_id, p->inverse_temperature, shift, p->log_min_p);
-        return finish_dense(out, n, uniform);
+        const double total = mask_row(out, row, n, cut_value, cut_id, p->inverse_temperature, shift, p->log_min_p,
+                                      scratch.dense_blocks);
+        return finish_dense(out, n, total, uniform);
     }
     Sparse *s = top_k_row(p, row, n, shift);
     const double total = sparse_sums(s, n); /* >= 1: the most probable token stays, with e^0 */
