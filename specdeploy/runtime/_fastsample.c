@@ -1,16 +1,23 @@
-/* The sampler's hot loop in C: a softmax and inverse-CDF draws over one float32 row.
+/* The sampler's hot loop in C: processing a float32 logits row into its distribution, draws from it,
+ * and the rejection scan of speculative sampling.
  *
- * Why: at temperature > 0 every draft token needs a softmax over the vocabulary and a draw, and
- * every verify row the rejection scan reaches needs a softmax. In NumPy that is about 15 calls per
- * draft token; right after an ONNX Runtime pass has streamed the model's weights through the cache,
- * each call runs cold, and on the benchmark pair (8k vocabulary, 0.2 ms draft steps) they cost
- * ~57 us per draft token, a quarter of the step. Here it is one call and a few passes over the row.
+ * Why: at temperature > 0 every draft token needs its processed distribution and a draw, and every
+ * verify row the rejection scan reaches needs its distribution. In NumPy that is about 15 calls per
+ * row (more with top-k / top-p); right after an ONNX Runtime pass has streamed the model's weights
+ * through the cache, each call runs cold, and on the benchmark pair (8k vocabulary, 0.2 ms draft
+ * steps) they cost a quarter of the step. Here it is one call and a few passes over the row.
  *
- * The NumPy functions in sampling.py remain the definition; this module computes the same
- * quantities (tests compare the two) and the runtime uses it when it was built (it is optional).
- * Portable C99: no intrinsics, no fast-math; loops are written in 16 independent lanes so that
- * compilers vectorize them without reassociating anything (GCC needs -fno-trapping-math to turn
- * the selects into blends; setup.py passes it).
+ * Layout: the softmax and two-level inverse-CDF draws over a dense row; processed rows (repetition
+ * penalty, top-k by partial selection, top-p without sorting the row, min-p), formed on their
+ * support alone when truncated; the Python glue (module functions, then the Processor type whose
+ * sample / argmax / verify the runtime calls).
+ *
+ * The NumPy functions in sampling.py and rejection.py remain the definition; this module computes
+ * the same quantities (tests compare the two) and the runtime uses it when it was built (it is
+ * optional). Portable C99 plus GCC vector extensions where GCC compiles it: no intrinsics, no
+ * fast-math; loops are written in 16 independent lanes so that compilers vectorize them without
+ * reassociating anything (GCC needs -fno-trapping-math to turn the selects into blends; setup.py
+ * passes it).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -9,11 +9,11 @@ preserves is exactly the one target-only sampling draws from.
 Every truncation only chooses a support; the distribution is then the softmax of the (penalized)
 logits over that support. The C extension (`_fastsample.c`, built whenever a C compiler is
 present) computes the same rows without touching more of the vocabulary than it must (top-k by
-partial selection, top-p by a mass-weighted selection over a threshold's candidates, min-p in the
-exponential pass). With the extension, a row it forms equals `process_logits` of that row bit for
-bit (the NumPy softmax and draws call the same C primitives), except that the top-p cut sums the
-mass in another order: a token whose preceding mass lies within float rounding of top_p may fall
-on the other side. Without the extension NumPy computes the same quantities to float rounding.
+partial selection, top-p from a histogram of the mass instead of a sort, min-p in the exponential
+pass). With the extension, a row it forms equals `process_logits` of that row bit for bit (the
+NumPy softmax and draws call the same C primitives), except that the top-p cut sums the mass in
+another order: a token whose preceding mass lies within float rounding of top_p may fall on the
+other side. Without the extension NumPy computes the same quantities to float rounding.
 `Sampler` is the one object the generate loop, the drafters and the accept rule form their rows
 through, so target-only sampling and the verify scan agree bit for bit.
 """
