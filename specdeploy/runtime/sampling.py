@@ -29,6 +29,8 @@ try:
     from . import _fastsample
 except ImportError:  # no C compiler at install time: NumPy computes the same, only slower
     _fastsample = None
+if _fastsample is not None and not hasattr(_fastsample, "Processor"):  # a build older than this code
+    _fastsample = None  # (pip install -e . rebuilds it; test_the_c_kernel_was_built says so)
 
 
 @dataclass(frozen=True)
