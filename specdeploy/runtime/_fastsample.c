@@ -777,6 +777,7 @@ static Py_ssize_t process_row(const Settings *p, const float *logits, float *out
     const float max = checked_max(row, n);
     if (!isfinite(max)) return no_distribution(out, n); /* a NaN or an infinite logit, or every logit -inf */
     const float shift = max * p->inverse_temperature;
+    if (!isfinite(shift)) return no_distribution(out, n); /* logits / temperature overflow float32 */
     if (!truncated) { /* min-p alone: one pass */
         exp_row_above(row, out, n, p->inverse_temperature, shift, p->log_min_p);
         return finish_dense(out, n, block_sums_of(out, n, scratch.dense_blocks), uniform);
