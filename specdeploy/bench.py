@@ -33,7 +33,7 @@ def exact_continuation_probs(generator: Generator, prompt_ids: list[int], params
     (no small top-k) pass min_probability: only continuations at least that likely are formed (a
     prefix below it has no such continuation), and their total falls short of 1 by the rest."""
     def probs(context: list[int]) -> np.ndarray:
-        return process_logits(generator.target.logits_after(context)[None], params)[0].astype(np.float64)
+        return process_logits(generator.target.logits_after(context)[None], params, [context])[0].astype(np.float64)
 
     result: dict[tuple[int, ...], float] = {(): 1.0}
     for _ in range(length):
@@ -88,6 +88,8 @@ class BenchConfig:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
     draft_confidence: float = 0.0
     repeat: int = 1
     seed: int = 0
@@ -218,7 +220,7 @@ def run_bench(generator: Generator, config: BenchConfig, progress=None) -> dict:
     """Interleaved target-only / speculative runs over every prompt, after a warm-up; returns a JSON-ready dict."""
     progress = progress or (lambda message: None)
     options = dict(max_new_tokens=config.max_new_tokens, temperature=config.temperature, top_k=config.top_k,
-                   top_p=config.top_p)
+                   top_p=config.top_p, min_p=config.min_p, repetition_penalty=config.repetition_penalty)
     spec_options = dict(options, draft_confidence=config.draft_confidence)
     greedy = config.temperature == 0.0
     first = config.prompts[0]
@@ -259,6 +261,10 @@ def run_bench(generator: Generator, config: BenchConfig, progress=None) -> dict:
         "prompts": len(config.prompts),
         "max_new_tokens": config.max_new_tokens,
         "temperature": config.temperature,
+        "top_k": config.top_k,
+        "top_p": config.top_p,
+        "min_p": config.min_p,
+        "repetition_penalty": config.repetition_penalty,
         "repeat": config.repeat,
         "target_only": baseline.to_dict(),
         "speculative": best["speculative"],

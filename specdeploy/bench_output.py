@@ -7,6 +7,16 @@ import sys
 from .errors import SpecdeployError
 
 
+def sampling_label(report: dict) -> str:
+    """'temperature 0.8, top-k 50, top-p 0.95': the sampling settings a bench report ran with (those that are on)."""
+    parts = [f"temperature {report['temperature']}" if report["temperature"] else "greedy"]
+    for key, name, off in (("top_k", "top-k", 0), ("top_p", "top-p", 1.0), ("min_p", "min-p", 0.0),
+                           ("repetition_penalty", "repetition penalty", 1.0)):
+        if report.get(key, off) != off:
+            parts.append(f"{name} {report[key]}")
+    return ", ".join(parts)
+
+
 def print_bench(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -14,8 +24,8 @@ def print_bench(report: dict) -> None:
     base = report["target_only"]
     rows = report["by_num_draft_tokens"]
     context = f"{report['prompt_tokens']}-token prompts" if report.get("prompt_tokens") else "prompts"
-    table = Table(title=f"{report['prompts']} {context} x {report['max_new_tokens']} new tokens, temperature "
-                        f"{report['temperature']}, repeat {report['repeat']}, drafter {report.get('drafter', '')}")
+    table = Table(title=f"{report['prompts']} {context} x {report['max_new_tokens']} new tokens, {sampling_label(report)}, "
+                        f"repeat {report['repeat']}, drafter {report.get('drafter', '')}")
     table.add_column("")
     table.add_column("target-only", justify="right")
     for row in rows:

@@ -197,6 +197,10 @@ def verify(bundle) -> None:
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
 @click.option("--top-k", type=int, default=0, show_default=True, help="0 is off.")
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="1.0 is off.")
+@click.option("--min-p", type=float, default=0.0, show_default=True,
+              help="Keep tokens at least this fraction as likely as the most likely one; 0 is off.")
+@click.option("--repetition-penalty", type=float, default=1.0, show_default=True,
+              help="Divide positive / multiply negative logits of tokens already in the context (HF's); 1.0 is off.")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="0 .. 2**64 - 1.")
 @click.option("--num-draft-tokens", "-k", type=int, default=4, show_default=True)
 @click.option("--draft-confidence", type=float, default=0.0, show_default=True,
@@ -208,8 +212,8 @@ def verify(bundle) -> None:
 @click.option("--verify", is_flag=True, help="Re-hash every bundle file before loading (sizes are always checked).")
 @click.option("--stream/--no-stream", default=True, show_default=True, help="Print text as it is accepted.")
 @click.option("--json", "as_json", is_flag=True, help='Print one JSON object {"text", "token_ids", "stats"}.')
-def run(bundle, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_draft_tokens, draft_confidence,
-        no_speculative, stop, device, drafter, verify, stream, as_json) -> None:
+def run(bundle, prompt, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, num_draft_tokens,
+        draft_confidence, no_speculative, stop, device, drafter, verify, stream, as_json) -> None:
     """Generate from a prompt with speculative decoding (BUNDLE defaults to the demo bundle).
 
     Ctrl-C stops generation: the text so far and the stats are printed, and the exit code is 130."""
@@ -220,8 +224,8 @@ def run(bundle, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_dra
         prompt = read_stdin_text()
     _return_freed_memory()
     generator = load(resolve_bundle(bundle), device=device, drafter=drafter, verify=verify)
-    options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                   num_draft_tokens=num_draft_tokens, draft_confidence=draft_confidence,
+    options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                   repetition_penalty=repetition_penalty, seed=seed, num_draft_tokens=num_draft_tokens, draft_confidence=draft_confidence,
                    speculative=not no_speculative, stop=stop)
     interrupted = False
     try:
@@ -291,6 +295,8 @@ def _parse_draft_tokens(value: str) -> tuple[int, ...] | None:
 @click.option("--temperature", type=float, default=0.0, show_default=True)
 @click.option("--top-k", type=int, default=0, show_default=True)
 @click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--min-p", type=float, default=0.0, show_default=True)
+@click.option("--repetition-penalty", type=float, default=1.0, show_default=True)
 @click.option("--draft-confidence", type=float, default=0.0, show_default=True,
               help="Stop drafting once the draft's top probability falls below this.")
 @click.option("--repeat", type=int, default=1, show_default=True)
@@ -300,8 +306,8 @@ def _parse_draft_tokens(value: str) -> tuple[int, ...] | None:
 @click.option("--verify", is_flag=True, help="Re-hash every bundle file before loading (sizes are always checked).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on the last line of stdout.")
 @click.option("--plot", type=click.Path(), default=None, help="Draw speedup vs k and acceptance by position (PNG).")
-def bench(bundle, prompts_file, max_new_tokens, prompt_tokens, num_draft_tokens, temperature, top_k, top_p, draft_confidence, repeat,
-          seed, device, drafter, verify, as_json, plot) -> None:
+def bench(bundle, prompts_file, max_new_tokens, prompt_tokens, num_draft_tokens, temperature, top_k, top_p, min_p,
+          repetition_penalty, draft_confidence, repeat, seed, device, drafter, verify, as_json, plot) -> None:
     """Target-only vs speculative decoding on the same prompts: speed, acceptance, cost model."""
     from rich.console import Console
 
@@ -323,7 +329,8 @@ def bench(bundle, prompts_file, max_new_tokens, prompt_tokens, num_draft_tokens,
     for length in lengths:
         lengthened = [tuple(ids) for ids in lengthen_prompts(prompts, generator.codec.encode, length)] if length else prompts
         config = BenchConfig(prompts=tuple(lengthened), max_new_tokens=max_new_tokens, num_draft_tokens=ks,
-                             temperature=temperature, top_k=top_k, top_p=top_p, draft_confidence=draft_confidence,
+                             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                             repetition_penalty=repetition_penalty, draft_confidence=draft_confidence,
                              repeat=repeat, seed=seed)
         with console.status("bench") as status:
             report = run_bench(generator, config, progress=lambda message: status.update(f"{length or ''} {message}"))

@@ -59,6 +59,27 @@ def test_bench_smoke(agreeing_bundle, tmp_path):
     assert "tokens/s" in table.output and "Leviathan bound" in table.output
 
 
+def test_bench_reports_every_sampling_setting(agreeing_bundle, tmp_path):
+    """bench takes --top-k / --top-p / --min-p / --repetition-penalty, reports them, and checks greedy identity
+    with a repetition penalty."""
+    (tmp_path / "prompts.json").write_text(json.dumps(["def f(x):", "import os\n"]))
+    runner = CliRunner()
+    base = ["bench", str(agreeing_bundle), "--prompts", str(tmp_path / "prompts.json"), "--max-new-tokens", "10", "--json"]
+    greedy = runner.invoke(main, base + ["--repetition-penalty", "1.1"])
+    assert greedy.exit_code == 0, greedy.output
+    report = json.loads(greedy.output.strip().splitlines()[-1])
+    assert report["repetition_penalty"] == 1.1 and report["identical_outputs"] is True
+    sampled = runner.invoke(main, base + ["--temperature", "0.8", "--top-k", "50", "--top-p", "0.95", "--min-p", "0.05"])
+    assert sampled.exit_code == 0, sampled.output
+    report = json.loads(sampled.output.strip().splitlines()[-1])
+    assert (report["top_k"], report["top_p"], report["min_p"]) == (50, 0.95, 0.05)
+    assert report["speculative"]["time_share"]["other"] < 1 and report["target_only"]["tokens_per_s"] > 0
+    table = runner.invoke(main, base[:-1] + ["--temperature", "0.8", "--top-p", "0.95", "--repetition-penalty", "1.1"])
+    assert table.exit_code == 0, table.output
+    title = " ".join(table.output.split())  # the table wraps its title
+    assert "temperature 0.8, top-p 0.95, repetition penalty 1.1" in title
+
+
 def test_bench_context_sweep_in_one_run(agreeing_bundle, tmp_path):
     (tmp_path / "prompts.json").write_text(json.dumps(["def f(x):", "import os\n"]))
     runner = CliRunner()

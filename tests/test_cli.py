@@ -36,6 +36,17 @@ def test_run_json_matches_the_python_api(agreeing_bundle):
         assert key in stats
 
 
+def test_run_sampling_flags_are_the_python_apis(agreeing_bundle):
+    import specdeploy
+
+    flags = ["--temperature", "0.8", "--top-k", "50", "--top-p", "0.95", "--min-p", "0.05", "--repetition-penalty", "1.1"]
+    result = run(str(agreeing_bundle), "--prompt", "def f(x):", "--max-new-tokens", "16", "--json", "--seed", "3", *flags)
+    assert result.returncode == 0, result.stderr
+    expected = specdeploy.load(agreeing_bundle).generate("def f(x):", max_new_tokens=16, seed=3, temperature=0.8, top_k=50,
+                                                         top_p=0.95, min_p=0.05, repetition_penalty=1.1)
+    assert json.loads(result.stdout)["token_ids"] == expected.token_ids
+
+
 def test_run_reads_stdin_and_baseline_flag(agreeing_bundle):
     result = run(str(agreeing_bundle), "--prompt", "-", "--max-new-tokens", "8", "--json", "--no-speculative",
                  input="import os\n")
@@ -50,6 +61,8 @@ def test_run_reads_stdin_and_baseline_flag(agreeing_bundle):
         (["--temperature", "-1"], "temperature"),
         (["--top-p", "0"], "top_p"),
         (["--top-k", "-2"], "top_k"),
+        (["--min-p", "1.5"], "min_p"),
+        (["--repetition-penalty", "0"], "repetition_penalty"),
         (["--max-new-tokens", "-5"], "max_new_tokens"),
         (["--num-draft-tokens", "40"], "num_draft_tokens"),
         (["--device", "tpu"], "unknown device"),

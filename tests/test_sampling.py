@@ -1,18 +1,50 @@
-"""The sampler's C kernel (_fastsample) against the NumPy code that defines it: same numbers to float
-rounding, same draws, the same distributions, and one-line errors for bad buffers."""
+"""Logits processing and draws: the C kernel (_fastsample) against the NumPy code that defines it (the
+same supports and bits, or the same to float rounding where the docstrings say so), Hugging Face's
+semantics for every setting, the same draws from the same uniforms, and one-line errors for bad buffers."""
 
 import numpy as np
 import pytest
 from scipy import stats
 
 from specdeploy.runtime import sampling
-from specdeploy.runtime.sampling import SamplingParams, distribution, draw, process_logits, residual_draw, row_sampler
+from specdeploy.runtime.sampling import (PenaltyContext, Sampler, SamplingParams, draw, penalize, process_logits,
+                                         process_row, residual_draw)
 
 fast = sampling._fastsample
+needs_c = pytest.mark.skipif(fast is None, reason="the C kernel was not built (test_the_c_kernel_was_built says so)")
+
+# Every setting the runtime has a path for: the benchmarked ones, and combinations of them.
+SETTINGS = {
+    "temperature": SamplingParams(temperature=0.8),
+    "top_k": SamplingParams(temperature=0.8, top_k=50),
+    "top_p": SamplingParams(temperature=0.8, top_p=0.95),
+    "top_k_top_p": SamplingParams(temperature=0.8, top_k=50, top_p=0.95),
+    "min_p": SamplingParams(temperature=0.8, min_p=0.05),
+    "top_p_penalty": SamplingParams(temperature=0.8, top_p=0.95, repetition_penalty=1.1),
+    "penalty": SamplingParams(temperature=1.3, repetition_penalty=0.8),
+    "top_k_min_p_penalty": SamplingParams(temperature=0.6, top_k=7, min_p=0.2, repetition_penalty=1.5),
+    "everything": SamplingParams(temperature=1.1, top_k=300, top_p=0.7, min_p=0.01, repetition_penalty=1.2),
+}
 
 
 def numpy_only(monkeypatch):
     monkeypatch.setattr(sampling, "_fastsample", None)
+
+
+def rows(rng, vocab: int, count: int) -> np.ndarray:
+    """Logits [count, vocab]: flat and peaked rows, rows with ties (quantized values) and a row of equal values."""
+    scales = np.array([1.0, 3.0, 8.0] * (count // 3 + 1))[:count, None]
+    logits = (rng.normal(size=(count, vocab)) * scales).astype(np.float32)
+    logits[1::4] = np.round(logits[1::4])  # many ties, at the top-k and top-p boundaries too
+    logits[-1] = 2.0
+    return logits
+
+
+def sampler_with_context(params, vocab, rng, length=40):
+    sampler = Sampler(params, vocab)
+    context = [int(t) for t in rng.integers(0, vocab, size=length)]
+    sampler.sync(context)
+    return sampler, context
 
 
 def test_the_c_kernel_was_built():
@@ -37,14 +69,158 @@ def test_c_softmax_equals_numpy_to_rounding(monkeypatch, vocab, temperature):
     np.testing.assert_allclose(ours.sum(axis=1, dtype=np.float64), 1.0, rtol=1e-5)
 
 
-def test_sampling_a_row_forms_the_same_distribution_as_the_verify_scan():
-    """Target-only sampling (row_sampler) and the verify scan (distribution) must agree bit for bit."""
-    logits = (np.random.default_rng(3).normal(size=8192) * 3).astype(np.float32)
-    params = SamplingParams(temperature=0.8)
-    drawn_from = np.empty_like(logits)
-    row_sampler(params, logits.size)(logits, np.random.default_rng(0).random(), drawn_from)
-    np.testing.assert_array_equal(drawn_from, distribution(logits, params, np.empty_like(logits)))
-    np.testing.assert_array_equal(drawn_from, process_logits(logits[None], params)[0])
+
+
+@needs_c
+@pytest.mark.parametrize("name", SETTINGS)
+@pytest.mark.parametrize("vocab", [5, 63, 64, 1000, 8192])
+def test_c_rows_equal_the_definition(name, vocab):
+    """The kernel's row (sparse for top-k / top-p) is process_row's bit for bit, penalty context and drafted
+    extras included: the same support, the same probabilities."""
+    params, rng = SETTINGS[name], np.random.default_rng(vocab)
+    sampler, context = sampler_with_context(params, vocab, rng)
+    for trial, logits in enumerate(rows(rng, vocab, 12)):
+        extras = [int(t) for t in rng.integers(0, vocab, size=trial % 4)] + ([context[0]] if trial % 2 else [])
+        ours = sampler.distribution(logits, np.empty(vocab, np.float32), extras)
+        reference = process_logits(logits[None], params, [context + extras])[0]
+        np.testing.assert_array_equal(ours, reference, err_msg=f"{name} trial {trial}")
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+def test_numpy_rows_equal_the_c_rows_to_rounding(monkeypatch, name):
+    """Without the kernel, NumPy forms the same support and the same probabilities to float rounding."""
+    params, rng, vocab = SETTINGS[name], np.random.default_rng(21), 2000
+    logits_rows = rows(rng, vocab, 9)
+    context = [int(t) for t in rng.integers(0, vocab, size=60)]
+    ours = process_logits(logits_rows, params, [context] * len(logits_rows))
+    numpy_only(monkeypatch)
+    reference = process_logits(logits_rows, params, [context] * len(logits_rows))
+    np.testing.assert_array_equal(ours > 0, reference > 0)
+    np.testing.assert_allclose(ours, reference, rtol=3e-6, atol=1e-30)
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+def test_processing_follows_hugging_face(name):
+    """process_logits gives the distribution transformers' own processors give (repetition penalty, then
+    temperature, top-k, top-p, min-p), on the context's tokens."""
+    torch = pytest.importorskip("torch")
+    from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper,
+                                                        RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
+
+    params, rng, vocab = SETTINGS[name], np.random.default_rng(22), 1000
+    processors = LogitsProcessorList()
+    if params.penalized:
+        processors.append(RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
+    processors.append(TemperatureLogitsWarper(params.temperature))
+    if params.top_k:
+        processors.append(TopKLogitsWarper(params.top_k))
+    if params.top_p < 1:
+        processors.append(TopPLogitsWarper(params.top_p))
+    if params.min_p:
+        processors.append(MinPLogitsWarper(params.min_p))
+    for scale in (1.0, 3.0, 8.0):
+        logits = (rng.normal(size=(1, vocab)) * scale).astype(np.float32)
+        context = rng.integers(0, vocab, size=(1, 80))
+        expected = torch.softmax(processors(torch.from_numpy(context), torch.from_numpy(logits.copy())), dim=-1).numpy()
+        ours = process_logits(logits, params, [context[0]])
+        np.testing.assert_array_equal(ours > 0, expected > 0)
+        np.testing.assert_allclose(ours, expected, rtol=1e-4, atol=1e-9)
+
+
+def test_penalty_is_hugging_faces():
+    logits = np.array([2.0, -2.0, 0.5, -0.5, 3.0], np.float32)
+    np.testing.assert_array_equal(penalize(logits, np.array([0, 1, 3]), 2.0), [1.0, -4.0, 0.5, -1.0, 3.0])
+    assert penalize(logits, np.array([], np.int64), 2.0).tolist() == logits.tolist()
+    # min-p keeps tokens at least min_p times as likely as the top one: here 0.5 / 0.25 / 0.125 / 0.125.
+    probs = process_logits(np.log(np.array([[0.5, 0.25, 0.125, 0.125]])), SamplingParams(temperature=1.0, min_p=0.3))
+    np.testing.assert_allclose(probs, [[2 / 3, 1 / 3, 0, 0]], rtol=1e-6)
+
+
+def test_penalty_context_follows_the_context():
+    """PenaltyContext reads only what a context list gained since the last sync; another list is read afresh."""
+    rng = np.random.default_rng(23)
+    penalty = PenaltyContext(50)
+    context = [int(t) for t in rng.integers(0, 50, size=5)]
+    for _ in range(20):
+        penalty.sync(context)
+        assert sorted(penalty.ids.tolist()) == sorted(set(context))
+        assert penalty.mask.nonzero()[0].tolist() == sorted(set(context))
+        context.extend(int(t) for t in rng.integers(0, 50, size=int(rng.integers(0, 4))))
+    other = [3, 3, 4]
+    penalty.sync(other)
+    assert sorted(penalty.ids.tolist()) == [3, 4]
+    assert sorted(penalty.with_extras([4, 7, 7, 9]).tolist()) == [3, 4, 7, 9]
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+def test_sampling_a_row_forms_the_distribution_the_verify_scan_forms(name):
+    """Target-only sampling (Sampler.sample) and the verify scan (Sampler.distribution) agree bit for bit."""
+    params, rng, vocab = SETTINGS[name], np.random.default_rng(24), 8192
+    sampler, context = sampler_with_context(params, vocab, rng)
+    for logits in rows(rng, vocab, 4):
+        drawn_from = np.empty(vocab, np.float32)
+        token = sampler.sample(logits, float(rng.random()), drawn_from, [5])
+        np.testing.assert_array_equal(drawn_from, sampler.distribution(logits, np.empty(vocab, np.float32), [5]))
+        assert drawn_from[token] > 0
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+@pytest.mark.parametrize("use_c", [True, False])
+def test_a_sampled_row_draws_the_inverse_cdf(monkeypatch, name, use_c):
+    """The token a uniform draws is the inverse CDF of the row's distribution at it (the kernel sums in
+    another order: only a uniform within rounding of a boundary may land on the neighbouring token)."""
+    if not use_c:
+        numpy_only(monkeypatch)
+    params, rng, vocab = SETTINGS[name], np.random.default_rng(25), 700
+    sampler, _ = sampler_with_context(params, vocab, rng)
+    for logits in rows(rng, vocab, 6):
+        out = np.empty(vocab, np.float32)
+        for uniform in np.concatenate([rng.random(60), [0.0, 1.0 - 1e-16]]):
+            token = sampler.sample(logits, float(uniform), out)
+            cdf = np.cumsum(out, dtype=np.float64)
+            expected = min(int(np.searchsorted(cdf, uniform * cdf[-1], side="right")), int(np.flatnonzero(out)[-1]))
+            assert out[token] > 0
+            if token != expected:
+                assert abs(cdf[min(token, expected)] - uniform * cdf[-1]) <= 1e-6 * cdf[-1]
+
+
+@pytest.mark.parametrize("name", ["temperature", "top_k_top_p", "min_p", "top_p_penalty"])
+@pytest.mark.parametrize("use_c", [True, False])
+def test_sampled_tokens_follow_the_distribution(monkeypatch, name, use_c):
+    if not use_c:
+        numpy_only(monkeypatch)
+    params = SETTINGS[name]
+    logits = np.array([2.0, 1.0, 0.5, -1.0, 0.0] + [-30.0] * 59 + [1.5] + [-3.0] * 60, dtype=np.float32)  # block edges
+    sampler = Sampler(params, logits.size)
+    sampler.sync([0, 6])
+    rng = np.random.default_rng(26)
+    out = np.empty_like(logits)
+    counts = np.bincount([sampler.sample(logits, rng.random(), out) for _ in range(30_000)], minlength=logits.size)
+    expected = process_logits(logits[None], params, [[0, 6]])[0].astype(np.float64)
+    big = expected > 1e-4
+    assert counts[~big].sum() <= 5
+    assert stats.chisquare(counts[big], expected[big] / expected[big].sum() * counts[big].sum()).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("use_c", [True, False])
+def test_greedy_with_a_penalty_is_the_penalized_argmax(monkeypatch, use_c):
+    """argmax: np.argmax of the penalized row (the first of equal maxima), extras penalized once each."""
+    if not use_c:
+        numpy_only(monkeypatch)
+    rng = np.random.default_rng(27)
+    vocab = 300
+    sampler, context = sampler_with_context(SamplingParams(repetition_penalty=1.3), vocab, rng)
+    for trial in range(300):
+        logits = rng.normal(size=vocab).astype(np.float32)
+        if trial % 3 == 0:
+            logits = np.round(logits)  # ties
+        extras = [int(t) for t in rng.integers(0, vocab, size=trial % 5)]
+        if extras:
+            extras.append(extras[0])  # a repeat is penalized once
+        expected = int(penalize(logits, np.unique(context + extras), 1.3).argmax())
+        assert sampler.argmax(logits, extras) == expected
+    assert Sampler(SamplingParams(), vocab).argmax(logits) == int(logits.argmax())
 
 
 @pytest.mark.parametrize("vocab", [5, 64, 200, 8192])
@@ -65,22 +241,6 @@ def test_c_draw_is_the_numpy_inverse_cdf(monkeypatch, vocab):
 
 
 @pytest.mark.parametrize("use_c", [True, False])
-def test_row_sampler_follows_the_softmax(monkeypatch, use_c):
-    if not use_c:
-        numpy_only(monkeypatch)
-    logits = np.array([2.0, 1.0, 0.5, -1.0, 0.0] + [-30.0] * 59 + [1.5], dtype=np.float32)  # crosses a block edge
-    params = SamplingParams(temperature=0.7)
-    rng = np.random.default_rng(4)
-    out = np.empty_like(logits)
-    sample = row_sampler(params, logits.size)
-    counts = np.bincount([sample(logits, rng.random(), out) for _ in range(40_000)], minlength=logits.size)
-    expected = process_logits(logits[None], params)[0].astype(np.float64)
-    big = expected > 1e-4
-    assert counts[~big].sum() <= 5
-    assert stats.chisquare(counts[big], expected[big] / expected[big].sum() * counts[big].sum()).pvalue > 1e-3
-
-
-@pytest.mark.parametrize("use_c", [True, False])
 def test_residual_draw_follows_the_residual(monkeypatch, use_c):
     if not use_c:
         numpy_only(monkeypatch)
@@ -96,7 +256,9 @@ def test_residual_draw_follows_the_residual(monkeypatch, use_c):
     assert {residual_draw(target, target.copy(), u) for u in rng.random(200)} <= set(np.flatnonzero(target))
 
 
-@pytest.mark.skipif(fast is None, reason="the C kernel was not built (test_the_c_kernel_was_built says so)")
+
+
+@needs_c
 @pytest.mark.parametrize(
     "call, error",
     [
@@ -110,6 +272,20 @@ def test_residual_draw_follows_the_residual(monkeypatch, use_c):
         (lambda x, out: fast.draw(np.zeros(8, np.float32), 0.5), ValueError),
         (lambda x, out: fast.residual_draw(x, out[:7], 0.5), ValueError),
         (lambda x, out: fast.softmax(x), TypeError),
+        (lambda x, out: fast.Processor(1.0, 5, 1.5, 0.0, 1.0), ValueError),
+        (lambda x, out: fast.Processor(1.0, 5, 1.0, 0.0, 0.0), ValueError),
+        (lambda x, out: fast.Processor(0.0, 0, 1.0, 0.0, 1.0).sample(x, out, 0.5, None, None, ()), ValueError),
+        (lambda x, out: fast.Processor(1.0, 5, 1.0, 0.0, 1.0).sample(x, out[:7], 0.5, None, None, ()), ValueError),
+        (lambda x, out: fast.Processor(1.0, 5, 1.0, 0.0, 1.0).sample(x, out, 1.0, None, None, ()), ValueError),
+        (lambda x, out: fast.Processor(1.0, 5, 1.0, 0.0, 1.2).sample(x, out, 0.5, np.array([64]), np.zeros(64, np.uint8),
+                                                                     ()), ValueError),
+        (lambda x, out: fast.Processor(1.0, 5, 1.0, 0.0, 1.2).sample(x, out, 0.5, np.array([3]), None, ()), ValueError),
+        (lambda x, out: fast.Processor(1.0, 5, 1.0, 0.0, 1.2).sample(x, out, 0.5, np.array([3], np.int32),
+                                                                     np.zeros(64, np.uint8), ()), TypeError),
+        (lambda x, out: fast.Processor(1.0, 5, 1.0, 0.0, 1.2).sample(x, out, 0.5, np.array([3]), np.zeros(64, np.uint8),
+                                                                     [64]), ValueError),
+        (lambda x, out: fast.Processor(1.0, 5, 1.0, 0.0, 1.2).argmax(x, np.array([3]), np.zeros(64, np.uint8),
+                                                                     list(range(65))), ValueError),
     ],
 )
 def test_c_kernel_rejects_bad_buffers(call, error):
@@ -122,109 +298,33 @@ def test_c_kernel_rejects_bad_buffers(call, error):
         fast.softmax(logits, read_only, 1.0)
 
 
-@pytest.mark.skipif(fast is None, reason="the C kernel was not built (test_the_c_kernel_was_built says so)")
-def test_c_verify_returns_what_the_python_scan_returns():
-    """verify() is rejection_sample_lazy over distribution() in one call: same tokens from the same generator
-    state, on model and one-hot (prompt lookup) drafts, early and late rejections, zero residual mass."""
-    from specdeploy.runtime.rejection import rejection_sample_lazy
-
-    rng = np.random.default_rng(13)
-    for trial in range(1500):
-        vocab, k = int(rng.choice([5, 64, 300, 1000])), int(rng.integers(1, 6))
-        params = SamplingParams(temperature=float(rng.choice([0.5, 0.8, 1.3])))
-        target_logits = (rng.normal(size=(k + 1, vocab)) * 2).astype(np.float32)
-        if trial % 3 == 0:  # prompt lookup: one-hot rows on tokens the target likes or not
-            tokens = [int(t) for t in rng.integers(0, vocab, size=k)]
-            draft_probs = np.zeros((k, vocab), dtype=np.float32)
-            draft_probs[np.arange(k), tokens] = 1.0
-        else:
-            draft_logits = target_logits[:k] + (rng.normal(size=(k, vocab)) * 0.5).astype(np.float32)
-            if trial % 5 == 0:
-                draft_logits[0] = target_logits[0]  # equal rows: no residual mass if rejected
-            draft_probs = process_logits(draft_logits, params)
-            tokens = [draw(row, rng.random()) for row in draft_probs]
-        seed = int(rng.integers(1 << 30))
-        scanned = np.zeros((k + 1, vocab), dtype=np.float32)
-        expected = rejection_sample_lazy(tokens, draft_probs, lambda i: distribution(target_logits[i], params, scanned[i]),
-                                         np.random.default_rng(seed))
-        formed = np.zeros((k + 1, vocab), dtype=np.float32)
-        uniforms = np.random.default_rng(seed).random(k + 1)
-        got = fast.verify(tokens, draft_probs, target_logits, 1.0 / params.temperature, uniforms, formed)
-        assert got == expected, trial
-        np.testing.assert_array_equal(formed[: got[0] + 1], scanned[: got[0] + 1])
-
-
-def test_sampled_verifier_gives_float64_and_strided_rows_the_same_tokens():
-    """Rows the C scan cannot take (float64, strided) go to the Python scan with the uniforms already
-    drawn for it: the same tokens, and the generator left where the C path leaves it."""
-    from specdeploy.runtime.rejection import sampled_verifier
-
-    rng = np.random.default_rng(15)
-    params, vocab, k = SamplingParams(temperature=0.8), 300, 4
-    verify = sampled_verifier(params, vocab)
-    for trial in range(200):
-        target_logits = (rng.normal(size=(k + 1, vocab)) * 2).astype(np.float32)
-        draft_probs = process_logits(target_logits[:k] + (rng.normal(size=(k, vocab)) * 0.5).astype(np.float32), params)
-        tokens = [draw(row, rng.random()) for row in draft_probs]
-        seed = int(rng.integers(1 << 30))
-        runs = []
-        for drafts, logits in ((draft_probs, target_logits),  # the C scan, where it was built
-                               (draft_probs.astype(np.float64), target_logits),
-                               (draft_probs, np.repeat(target_logits, 2, axis=1)[:, ::2])):  # strided
-            generator = np.random.default_rng(seed)
-            runs.append((verify(tokens, drafts, logits, generator, np.zeros((k + 1, vocab), np.float32)),
-                         generator.random()))
-        assert runs[1] == runs[0] and runs[2] == runs[0], trial
-
-
-@pytest.mark.skipif(fast is None, reason="the C kernel was not built (test_the_c_kernel_was_built says so)")
-def test_c_verify_takes_any_int_sequence_and_survives_a_list_changed_mid_call():
-    vocab, k = 64, 3
-    rng = np.random.default_rng(14)
-    target_logits = rng.normal(size=(k + 1, vocab)).astype(np.float32)
-    draft_probs = process_logits(rng.normal(size=(k, vocab)).astype(np.float32), SamplingParams(temperature=1.0))
-    uniforms = rng.random(k + 1)
-    expected = fast.verify([3, 5, 7], draft_probs, target_logits, 1.0, uniforms, np.empty((k + 1, vocab), np.float32))
-    for ids in ((3, 5, 7), np.array([3, 5, 7]), [np.int64(3), np.int64(5), np.int64(7)]):
-        assert fast.verify(ids, draft_probs, target_logits, 1.0, uniforms, np.empty((k + 1, vocab), np.float32)) == expected
-    tokens = [3, 5, 7]
-
-    class ShrinksTheList:  # converting an argument may run Python code
-        def __float__(self):
-            tokens.clear()
-            return 1.0
-
-    got = fast.verify(tokens, draft_probs, target_logits, ShrinksTheList(), uniforms, np.empty((k + 1, vocab), np.float32))
-    assert got == expected  # the ids were read before anything else
-    with pytest.raises(ValueError, match="vocabulary"):
-        fast.verify([3, 5, vocab], draft_probs, target_logits, 1.0, uniforms, np.empty((k + 1, vocab), np.float32))
-
-
+@pytest.mark.parametrize("name", SETTINGS)
 @pytest.mark.parametrize("use_c", [True, False])
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # NumPy's inf - inf: the NaN is the point
-def test_nan_logits_give_nan_probabilities_and_no_token(monkeypatch, use_c):
-    """A row with a NaN or an infinity anywhere has no distribution: NaN probabilities, and sampling raises
-    rather than return a token (the C draw reads the exponentials before they are normalized)."""
+def test_nan_logits_give_no_token(monkeypatch, name, use_c):
+    """A row with a NaN or an infinity anywhere has no distribution: sampling raises rather than return a
+    token, at every setting (the C draw reads the exponentials before they are normalized)."""
     if not use_c:
-        monkeypatch.setattr(sampling, "_fastsample", None)
-    params = SamplingParams(temperature=1.0)
+        numpy_only(monkeypatch)
+    params = SETTINGS[name]
+    sampler = Sampler(params, 100)
+    sampler.sync([1, 2])
     for position, value in ((0, np.nan), (7, np.nan), (99, np.nan), (7, np.inf)):
         logits = np.zeros(100, np.float32)
         logits[position] = value
-        probs = distribution(logits, params, np.empty_like(logits))
-        assert np.isnan(probs).any()
         with pytest.raises(ValueError, match="no positive entry"):
-            row_sampler(params, 100)(logits, 0.5, np.empty_like(logits))
+            sampler.sample(logits, 0.5, np.empty_like(logits))
 
 
-def test_row_sampler_takes_float64_and_strided_logits_the_same_way():
+@pytest.mark.parametrize("name", ["temperature", "top_k_min_p_penalty"])
+def test_float64_and_strided_logits_draw_the_same_tokens(name):
+    params = SETTINGS[name]
     logits = (np.random.default_rng(15).normal(size=(2, 300)) * 3).astype(np.float32)
-    params = SamplingParams(temperature=0.9)
-    sample = row_sampler(params, 300)
+    sampler, _ = sampler_with_context(params, 300, np.random.default_rng(16))
     out = np.empty(300, np.float32)
-    reference = [sample(logits[0], np.random.default_rng(seed).random(), out) for seed in range(50)]
+    reference = [sampler.sample(logits[0], np.random.default_rng(seed).random(), out, [4]) for seed in range(50)]
     for variant in (logits[0].astype(np.float64), logits.T.copy().T[0]):
-        assert [sample(variant, np.random.default_rng(seed).random(), out) for seed in range(50)] == reference
+        assert [sampler.sample(variant, np.random.default_rng(seed).random(), out, [4]) for seed in range(50)] == reference
 
 
 def test_block_generator_gives_default_rngs_numbers():

@@ -13,18 +13,20 @@ from typing import Protocol
 import numpy as np
 
 from .engine import CachedModel
-from .sampling import SamplingParams, row_sampler
+from .sampling import Sampler
 
 
 class Drafter(Protocol):
     model: CachedModel | None  # the draft model it runs, if any (timed and reset by the generator)
 
     def propose(
-        self, context: list[int], num_tokens: int, params: SamplingParams, rng: np.random.Generator,
+        self, context: list[int], num_tokens: int, sampler: Sampler, rng: np.random.Generator,
         min_confidence: float = 0.0,
     ) -> tuple[list[int], np.ndarray | None]:
         """Up to num_tokens draft tokens and the draft_probs [k, vocab] they were drawn from (None when greedy).
 
+        sampler (synced to context) forms every row: the row for draft position i is processed with
+        the context and the i tokens drafted before it, as the target's verify row i is.
         A drafter may stop early, e.g. once its own top probability falls below min_confidence: how
         many tokens are proposed never depends on the target, so the acceptance rule stays exact.
         The rows may live in a buffer the drafter reuses: they are valid until its next propose."""
@@ -39,11 +41,10 @@ class ModelDrafter:
 
     def __init__(self, model: CachedModel):
         self.model = model
-        # Made by _prepare for each generate call (its params object): the sampler (None when
-        # greedy) and one [k, vocab] buffer of probability rows reused by every sampled proposal,
-        # with its row views [vocab] and leading-row views [i, vocab] made once rather than per token.
-        self._params: SamplingParams | None = None
-        self._sample = None
+        # Made by _prepare for each generate call (its sampler): one [k, vocab] buffer of probability
+        # rows reused by every sampled proposal, with its row views [vocab] and leading-row views
+        # [i, vocab] made once rather than per token.
+        self._sampler: Sampler | None = None
         self._probs: np.ndarray | None = None
         self._row_views: list[np.ndarray] = []
         self._prefix_views: list[np.ndarray] = []
@@ -52,14 +53,14 @@ class ModelDrafter:
     def prefill(self, context: list[int]) -> None:
         self.model.prefill(context)
 
-    def propose(self, context, num_tokens, params, rng, min_confidence=0.0):
+    def propose(self, context, num_tokens, sampler, rng, min_confidence=0.0):
         logits = self.model.logits_after(context)  # [vocab]
         # Every statement of a round runs cold after a pass: what a generate call fixes is set up once.
-        if params is not self._params or self._capacity < num_tokens:
-            self._prepare(params, logits.shape[-1], num_tokens)
-        sample = self._sample
-        if sample is None:
-            return self._propose_greedy(logits, num_tokens, min_confidence), None
+        if sampler is not self._sampler or self._capacity < num_tokens:
+            self._prepare(sampler, logits.shape[-1], num_tokens)
+        if sampler.greedy:
+            return self._propose_greedy(logits, num_tokens, min_confidence, sampler), None
+        sample = sampler.sample
         # The full processed distribution of each draft token, written in place: proposing from a
         # truncated one (exact too) was measured slower on an 8k vocabulary (argpartition costs what
         # the softmax does) and lowered acceptance.
@@ -68,23 +69,22 @@ class ModelDrafter:
         tokens: list[int] = []
         for position in range(num_tokens):
             row = rows[position]
-            token = sample(logits, uniforms[position], row)
+            token = sample(logits, uniforms[position], row, tokens)
             tokens.append(token)
             if position + 1 == num_tokens or (min_confidence > 0 and row.max() < min_confidence):
                 break
             logits = step(token)
         return tokens, self._prefix_views[len(tokens)]
 
-    def _prepare(self, params: SamplingParams, vocab: int, count: int) -> None:
-        """The sampler for params and a row buffer of at least count rows (greedy needs neither).
+    def _prepare(self, sampler: Sampler, vocab: int, count: int) -> None:
+        """A row buffer of at least count rows for sampler's proposals (greedy needs none).
 
         A fresh [4, 8k] float32 array per round would be 128 KB: glibc maps blocks that large afresh
         (the CLI sets M_MMAP_THRESHOLD to 128 KB) and every page faults on first write."""
-        self._params = params
-        if params.greedy:  # no rows to form (a sampled call may still reuse the buffer)
-            self._sample, self._capacity = None, sys.maxsize
+        self._sampler = sampler
+        if sampler.greedy:  # no rows to form (a sampled call may still reuse the buffer)
+            self._capacity = sys.maxsize
             return
-        self._sample = row_sampler(params, vocab)
         probs = self._probs
         if probs is None or probs.shape[0] < count or probs.shape[1] != vocab:
             self._probs = probs = np.empty((count, vocab), dtype=np.float32)
@@ -92,10 +92,11 @@ class ModelDrafter:
             self._prefix_views = [probs[:i] for i in range(count + 1)]
         self._capacity = len(probs)
 
-    def _propose_greedy(self, logits: np.ndarray, num_tokens: int, min_confidence: float) -> list[int]:
+    def _propose_greedy(self, logits: np.ndarray, num_tokens: int, min_confidence: float, sampler: Sampler) -> list[int]:
         tokens: list[int] = []
+        argmax = sampler.argmax
         for position in range(num_tokens):
-            token = int(logits.argmax())
+            token = argmax(logits, tokens)
             tokens.append(token)
             if position + 1 == num_tokens:
                 break
@@ -137,7 +138,7 @@ class PromptLookupDrafter:
     def prefill(self, context: list[int]) -> None:
         self._context = None
 
-    def propose(self, context, num_tokens, params, rng, min_confidence=0.0):
+    def propose(self, context, num_tokens, sampler, rng, min_confidence=0.0):
         self._index(context)
         tokens: list[int] = []
         length = len(context)
@@ -146,7 +147,7 @@ class PromptLookupDrafter:
             if end is not None:
                 tokens = context[end + 1 : end + 1 + num_tokens]
                 break
-        if not tokens or params.greedy:
+        if not tokens or sampler.greedy:
             return tokens, None
         count = len(tokens)
         if self._one_hot is None or self._one_hot.shape[0] < count:
@@ -193,11 +194,11 @@ class HybridDrafter:
         self.lookup.prefill(context)
         self.model_drafter.prefill(context)
 
-    def propose(self, context, num_tokens, params, rng, min_confidence=0.0):
-        tokens, probs = self.lookup.propose(context, num_tokens, params, rng)
+    def propose(self, context, num_tokens, sampler, rng, min_confidence=0.0):
+        tokens, probs = self.lookup.propose(context, num_tokens, sampler, rng)
         if tokens:
             return tokens, probs
-        return self.model_drafter.propose(context, num_tokens, params, rng, min_confidence)
+        return self.model_drafter.propose(context, num_tokens, sampler, rng, min_confidence)
 
     def update(self, num_accepted: int) -> None:
         pass

@@ -18,8 +18,8 @@ import numpy as np
 from ..errors import SpecdeployError
 from .drafters import Drafter
 from .engine import CachedModel
-from .rejection import greedy_accept, sampled_verifier
-from .sampling import BlockGenerator, SamplingParams, row_sampler
+from .rejection import accept
+from .sampling import BlockGenerator, Sampler, SamplingParams
 from .text import TextCodec, TextStream
 
 MAX_DRAFT_TOKENS = 32
@@ -32,6 +32,8 @@ class GenerationConfig:
     temperature: float = 0.0  # 0: greedy
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1.0: off
+    min_p: float = 0.0  # 0.0: off; keeps tokens at least min_p times as likely as the most likely one
+    repetition_penalty: float = 1.0  # 1.0: off; HF's: divides positive / multiplies negative logits of context tokens
     seed: int | None = 0  # seeds the np.random.Generator every draw comes from
     num_draft_tokens: int = 4  # k: tokens the draft proposes per round
     speculative: bool = True  # False: target-only decoding, the baseline
@@ -44,6 +46,10 @@ class GenerationConfig:
             raise SpecdeployError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE} (got {self.temperature})")
         if not 0 < self.top_p <= 1:
             raise SpecdeployError(f"top_p must be in (0, 1] (got {self.top_p})")
+        if not 0 <= self.min_p <= 1:
+            raise SpecdeployError(f"min_p must be in [0, 1] (got {self.min_p})")
+        if not 0 < self.repetition_penalty < float("inf"):
+            raise SpecdeployError(f"repetition_penalty must be a positive finite number (got {self.repetition_penalty})")
         if self.top_k < 0:
             raise SpecdeployError(f"top_k must be >= 0 (got {self.top_k})")
         if self.max_new_tokens < 0:
@@ -55,7 +61,8 @@ class GenerationConfig:
 
     @property
     def sampling(self) -> SamplingParams:
-        return SamplingParams(temperature=float(self.temperature), top_k=int(self.top_k), top_p=float(self.top_p))
+        return SamplingParams(temperature=float(self.temperature), top_k=int(self.top_k), top_p=float(self.top_p),
+                              min_p=float(self.min_p), repetition_penalty=float(self.repetition_penalty))
 
 
 @dataclass
@@ -219,16 +226,15 @@ class Generator:
                 stats: GenerationStats) -> Iterator[list[int]]:
         """Yield the tokens of each round until `budget` tokens are out (the caller may stop earlier)."""
         rng = BlockGenerator(config.seed)  # default_rng(seed)'s numbers, cheaper to take
-        params = config.sampling
         drafter = self.drafter if config.speculative else None
         draft_model = drafter.model if drafter is not None else None
         engines = [self.target.engine] + ([draft_model.engine] if draft_model is not None else [])
         context = list(prompt_ids)
         # The target's distributions of a round, written in place ([k + 1, vocab]; unused when greedy).
         vocab = self.target.engine.spec.vocab_size
-        target_probs = None if params.greedy else np.empty((config.num_draft_tokens + 1, vocab), dtype=np.float32)
-        sample = None if params.greedy else row_sampler(params, vocab)
-        verify = None if params.greedy else sampled_verifier(params, vocab)
+        sampler = Sampler(config.sampling, vocab)  # every row of this call is processed through it
+        greedy = sampler.greedy
+        target_probs = None if greedy else np.empty((config.num_draft_tokens + 1, vocab), dtype=np.float32)
 
         start = time.perf_counter()
         self.target.prefill(context[:-1])
@@ -245,21 +251,19 @@ class Generator:
             while generated < budget:
                 room = self.max_context - len(context)  # the verify pass adds k + 1 positions to len(context) - 1
                 num_draft = min(k, budget - generated - 1, room) if drafter else 0
-                drafts, draft_probs = (drafter.propose(context, num_draft, params, rng, draft_confidence)
+                sampler.sync(context)  # the repetition penalty's context (nothing to do without one)
+                drafts, draft_probs = (drafter.propose(context, num_draft, sampler, rng, draft_confidence)
                                        if num_draft > 0 else ([], None))
                 if drafts:
                     logits = self.target.extend(self.target.uncached(context) + drafts)[-(len(drafts) + 1):]  # [k+1, vocab]
-                    if verify is None:  # greedy
-                        num_accepted, token = greedy_accept(drafts, logits)
-                    else:
-                        num_accepted, token = verify(drafts, draft_probs, logits, rng, target_probs)
+                    num_accepted, token = accept(sampler, drafts, draft_probs, logits, rng, target_probs)
                     drafter.update(num_accepted)
                     drafted += len(drafts)
                     ended_at[num_accepted] += 1
                     new = drafts[:num_accepted] + [token]
                 else:
                     logits = self.target.logits_after(context)  # [vocab]
-                    token = int(logits.argmax()) if sample is None else sample(logits, rng.random(), target_probs[0])
+                    token = sampler.argmax(logits) if greedy else sampler.sample(logits, rng.random(), target_probs[0])
                     new = [token]
                 rounds += 1
                 context.extend(new)

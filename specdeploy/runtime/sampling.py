@@ -1,20 +1,27 @@
-"""Logits processing (temperature, top-k, top-p) and drawing tokens, as pure NumPy functions.
+"""Logits processing (repetition penalty, temperature, top-k, top-p, min-p) and drawing tokens.
 
-Speculative sampling applies the same processing to the draft's and the target's logits, so the
-distribution it preserves is exactly the one target-only sampling draws from.
+The NumPy functions here are the definition: `process_logits` forms the distribution every sampled
+token is drawn from, in Hugging Face's order and with its names (repetition_penalty, then
+temperature, top_k, top_p, min_p). Speculative sampling applies the same processing to the draft's
+and the target's logits, each row with the context up to its own position, so the distribution it
+preserves is exactly the one target-only sampling draws from.
 
-The softmax and the draws of float32 rows (the runtime's) run in a small C extension when it was
-built at install (`_fastsample.c`, compiled whenever a C compiler is present): one call per row
-instead of about fifteen NumPy calls, each of which runs cold right after an ONNX Runtime pass. The
-NumPy code here computes the same quantities (tests hold the two together, to float rounding) and
-runs where the extension is missing. Either way, target-only sampling and the verify scan form
-their distributions through the same function, so they agree bit for bit.
+Every truncation only chooses a support; the distribution is then the softmax of the (penalized)
+logits over that support. The C extension (`_fastsample.c`, built whenever a C compiler is
+present) computes the same rows without touching more of the vocabulary than it must (top-k by
+partial selection, top-p from a histogram of the mass instead of a sort, min-p in the exponential
+pass). With the extension, a row it forms equals `process_logits` of that row bit for bit (the
+NumPy softmax and draws call the same C primitives), except that the top-p cut sums the mass in
+another order: a token whose preceding mass lies within float rounding of top_p may fall on the
+other side. Without the extension NumPy computes the same quantities to float rounding.
+`Sampler` is the one object the generate loop, the drafters and the accept rule form their rows
+through, so target-only sampling and the verify scan agree bit for bit.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -22,48 +29,117 @@ try:
     from . import _fastsample
 except ImportError:  # no C compiler at install time: NumPy computes the same, only slower
     _fastsample = None
+if _fastsample is not None and not hasattr(_fastsample, "Processor"):  # a build older than this code
+    _fastsample = None  # (pip install -e . rebuilds it; test_the_c_kernel_was_built says so)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0: greedy (argmax); no distribution is formed
+    temperature: float = 0.0  # 0: greedy (argmax of the penalized logits); no distribution is formed
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1.0: off
+    min_p: float = 0.0  # 0.0: off; keeps tokens at least min_p times as likely as the most likely one
+    repetition_penalty: float = 1.0  # 1.0: off; > 1 discourages tokens already in the context
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0
 
-def process_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """Logits [n, vocab] -> probabilities [n, vocab] after temperature, then top-k, then top-p (as transformers orders them).
+    @property
+    def truncated(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
 
-    float32 throughout: this runs for sampled tokens, and float32 ratios of probabilities are exact
-    to ~1e-7, far below anything a 100k-trial distribution test can see. Every row is computed alone
-    (in C, or by the same NumPy arithmetic), so a row's bits do not depend on the rows beside it.
-    """
+
+def penalize(logits: np.ndarray, token_ids: np.ndarray, penalty: float) -> np.ndarray:
+    """logits [vocab] with HF's repetition penalty on token_ids [m] (distinct): a positive logit is divided
+    by the penalty, a negative one multiplied; returns a float32 copy (the engine's rows are left alone)."""
+    out = np.array(logits, dtype=np.float32)
+    if len(token_ids):
+        chosen = out[token_ids]
+        factor = np.float32(penalty)
+        out[token_ids] = np.where(chosen < 0, chosen * factor, chosen / factor)
+    return out
+
+
+def support(logits: np.ndarray, params: SamplingParams) -> np.ndarray | None:
+    """The tokens the truncations keep, as a mask [vocab] (None: all of them), from penalized logits [vocab].
+
+    top-k keeps every token at least as high as the k-th highest logit; top-p then the smallest set of
+    most probable tokens (of the top-k distribution; ties ranked by token id) whose mass reaches top_p;
+    min-p then the tokens whose probability is at least min_p times the top one's, tested as
+    logit / T - max / T >= log(min_p) on the scaled logits the softmax forms (the same test)."""
+    vocab = logits.shape[0]
+    keep = None
+    if 0 < params.top_k < vocab:
+        kth = np.partition(logits, vocab - params.top_k)[vocab - params.top_k]
+        keep = logits >= kth
+    if params.top_p < 1.0 or params.min_p > 0.0:
+        scaled = logits * np.float32(1.0 / params.temperature)
+        scaled -= scaled.max()
+        if params.top_p < 1.0:
+            weights = np.exp(scaled) if keep is None else np.where(keep, np.exp(scaled), np.float32(0.0))
+            keep = _nucleus(weights, params.top_p)
+        if params.min_p > 0.0:
+            above = scaled >= np.float32(math.log(params.min_p))
+            keep = above if keep is None else keep & above
+    return keep
+
+
+def _nucleus(weights: np.ndarray, top_p: float, candidates: int = 64) -> np.ndarray:
+    """Mask [vocab] of the tokens whose preceding mass (of tokens ranked before them: higher weight, or equal
+    weight and a lower id) is below top_p of the total, from non-negative weights [vocab].
+
+    Only the most probable tokens are sorted (argpartition), unless they hold less than top_p of the mass."""
+    vocab = weights.shape[0]
+    total = weights.sum(dtype=np.float64)
+    count = min(candidates, vocab)
+    while True:
+        # The count most probable tokens and every token tied with the last of them, so that ties rank by id.
+        top = np.flatnonzero(weights >= np.partition(weights, vocab - count)[vocab - count]) if count < vocab \
+            else np.arange(vocab)
+        top = top[np.lexsort((top, -weights[top]))]  # most probable first, ties by token id
+        mass_before = np.cumsum(weights[top], dtype=np.float64) - weights[top]
+        if count == vocab or mass_before[-1] + weights[top[-1]] >= top_p * total:
+            break
+        count = min(vocab, count * 8)
+    keep = np.zeros(vocab, dtype=bool)
+    keep[top[mass_before < top_p * total]] = True
+    return keep
+
+
+def process_row(logits: np.ndarray, params: SamplingParams, out: np.ndarray,
+                penalized_ids: np.ndarray | None = None) -> np.ndarray:
+    """out [vocab] = the distribution params give logits [vocab] whose context holds penalized_ids [m] (distinct)."""
+    row = np.asarray(logits, dtype=np.float32)
+    if params.penalized and penalized_ids is not None:
+        row = penalize(row, penalized_ids, params.repetition_penalty)
+    if params.truncated and not np.isfinite(row.max()):  # a NaN or an infinity: no distribution (as in C)
+        out[:] = np.nan
+        return out
+    keep = support(row, params)
+    if keep is not None:
+        row = np.where(keep, row, np.float32(-np.inf))
+    softmax_row(np.ascontiguousarray(row), out, params.temperature)
+    return out
+
+
+def process_logits(logits: np.ndarray, params: SamplingParams, contexts=None) -> np.ndarray:
+    """Logits [n, vocab] -> probabilities [n, vocab]; contexts: the token ids before each row (n sequences),
+    whose distinct tokens the repetition penalty reads (None: no context, no penalty).
+
+    float32 throughout: float32 ratios of probabilities are exact to ~1e-7, far below anything a
+    100k-trial distribution test can see. Every row is computed alone, so a row's bits do not depend
+    on the rows beside it."""
     logits = np.asarray(logits, dtype=np.float32)
-    vocab = logits.shape[-1]
-    if 0 < params.top_k < vocab:  # the same set before or after dividing by a positive temperature
-        kth = np.partition(logits, vocab - params.top_k, axis=-1)[:, vocab - params.top_k][:, None]  # [n, 1]
-        logits = np.where(logits < kth, np.float32(-np.inf), logits)
     probs = np.empty(logits.shape, dtype=np.float32)
-    for row, out in zip(logits, probs):
-        softmax_row(row, out, params.temperature)
-    if params.top_p < 1.0:
-        for row in probs:
-            _top_p_row(row, params.top_p)
+    for index, (row, out) in enumerate(zip(logits, probs)):
+        ids = np.unique(np.asarray(contexts[index], dtype=np.int64)) if contexts is not None else None
+        process_row(row, params, out, ids)
     return probs
-
-
-def c_takes(*arrays: np.ndarray) -> bool:
-    """Whether the C kernel was built and takes these arrays as they are (float32, C-contiguous); else NumPy runs."""
-    if _fastsample is None:
-        return False
-    for a in arrays:  # a loop, not all() over a generator: this runs once a round, cold
-        if a.dtype != np.float32 or not a.flags.c_contiguous:
-            return False
-    return True
 
 
 def softmax_row(logits: np.ndarray, out: np.ndarray, temperature: float) -> None:
@@ -77,42 +153,118 @@ def softmax_row(logits: np.ndarray, out: np.ndarray, temperature: float) -> None
     out *= np.float32(1.0) / out.sum(dtype=np.float32)
 
 
-def _temperature_only(params: SamplingParams, vocab: int) -> bool:
-    return not 0 < params.top_k < vocab and params.top_p >= 1.0
+def c_takes(*arrays: np.ndarray) -> bool:
+    """Whether the C kernel was built and takes these arrays as they are (float32, C-contiguous); else NumPy runs."""
+    if _fastsample is None:
+        return False
+    for a in arrays:  # a loop, not all() over a generator: this runs once a round, cold
+        if a.dtype != np.float32 or not a.flags.c_contiguous:
+            return False
+    return True
 
 
-def distribution(logits: np.ndarray, params: SamplingParams, out: np.ndarray) -> np.ndarray:
-    """out [vocab] = process_logits(logits [vocab], params) for one row, without its allocations when temperature alone applies."""
-    if _temperature_only(params, logits.shape[-1]) and logits.dtype == np.float32:
-        softmax_row(logits, out, params.temperature)
-    else:
-        out[...] = process_logits(logits[None], params)[0]
-    return out
+class PenaltyContext:
+    """The distinct tokens of a context, for the repetition penalty: a mask [vocab] and the ids [count].
+
+    It follows one context list as the generate loop extends it (a round adds its few tokens); any
+    other list, or one that got shorter, is read afresh."""
+
+    def __init__(self, vocab: int):
+        self.mask = np.zeros(vocab, dtype=np.uint8)  # [vocab]: 1 where the token is in the context
+        self._ids = np.empty(vocab, dtype=np.int64)  # [vocab]: the distinct tokens, in order of appearance
+        self.ids = self._ids[:0]  # [count]
+        self._context: list[int] | None = None
+        self._read = 0  # context[:_read] is in the mask
+
+    def sync(self, context: list[int]) -> None:
+        if context is not self._context or len(context) < self._read:
+            self.mask[:] = 0
+            self._context, self._read, self.ids = context, 0, self._ids[:0]
+        if len(context) == self._read:
+            return
+        mask, ids, count = self.mask, self._ids, len(self.ids)
+        for token in context[self._read :]:
+            if not mask[token]:
+                mask[token] = 1
+                ids[count] = token
+                count += 1
+        self._read = len(context)
+        self.ids = ids[:count]
+
+    def with_extras(self, extras) -> np.ndarray:
+        """The distinct ids [m] of the context followed by extras (tokens drafted after it)."""
+        new = [t for i, t in enumerate(extras) if not self.mask[t] and t not in extras[:i]]
+        return np.concatenate([self.ids, np.asarray(new, dtype=np.int64)]) if new else self.ids
 
 
-def row_sampler(params: SamplingParams, vocab: int) -> Callable[[np.ndarray, float, np.ndarray], int]:
-    """sample(logits [vocab], uniform, out [vocab]) -> the token that uniform (in [0, 1)) draws from the logits
-    processed by params; out receives the distribution it was drawn from.
+class Sampler:
+    """One generate call's processing of logits rows: SamplingParams over a vocabulary, and the context the
+    repetition penalty reads (`sync` it to the context before a round).
 
-    Made once per generate call: the per-token call then does only the work (with temperature alone and
-    the C extension, one call that forms the same softmax as distribution() and draws from it, from
-    the exponentials just before they are divided by their sum: the same distribution, without a
-    second pass over the row). The caller takes the uniforms from its generator, a round's worth in
-    one call."""
-    def general(logits: np.ndarray, uniform: float, out: np.ndarray) -> int:
-        return draw(distribution(logits, params, out), uniform)
+    Every row a round forms (a draft step, a verify row, a target-only step) goes through argmax,
+    sample or distribution; extras are the tokens drafted after the context so far (the row for
+    draft position i penalizes the context and x_1..x_i). With the C kernel each is one call;
+    otherwise (or for float64 / strided rows) the NumPy definition computes the same."""
 
-    if _fastsample is None or not _temperature_only(params, vocab):
-        return general
-    softmax, inverse = _fastsample.softmax, 1.0 / params.temperature
+    def __init__(self, params: SamplingParams, vocab: int):
+        self.params, self.vocab = params, vocab
+        self.greedy = params.greedy
+        self.penalty = PenaltyContext(vocab) if params.penalized else None
+        self.kernel = None
+        if _fastsample is not None:
+            inverse = 0.0 if params.greedy else 1.0 / params.temperature
+            self.kernel = _fastsample.Processor(inverse, params.top_k, params.top_p, params.min_p,
+                                                params.repetition_penalty)
+        # The penalty's ids [count] and mask [vocab] as the kernel takes them (None: no penalty).
+        self._ids, self._mask = (None, None) if self.penalty is None else (self.penalty.ids, self.penalty.mask)
 
-    def fast(logits: np.ndarray, uniform: float, out: np.ndarray) -> int:
-        try:
-            return softmax(logits, out, inverse, uniform)
-        except TypeError:  # not float32, or not contiguous: the same draw, in NumPy
-            return general(np.ascontiguousarray(logits, dtype=np.float32), uniform, out)
+    def sync(self, context: list[int]) -> None:
+        if self.penalty is not None:
+            self.penalty.sync(context)
+            self._ids, self._mask = self.penalty.ids, self.penalty.mask
 
-    return fast
+    def penalty_args(self) -> tuple:
+        """(ids [count], mask [vocab]) for the C kernel, or (None, None) without a penalty."""
+        return self._ids, self._mask
+
+    def _penalized_ids(self, extras) -> np.ndarray | None:
+        return None if self.penalty is None else self.penalty.with_extras(extras)
+
+    def argmax(self, logits: np.ndarray, extras=()) -> int:
+        """The greedy token of logits [vocab]: np.argmax of the penalized row (the first maximum)."""
+        if self.penalty is None:
+            return int(logits.argmax())
+        if self.kernel is not None:
+            try:
+                return self.kernel.argmax(logits, self._ids, self._mask, extras)
+            except TypeError:  # not float32, or not contiguous: the same token, in NumPy
+                pass
+        return int(penalize(logits, self._penalized_ids(extras), self.params.repetition_penalty).argmax())
+
+    def distribution(self, logits: np.ndarray, out: np.ndarray, extras=()) -> np.ndarray:
+        """out [vocab] = the processed distribution of logits [vocab] (process_row's)."""
+        if self.kernel is not None:
+            try:
+                self.kernel.sample(logits, out, None, self._ids, self._mask, extras)
+                return out
+            except TypeError:
+                logits = np.ascontiguousarray(logits, dtype=np.float32)
+                if c_takes(out):
+                    self.kernel.sample(logits, out, None, self._ids, self._mask, extras)
+                    return out
+        return process_row(logits, self.params, out, self._penalized_ids(extras))
+
+    def sample(self, logits: np.ndarray, uniform: float, out: np.ndarray, extras=()) -> int:
+        """The token uniform (in [0, 1)) draws from the processed distribution of logits [vocab], which out
+        [vocab] receives. The C kernel draws from the row's exponentials just before they are divided
+        by their sum (the same distribution, without a second pass over the row)."""
+        if self.kernel is not None:
+            try:
+                return self.kernel.sample(logits, out, uniform, self._ids, self._mask, extras)
+            except TypeError:
+                return self.kernel.sample(np.ascontiguousarray(logits, dtype=np.float32), out, uniform, self._ids,
+                                          self._mask, extras)
+        return draw(self.distribution(logits, out, extras), uniform)
 
 
 UNIFORM_BLOCK = 256  # uniforms a BlockGenerator draws at a time
@@ -156,27 +308,6 @@ class BlockGenerator(np.random.Generator):
         return self._block[start:end].reshape(size) if type(size) is not int else self._block[start:end]
 
 
-def _top_p_row(row: np.ndarray, top_p: float, candidates: int = 64) -> None:
-    """Zero, in place, every token outside the smallest most-probable set whose mass reaches top_p; renormalize.
-
-    A token stays if the mass of the tokens ranked before it is below top_p. Only the few most
-    probable tokens are sorted (argpartition), unless they hold less than top_p of the mass.
-    """
-    vocab = row.shape[0]
-    count = min(candidates, vocab)
-    while True:
-        top = np.argpartition(row, vocab - count)[vocab - count :] if count < vocab else np.arange(vocab)
-        top = top[np.argsort(-row[top], kind="stable")]  # [count], most probable first
-        mass_before = np.cumsum(row[top]) - row[top]
-        if count == vocab or mass_before[-1] + row[top[-1]] >= top_p:
-            break
-        count = min(vocab, count * 8)
-    keep = top[mass_before < top_p]
-    kept = row[keep]
-    row[:] = 0.0
-    row[keep] = kept / kept.sum()
-
-
 BLOCK = 64
 
 
@@ -211,18 +342,6 @@ def draw(weights: np.ndarray, uniform: float) -> int:
         nonzero = np.flatnonzero(inner)
         index = int(nonzero[min(np.searchsorted(nonzero, index), len(nonzero) - 1)])
     return start + index
-
-
-def sample_tokens(probs: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
-    """Inverse-CDF draws: probs [n, vocab] (rows sum to 1, up to rounding), uniforms [n] in [0, 1) -> token ids [n]."""
-    if probs.shape[0] == 1:  # the runtime's case
-        return np.array([draw(probs[0], float(uniforms[0]))])
-    cdf = np.cumsum(probs, axis=-1)  # [n, vocab]
-    targets = uniforms * cdf[:, -1]
-    tokens = (cdf <= targets[:, None]).sum(axis=-1)
-    # Rounding can leave a draw past the last token with mass; land it on the last such token.
-    last_nonzero = probs.shape[-1] - 1 - np.argmax(probs[:, ::-1] > 0, axis=-1)
-    return np.minimum(tokens, last_nonzero)
 
 
 def residual_draw(target_probs: np.ndarray, draft_probs: np.ndarray, uniform: float) -> int:
