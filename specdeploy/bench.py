@@ -33,7 +33,8 @@ def exact_continuation_probs(generator: Generator, prompt_ids: list[int], params
     (no small top-k) pass min_probability: only continuations at least that likely are formed (a
     prefix below it has no such continuation), and their total falls short of 1 by the rest."""
     def probs(context: list[int]) -> np.ndarray:
-        return process_logits(generator.target.logits_after(context)[None], params)[0].astype(np.float64)
+        logits = generator.target.logits_after(context, generator.target_cache)  # [vocab]
+        return process_logits(logits[None], params)[0].astype(np.float64)
 
     result: dict[tuple[int, ...], float] = {(): 1.0}
     for _ in range(length):

@@ -228,7 +228,7 @@ def export_bundle(config: ExportConfig, report: Reporter | None = None) -> Manif
     """Export, validate and write the bundle; returns its manifest. Raises SpecdeployError on bad input."""
     report = report or (lambda stage, detail: None)
     out = _check_options(config)
-    from ..runtime.engine import global_pool_active
+    from ..runtime import global_pool_active
 
     if global_pool_active():
         raise SpecdeployError(
