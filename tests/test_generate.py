@@ -7,7 +7,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 import specdeploy
-from specdeploy.bench import exact_continuation_probs
+from specdeploy.testing import exact_continuation_probs
 from specdeploy.errors import SpecdeployError
 from specdeploy.runtime import sampling
 from specdeploy.runtime.sampling import SamplingParams
