@@ -24,7 +24,7 @@ def _ortvalue(array: np.ndarray, device: str):
     """A C-level OrtValue (what IO binding takes) holding array on device; on the CPU it shares array's memory
     (and does not keep array alive: the caller must).
 
-    Straight to the C binding: the Python wrapper's device lookup costs more than the call (~10 us)."""
+    Straight to the C binding: the Python wrapper's device lookup costs more than the call itself."""
     entry = _C_DEVICES.get(device)
     if entry is None:
         from onnxruntime.capi import _pybind_state
