@@ -324,3 +324,27 @@ def test_a_truncated_cache_is_compared_again(bundles):
     engine.run([79], cache)
     np.testing.assert_allclose(engine.logits_after(context, cache), other.logits_after(list(context), fresh), atol=1e-5)
     assert cache.tokens == context
+
+
+def test_allow_spinning_is_set_for_per_session_pools_only():
+    """The shared pool ignores a session's spinning setting, so the options say nothing about it there."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from specdeploy.runtime.engine import session_options
+
+    for spinning in (False, True):
+        options = session_options(SessionConfig(allow_spinning=spinning))
+        assert options.get_session_config_entry("session.intra_op.allow_spinning") == ("1" if spinning else "0")
+    script = textwrap.dedent("""
+        from specdeploy.runtime.engine import SessionConfig, session_options
+        options = session_options(SessionConfig(shared_threads=True, allow_spinning=True))
+        try:
+            options.get_session_config_entry("session.intra_op.allow_spinning")
+        except RuntimeError:
+            print("absent")
+    """)  # in a subprocess: the shared pool, once made, is the process's for good
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "absent"
