@@ -140,9 +140,8 @@ class OrtEngine:
     """One bundle model in an ONNX Runtime session; batch 1, positions implied by the cache length.
 
     scratch_logits: the logits of a short pass (up to SCRATCH_ROWS tokens, on a shared-buffer graph)
-    land in one buffer the engine owns and its next pass overwrites: no array, OrtValue or binding
-    to make per pass. For callers that read the logits before the next pass, as the generate loop
-    does; everyone else gets a fresh array.
+    land in one buffer that the next pass overwrites: no array, OrtValue or binding to make per
+    pass. For callers that read the logits before the next pass, as the generate loop does.
 
     min_pass_tokens (None: the rule below): ONNX Runtime's kernels take a separate path for a single
     row, whose logits differ from a multi-token pass's in the last bits in fp32 and by far more in
@@ -344,9 +343,10 @@ class OrtEngine:
     def _bind_cache(self, cache: SharedKVCache) -> None:
         """Each layer's buffer as its past and its present; the CPU's mask too (both stay bound)."""
         binding = self._binding
-        for past, present, tensor in zip(self._past_names, self._present_names, cache.tensors):
-            binding.bind_ortvalue_input(past, tensor)
-            binding.bind_ortvalue_output(present, tensor)
+        for name, tensor in zip(self._past_names, cache.tensors):
+            binding.bind_ortvalue_input(name, tensor)
+        for name, tensor in zip(self._present_names, cache.tensors):
+            binding.bind_ortvalue_output(name, tensor)
         if cache.mask_value is not None:
             binding.bind_ortvalue_input("attention_mask", cache.mask_value)
         self._bound_cache = cache
