@@ -22,7 +22,8 @@ import numpy as np
 from scipy import stats
 
 import specdeploy
-from specdeploy.bench import builtin_prompts, exact_continuation_probs
+from specdeploy.bench import builtin_prompts
+from specdeploy.testing import exact_continuation_probs
 from specdeploy.runtime.sampling import SamplingParams
 
 EXTRA_PROMPTS = [

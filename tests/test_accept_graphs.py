@@ -8,13 +8,12 @@ top-p or min-p cut) either answer is right; such cases are recognized one by one
 
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 import pytest
 
 from specdeploy.bundle import load_manifest
-from specdeploy.runtime.rejection import greedy_accept, rejection_sample_lazy
+from specdeploy.runtime.rejection import greedy_accept, rejection_sample
 from specdeploy.runtime.sampling import SamplingParams, draw, process_logits
 
 onnx = pytest.importorskip("onnx")
@@ -23,7 +22,6 @@ from specdeploy.export import accept  # noqa: E402  (needs onnx)
 from specdeploy.export.fused import OPSET  # noqa: E402  (the fused models' opset)
 
 ROUNDING = 1e-5  # relative: far above float32 softmax differences (~1e-7), far below any real gap
-HAS_MIN_P = "min_p" in {f.name for f in dataclasses.fields(SamplingParams)}
 SETTINGS = [
     dict(temperature=1.0), dict(temperature=0.6), dict(temperature=1.7),
     dict(temperature=1.0, top_k=1), dict(temperature=0.8, top_k=8), dict(temperature=1.0, top_k=40),
@@ -47,14 +45,8 @@ def sampled():
 
 
 def reference_probs(logits: np.ndarray, settings: dict) -> np.ndarray:
-    """logits [n, vocab] -> sampling.py's distributions; min_p by transformers' MinPLogitsWarper rule where
-    SamplingParams has no min_p (then it applies last, after top-p, as transformers orders it)."""
-    min_p = settings.get("min_p", 0.0)
-    if HAS_MIN_P or not min_p:
-        return process_logits(logits, SamplingParams(**settings))
-    probs = process_logits(logits, SamplingParams(**{k: v for k, v in settings.items() if k != "min_p"}))
-    probs = np.where(probs < min_p * probs.max(axis=-1, keepdims=True), np.float32(0), probs)
-    return (probs / probs.sum(axis=-1, keepdims=True)).astype(np.float32)
+    """logits [n, vocab] -> sampling.py's distributions, the definition the graph is held to."""
+    return process_logits(logits, SamplingParams(**settings))
 
 
 def run_sampled(sampled, target_logits, draft_tokens, draft_probs, uniforms, settings):
@@ -165,7 +157,7 @@ def test_sampled_graph_matches_the_numpy_scan(sampled, settings):
             on_a_boundary += 1
             continue
         np.testing.assert_allclose(target_probs, expected, rtol=2e-5, atol=1e-7)
-        reference = rejection_sample_lazy(drafts, draft_probs, lambda i: expected[i].copy(), np.random.default_rng(trial))
+        reference = rejection_sample(drafts, draft_probs, expected, np.random.default_rng(trial).random(len(drafts) + 1))
         if (num_accepted, next_token) != reference:
             assert explain_difference(case, (num_accepted, next_token), reference), (trial, num_accepted, next_token, reference)
             on_a_boundary += 1
@@ -194,7 +186,6 @@ def test_sampled_graph_exact_cases(sampled):
     assert (num_accepted, next_token) == (0, draw(probs[0], 0.42))
 
 
-@pytest.mark.skipif(not HAS_MIN_P, reason="the NumPy sampler takes no min_p yet; the graph is checked against transformers' rule")
 def test_min_p_follows_the_numpy_sampler(sampled):
     logits = (3 * np.random.default_rng(5).standard_normal((2, 64))).astype(np.float32)
     settings = dict(temperature=1.0, top_p=0.95, min_p=0.2)
@@ -230,9 +221,10 @@ def test_sampled_graph_over_real_models_keeps_the_target_distribution(agreeing_b
     generator = load(agreeing_bundle, drafter="model")
     manifest = load_manifest(agreeing_bundle)
     graph = ort.InferenceSession(str(agreeing_bundle / manifest.accept.sampled.path), providers=["CPUExecutionProvider"])
-    target, draft = generator.target, generator.drafter.model
+    target, target_cache = generator.target, generator.target_cache
+    draft, draft_cache = generator.drafter.engine, generator.drafter.cache
     prompt = generator.codec.encode("def fibonacci(n):\n    ")
-    exact = reference_probs(target.logits_after(prompt)[None].copy(), settings)[0]  # [vocab]
+    exact = reference_probs(target.logits_after(prompt, target_cache)[None].copy(), settings)[0]  # [vocab]
     draft_rows: dict[tuple, np.ndarray] = {}  # draft prefix -> the draft's distribution after it
     target_rows: dict[tuple, np.ndarray] = {}  # draft tokens -> the verify pass's logits [k + 1, vocab]
     rng, firsts, accepted_any = np.random.default_rng(0), [], 0
@@ -241,12 +233,12 @@ def test_sampled_graph_over_real_models_keeps_the_target_distribution(agreeing_b
         for _ in range(k):
             key = tuple(drafts)
             if key not in draft_rows:
-                draft_rows[key] = reference_probs(draft.logits_after(prompt + drafts)[None].copy(), settings)[0]
+                draft_rows[key] = reference_probs(draft.logits_after(prompt + drafts, draft_cache)[None].copy(), settings)[0]
             draft_probs.append(draft_rows[key])
             drafts.append(draw(draft_rows[key], rng.random()))
         key = tuple(drafts)
         if key not in target_rows:
-            target_rows[key] = target.extend(target.uncached(prompt) + drafts)[-(k + 1):].copy()
+            target_rows[key] = target.run(target_cache.truncate_to_prefix(prompt, min_rest=1) + drafts, target_cache)[-(k + 1):].copy()
         num_accepted, next_token, _ = run_sampled(graph, target_rows[key], drafts, np.stack(draft_probs),
                                                   rng.random(k + 1), settings)
         firsts.append(drafts[0] if num_accepted > 0 else next_token)

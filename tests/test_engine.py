@@ -1,11 +1,12 @@
-"""Engine pieces that run without a GPU: KV rollback, the TensorRT profile strings, provider checks."""
+"""Engine pieces that run without a GPU: the one pass (`OrtEngine.run`), KV rollback, the TensorRT
+profile strings, provider checks."""
 
 import numpy as np
 import pytest
 
 from specdeploy.bundle import load_manifest
 from specdeploy.errors import SpecdeployError
-from specdeploy.runtime.engine import CachedModel, OrtEngine, SessionConfig, providers_for, trt_profiles
+from specdeploy.runtime.engine import OrtEngine, SessionConfig, providers_for, trt_profiles
 
 
 def test_trt_profiles_cover_every_input(bundles):
@@ -36,18 +37,18 @@ def test_gpu_devices_need_onnxruntime_gpu():
             providers_for(SessionConfig(device=device))
 
 
-def test_cached_model_rolls_back_to_the_shared_prefix(bundles):
+def test_a_cache_rolls_back_to_the_shared_prefix(bundles):
     bundle = bundles("mistral")
     spec = load_manifest(bundle).target
-    model = CachedModel(OrtEngine(bundle / spec.onnx_path, spec), 64)
-    fresh = CachedModel(OrtEngine(bundle / spec.onnx_path, spec), 64)
+    engine, other = OrtEngine(bundle / spec.onnx_path, spec), OrtEngine(bundle / spec.onnx_path, spec)
+    cache, fresh = engine.new_cache(64), other.new_cache(64)
     context = [5, 9, 13, 40, 41, 42]
-    model.extend(context + [7, 8, 9])  # a draft run that will be partly rejected
-    logits = model.logits_after(context + [100])  # diverges after the context: positions 6.. are dropped
-    assert model.cache.length == len(context) + 1 == len(model.tokens)
-    np.testing.assert_allclose(logits, fresh.logits_after(context + [100]), atol=1e-5)
+    engine.run(context + [7, 8, 9], cache)  # a draft run that will be partly rejected
+    logits = engine.logits_after(context + [100], cache)  # diverges after the context: positions 6.. are dropped
+    assert cache.length == len(context) + 1 == len(cache.tokens)
+    np.testing.assert_allclose(logits, other.logits_after(context + [100], fresh), atol=1e-5)
     with pytest.raises(SpecdeployError, match="max context"):
-        model.extend(list(range(70)))
+        engine.run(list(range(70)), cache)
 
 
 def test_prompt_lookup_finds_the_latest_earlier_ngram():
@@ -85,11 +86,11 @@ def test_chunked_prefill_equals_one_pass(bundles, role):
     spec = load_manifest(bundle).model(role)
     engine = OrtEngine(bundle / spec.onnx_path, spec)
     ids = list(np.random.default_rng(4).integers(2, 300, size=2 * PREFILL_CHUNK + 7))
-    whole = engine.forward(np.asarray(ids), engine.new_cache(256))
-    model = CachedModel(engine, 256)
-    model.prefill(ids[:-1])
-    assert model.cache.length == len(ids) - 1 and engine.calls == 1 + 3  # the whole pass, then three chunks
-    np.testing.assert_allclose(model.logits_after(ids), whole[-1], atol=1e-4)
+    whole = engine.run(np.asarray(ids), engine.new_cache(256))
+    cache = engine.new_cache(256)
+    engine.prefill(ids[:-1], cache)
+    assert cache.length == len(ids) - 1 and engine.calls == 1 + 3  # the whole pass, then three chunks
+    np.testing.assert_allclose(engine.logits_after(ids, cache), whole[-1], atol=1e-4)
 
 
 def test_long_catch_up_goes_in_chunks(bundles):
@@ -100,23 +101,23 @@ def test_long_catch_up_goes_in_chunks(bundles):
     spec = load_manifest(bundle).target
     engine = OrtEngine(bundle / spec.onnx_path, spec)
     ids = list(np.random.default_rng(5).integers(2, 300, size=2 * PREFILL_CHUNK + 20))
-    whole = engine.forward(np.asarray(ids), engine.new_cache(256))
-    model = CachedModel(engine, 256)
-    model.prefill(ids[:10])
+    whole = engine.run(np.asarray(ids), engine.new_cache(256))
+    cache = engine.new_cache(256)
+    engine.prefill(ids[:10], cache)
     calls = engine.calls
-    np.testing.assert_allclose(model.logits_after(ids), whole[-1], atol=1e-4)
-    assert engine.calls - calls == 3 and model.tokens == ids  # 64 + 64 + 14 (the last one's logits)
+    np.testing.assert_allclose(engine.logits_after(ids, cache), whole[-1], atol=1e-4)
+    assert engine.calls - calls == 3 and cache.tokens == ids  # 64 + 64 + 14 (the last one's logits)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])  # shared-buffer and concat caches
 def test_a_failed_pass_leaves_tokens_and_cache_in_step(bundles, monkeypatch, arch):
     bundle = bundles(arch)
     spec = load_manifest(bundle).target
-    engine = OrtEngine(bundle / spec.onnx_path, spec)
-    model = CachedModel(engine, 64, min_pass_tokens=2)  # the re-run path shortens the cache first
-    model.prefill([5, 9, 13, 40, 50, 51])
-    model.cache.truncate(5)  # a rejection: the concat cache cuts its stale position on the next pass
-    del model.tokens[5:]
+    engine = OrtEngine(bundle / spec.onnx_path, spec, min_pass_tokens=2)  # the re-run path shortens the cache first
+    cache = engine.new_cache(64)
+    engine.prefill([5, 9, 13, 40, 50, 51], cache)
+    cache.truncate(5)  # a rejection: the concat cache cuts its stale position on the next pass
+    assert cache.tokens == [5, 9, 13, 40, 50]
     real_run = engine._run
 
     def interrupted(*args):
@@ -124,12 +125,12 @@ def test_a_failed_pass_leaves_tokens_and_cache_in_step(bundles, monkeypatch, arc
 
     monkeypatch.setattr(engine, "_run", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        model.logits_after([5, 9, 13, 40, 50, 41])
-    assert len(model.tokens) == model.cache.length == 4
+        engine.logits_after([5, 9, 13, 40, 50, 41], cache)
+    assert len(cache.tokens) == cache.length == 4
     monkeypatch.setattr(engine, "_run", real_run)
-    fresh = CachedModel(engine, 64)
+    fresh = engine.new_cache(64)
     context = [5, 9, 13, 60, 61]  # diverges before the failed pass: a second cut, of the first cut's copies
-    np.testing.assert_allclose(model.logits_after(context), fresh.logits_after(context), atol=1e-5)
+    np.testing.assert_allclose(engine.logits_after(context, cache), engine.logits_after(context, fresh), atol=1e-5)
 
 
 def test_long_passes_take_any_integer_ids(bundles):
@@ -137,8 +138,10 @@ def test_long_passes_take_any_integer_ids(bundles):
     spec = load_manifest(bundle).target
     engine = OrtEngine(bundle / spec.onnx_path, spec)
     ids = np.random.default_rng(6).integers(2, 300, size=100)
-    expected = engine.forward(ids, engine.new_cache(128))
-    np.testing.assert_allclose(engine.forward(ids.astype(np.int32), engine.new_cache(128)), expected, atol=1e-6)
+    expected = engine.run(ids, engine.new_cache(128))
+    cache = engine.new_cache(128)
+    np.testing.assert_allclose(engine.run(ids.astype(np.int32), cache), expected, atol=1e-6)
+    assert cache.tokens == ids.tolist() and all(type(token) is int for token in cache.tokens)
 
 
 def test_cache_capacity_and_gpu_checks(bundles, monkeypatch):
@@ -156,73 +159,109 @@ def test_cache_capacity_and_gpu_checks(bundles, monkeypatch):
 
 
 def test_scratch_logits_are_the_same_numbers_and_last_one_pass(bundles):
-    """forward(scratch=True) writes one engine-owned buffer (the generate loop's passes): the numbers of a
-    fresh array, valid until the next scratch pass; long passes and ordinary callers get fresh arrays."""
+    """scratch_logits: run writes one engine-owned buffer (the generate loop's passes): the numbers of a
+    fresh array, valid until the next pass; long passes and ordinary engines get fresh arrays."""
     from specdeploy.runtime.engine import SCRATCH_ROWS
 
     bundle = bundles("llama")
     spec = load_manifest(bundle).target
     engine = OrtEngine(bundle / spec.onnx_path, spec)
+    scratching = OrtEngine(bundle / spec.onnx_path, spec, scratch_logits=True)
     ids = [int(i) for i in np.random.default_rng(7).integers(2, 300, size=20)]
-    fresh_cache, scratch_cache = engine.new_cache(64), engine.new_cache(64)
-    fresh = [engine.forward(ids[:12], fresh_cache)] + [engine.forward([token], fresh_cache) for token in ids[12:15]]
+    fresh_cache, scratch_cache = engine.new_cache(64), scratching.new_cache(64)
+    fresh = [engine.run(ids[:12], fresh_cache)] + [engine.run([token], fresh_cache) for token in ids[12:15]]
     assert not any(np.shares_memory(a, b) for i, a in enumerate(fresh) for b in fresh[i + 1 :])
-    scratch = [engine.forward(ids[:12], scratch_cache, scratch=True)]
+    scratch = [scratching.run(ids[:12], scratch_cache)]
     np.testing.assert_array_equal(scratch[0], fresh[0])
     for step, token in enumerate(ids[12:15], start=1):
-        scratch.append(engine.forward([token], scratch_cache, scratch=True))
+        scratch.append(scratching.run([token], scratch_cache))
         np.testing.assert_array_equal(scratch[-1], fresh[step])
     assert np.shares_memory(scratch[0], scratch[1]) and np.shares_memory(scratch[1], scratch[3])
     long_ids = [int(i) for i in np.random.default_rng(8).integers(2, 300, size=SCRATCH_ROWS + 1)]
-    long_pass = engine.forward(long_ids, engine.new_cache(SCRATCH_ROWS + 1), scratch=True)
+    long_pass = scratching.run(long_ids, scratching.new_cache(SCRATCH_ROWS + 1))
     assert not np.shares_memory(long_pass, scratch[0])
 
 
-def test_step_is_a_one_token_extend(bundles):
-    """CachedModel.step (the draft loop's short path) gives extend([token])[-1]'s numbers, whatever pass came
-    before it (a multi-token pass rebinds the ids and logits; step then takes the long way once)."""
+@pytest.mark.parametrize("role", ["target", "draft"])  # the short path is the fused graphs' (shared buffer)
+def test_one_token_steps_give_the_numbers_of_ordinary_passes(bundles, role):
+    """A one-token run right after another on the same cache takes the short path (nothing rebound): the
+    numbers of a plain pass, whatever pass came before it (a multi-token pass rebinds the ids and logits;
+    the next step then takes the long way once)."""
     bundle = bundles("llama")
-    spec = load_manifest(bundle).draft
-    engine = OrtEngine(bundle / spec.onnx_path, spec)
-    stepped = CachedModel(engine, 64, scratch_logits=True)
-    extended = CachedModel(OrtEngine(bundle / spec.onnx_path, spec), 64)
+    spec = load_manifest(bundle).model(role)
+    engine = OrtEngine(bundle / spec.onnx_path, spec, scratch_logits=True)
+    plain = OrtEngine(bundle / spec.onnx_path, spec)
+    stepped, extended = engine.new_cache(64), plain.new_cache(64)
     ids = [int(i) for i in np.random.default_rng(3).integers(2, 300, size=16)]
-    stepped.prefill(ids[:5])
-    extended.prefill(ids[:5])
+    engine.prefill(ids[:5], stepped)
+    plain.prefill(ids[:5], extended)
     for position in range(5, 16):
         if position == 10:  # a catch-up of two tokens between steps
-            got, expected = stepped.extend(ids[10:12])[-1], extended.extend(ids[10:12])[-1]
+            got, expected = engine.run(ids[10:12], stepped)[-1], plain.run(ids[10:12], extended)[-1]
         elif position == 11:
             continue
         else:
-            got, expected = stepped.step(ids[position]), extended.extend([ids[position]])[-1]
+            got, expected = engine.run([ids[position]], stepped)[0], plain.run([ids[position]], extended)[-1]
         np.testing.assert_array_equal(got, expected)
-    assert stepped.tokens == extended.tokens == ids and stepped.cache.length == 16
-    full = CachedModel(engine, 18, scratch_logits=True)
-    full.prefill(ids)
-    full.step(7)
-    full.step(8)  # the short path, up to the last position
+    assert engine._stepping is (stepped if spec.kv_cache.shared_buffer else None)  # the short path was there to take
+    assert stepped.tokens == extended.tokens == ids and stepped.length == 16
+    full = engine.new_cache(18)
+    engine.prefill(ids, full)
+    engine.run([7], full)
+    engine.run([8], full)  # the short path, up to the last position
     with pytest.raises(SpecdeployError, match="max context"):
-        full.step(9)
-    assert full.cache.length == len(full.tokens) == 18
+        engine.run([9], full)
+    assert full.length == len(full.tokens) == 18
 
 
-def test_sync_compares_only_what_an_appended_context_added(bundles, monkeypatch):
-    """A context list that only grew since the last sync is compared from where they agreed; any other
+def test_one_engine_serves_caches_in_turn(bundles):
+    """A server's shape: one loaded engine, several caches (requests) in turn, each pass after another
+    cache's; every cache gets the numbers it would get on an engine of its own."""
+    bundle = bundles("llama")
+    for spec in load_manifest(bundle).target, load_manifest(bundle).draft:  # shared-buffer and concat
+        shared = OrtEngine(bundle / spec.onnx_path, spec, scratch_logits=True)
+        rng = np.random.default_rng(10)
+        contexts = [[int(t) for t in rng.integers(2, 300, size=n)] for n in (7, 12)]
+        caches = [shared.new_cache(64) for _ in contexts]
+        own = [OrtEngine(bundle / spec.onnx_path, spec) for _ in contexts]
+        own_caches = [engine.new_cache(64) for engine in own]
+        for step in range(6):
+            for index, context in enumerate(contexts):
+                got = shared.logits_after(context, caches[index]).copy()
+                np.testing.assert_array_equal(got, own[index].logits_after(context, own_caches[index]))
+                context.append(int(got.argmax()) if step != 3 else 5)
+            for cache in caches[0], own_caches[0]:  # one request rolls back while the other goes on
+                cache.truncate(cache.length - 2)
+        assert [cache.tokens for cache in caches] == [cache.tokens for cache in own_caches]
+        assert caches[1].tokens == contexts[1][:-1] and caches[0].tokens == contexts[0][:-3]
+
+
+def test_a_layout_the_runtime_does_not_bind_is_refused(bundles):
+    import dataclasses
+
+    bundle = bundles("llama")
+    spec = load_manifest(bundle).target
+    other = dataclasses.replace(spec, kv_cache=dataclasses.replace(spec.kv_cache, layout="batch,sequence,kv_heads,head_dim"))
+    with pytest.raises(SpecdeployError, match="layout"):
+        OrtEngine(bundle / spec.onnx_path, other)
+
+
+def test_truncate_to_prefix_compares_only_what_an_appended_context_added(bundles):
+    """A context list that only grew since the last call is compared from where they agreed; any other
     list (a copy with an earlier token changed) is compared from the start, and the cache rolls back."""
     bundle = bundles("llama")
     spec = load_manifest(bundle).target
-    model = CachedModel(OrtEngine(bundle / spec.onnx_path, spec), 64)
-    fresh = CachedModel(OrtEngine(bundle / spec.onnx_path, spec), 64)
+    engine, other = OrtEngine(bundle / spec.onnx_path, spec), OrtEngine(bundle / spec.onnx_path, spec)
+    cache, fresh = engine.new_cache(64), other.new_cache(64)
     context = [5, 9, 13, 40, 41, 42]
-    model.logits_after(context)
-    model.extend([7, 8])  # drafts, one of them rejected below
+    engine.logits_after(context, cache)
+    engine.run([7, 8], cache)  # drafts, one of them rejected below
     context += [7, 99]
-    assert model.uncached(context) == [99] and model.cache.length == 7
+    assert cache.truncate_to_prefix(context, min_rest=1) == [99] and cache.length == 7
     changed = list(context)
     changed[2] = 14
-    np.testing.assert_allclose(model.logits_after(changed), fresh.logits_after(changed), atol=1e-5)
-    assert model.tokens == changed[:-1] + [changed[-1]] and model.cache.length == len(changed)
+    np.testing.assert_allclose(engine.logits_after(changed, cache), other.logits_after(changed, fresh), atol=1e-5)
+    assert cache.tokens == changed[:-1] + [changed[-1]] and cache.length == len(changed)
 
 
 def test_the_full_width_mask_gives_the_logits_of_a_context_wide_one(bundles):
@@ -242,7 +281,7 @@ def test_the_full_width_mask_gives_the_logits_of_a_context_wide_one(bundles):
     buffers = [np.zeros((1, spec.num_kv_heads, 64, spec.head_dim), np.float32) for _ in range(2 * spec.num_layers)]
     values = [_ortvalue(b, "cpu") for b in buffers]
     binding = session.io_binding()._iobinding
-    past, present = engine._past_names, engine._output_names[1:]
+    past, present = engine._past_names, engine._present_names
     length = 0
     ids = [int(i) for i in np.random.default_rng(9).integers(2, 300, size=40)]
     for step in (ids[:20], [ids[20]], [ids[21]], ids[22:27], "rollback", [ids[30]], ids[31:36]):
@@ -250,7 +289,7 @@ def test_the_full_width_mask_gives_the_logits_of_a_context_wide_one(bundles):
             cache.truncate(21)
             length = 21
             continue
-        got = engine.forward(step, cache)
+        got = engine.run(step, cache)
         total = length + len(step)
         keep = [np.array([step], np.int64), np.ones((1, total), np.int64)]
         binding.bind_input("input_ids", keep[0])
@@ -267,19 +306,45 @@ def test_the_full_width_mask_gives_the_logits_of_a_context_wide_one(bundles):
         length = total
 
 
-def test_tokens_shortened_by_hand_are_compared_again(bundles):
-    """The sync skips what an appended context already agreed with; tokens cut by hand (and the cache with
-    them) and extended with other tokens lower that mark, so the next sync finds the divergence."""
+def test_a_truncated_cache_is_compared_again(bundles):
+    """truncate_to_prefix skips what an appended context already agreed with; a cache truncated by hand
+    (its tokens with it) and extended with other tokens lowers that mark, so the next call finds the
+    divergence."""
     bundle = bundles("llama")
     spec = load_manifest(bundle).target
-    model = CachedModel(OrtEngine(bundle / spec.onnx_path, spec), 64, scratch_logits=True)
-    fresh = CachedModel(OrtEngine(bundle / spec.onnx_path, spec), 64)
+    engine = OrtEngine(bundle / spec.onnx_path, spec, scratch_logits=True)
+    other = OrtEngine(bundle / spec.onnx_path, spec)
+    cache, fresh = engine.new_cache(64), other.new_cache(64)
     context = [5, 9, 13, 40, 50, 51]
-    model.prefill(context)
-    model.prefill(context)
-    model.cache.truncate(3)
-    del model.tokens[3:]
-    model.extend([77, 78])
-    model.step(79)
-    np.testing.assert_allclose(model.logits_after(context), fresh.logits_after(list(context)), atol=1e-5)
-    assert model.tokens == context
+    engine.prefill(context, cache)
+    engine.prefill(context, cache)
+    cache.truncate(3)
+    assert cache.tokens == context[:3]
+    engine.run([77, 78], cache)
+    engine.run([79], cache)
+    np.testing.assert_allclose(engine.logits_after(context, cache), other.logits_after(list(context), fresh), atol=1e-5)
+    assert cache.tokens == context
+
+
+def test_allow_spinning_is_set_for_per_session_pools_only():
+    """The shared pool ignores a session's spinning setting, so the options say nothing about it there."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from specdeploy.runtime.engine import session_options
+
+    for spinning in (False, True):
+        options = session_options(SessionConfig(allow_spinning=spinning))
+        assert options.get_session_config_entry("session.intra_op.allow_spinning") == ("1" if spinning else "0")
+    script = textwrap.dedent("""
+        from specdeploy.runtime.engine import SessionConfig, session_options
+        options = session_options(SessionConfig(shared_threads=True, allow_spinning=True))
+        try:
+            options.get_session_config_entry("session.intra_op.allow_spinning")
+        except RuntimeError:
+            print("absent")
+    """)  # in a subprocess: the shared pool, once made, is the process's for good
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "absent"

@@ -61,14 +61,14 @@ def test_multi_token_with_past_equals_no_cache_logits(bundles, arch):
     spec = load_manifest(bundle).target
     engine = OrtEngine(bundle / spec.onnx_path, spec)
     ids = np.random.default_rng(0).integers(2, VOCAB, size=14)
-    whole = engine.forward(ids, engine.new_cache(64))  # [14, vocab], empty past
+    whole = engine.run(ids, engine.new_cache(64))  # [14, vocab], empty past
     cache = engine.new_cache(64)
-    engine.forward(ids[:6], cache)
-    engine.forward(ids[6:9], cache)
-    stepped = engine.forward(ids[9:], cache)  # 5 tokens on a past of 9
+    engine.run(ids[:6], cache)
+    engine.run(ids[6:9], cache)
+    stepped = engine.run(ids[9:], cache)  # 5 tokens on a past of 9
     np.testing.assert_allclose(stepped, whole[9:], atol=1e-4)
     cache.truncate(7)  # rollback, then a different continuation
-    np.testing.assert_allclose(engine.forward(ids[7:], cache), whole[7:], atol=1e-4)
+    np.testing.assert_allclose(engine.run(ids[7:], cache), whole[7:], atol=1e-4)
 
 
 @pytest.mark.parametrize("dtype, quantize", [("fp16", "none"), ("fp32", "int8"), ("fp32", "int4")])
@@ -99,16 +99,16 @@ def test_fp16_and_weight_only_quantization(trained_pair, tmp_path, dtype, quanti
     # fp16 and quantized targets never take a single-token pass (the one-row kernels differ by
     # ~5e-3 in fp16, ~3e-2
     # in int8 compute): decoding step by step gives the bits of one verify pass.
-    from specdeploy.runtime.engine import CachedModel, OrtEngine
+    from specdeploy.runtime.engine import OrtEngine
 
     engine = OrtEngine(out / target.onnx_path, target)
     ids = [5, 9, 13, 40, 41, 42, 60, 61]
-    stepped, batch = CachedModel(engine, 64), CachedModel(engine, 64)
-    stepped.prefill(ids[:3])
-    batch.prefill(ids[:3])
-    rows = np.stack([stepped.logits_after(ids[: i + 1]) for i in range(3, 8)])
-    np.testing.assert_array_equal(rows, batch.extend(ids[3:8]))
-    assert stepped.min_pass_tokens == 2 and generator.drafter.model.min_pass_tokens == 1
+    stepped, batch = engine.new_cache(64), engine.new_cache(64)
+    engine.prefill(ids[:3], stepped)
+    engine.prefill(ids[:3], batch)
+    rows = np.stack([engine.logits_after(ids[: i + 1], stepped) for i in range(3, 8)])
+    np.testing.assert_array_equal(rows, engine.run(ids[3:8], batch))
+    assert engine.min_pass_tokens == 2 and generator.drafter.engine.min_pass_tokens == 1
 
 
 def _edit_json(path: Path, edit) -> None:

@@ -46,11 +46,11 @@ def test_fused_graph_equals_optimum_graph(checkpoints, bundles, tmp_path):
     ids = np.random.default_rng(3).integers(2, VOCAB, size=30)
     steps = [ids[:17], ids[17:22], ids[22:23]]
     for piece in steps:
-        a, b = (e.forward(piece, c) for e, c in zip(engines, caches))
+        a, b = (e.run(piece, c) for e, c in zip(engines, caches))
         np.testing.assert_allclose(a, b, atol=1e-4)
     for cache in caches:
         cache.truncate(19)  # reject the last positions; the fused cache only lowers its length
-    a, b = (e.forward(ids[19:25], c) for e, c in zip(engines, caches))
+    a, b = (e.run(ids[19:25], c) for e, c in zip(engines, caches))
     np.testing.assert_allclose(a, b, atol=1e-4)
     assert caches[1].length == caches[0].length == 25
 
@@ -152,15 +152,15 @@ def test_draft_window_keeps_output_exact(checkpoints, tmp_path):
 
     ids = np.random.default_rng(8).integers(2, VOCAB, size=150)
     engine = OrtEngine(out / manifest.draft.onnx_path, manifest.draft)
-    windowed = engine.forward(ids, engine.new_cache(256))
+    windowed = engine.run(ids, engine.new_cache(256))
     with torch.no_grad():
         full = AutoModelForCausalLM.from_pretrained(draft).eval()(torch.from_numpy(ids)[None]).logits[0].numpy()
     np.testing.assert_allclose(windowed[:64], full[:64], atol=1e-4)  # inside the window: the model itself
     assert np.abs(windowed[64:] - full[64:]).max() > 1e-3  # a query sees its last 64 positions, itself included
     cache = engine.new_cache(256)  # the same window whether positions come in one pass, chunks or one by one
-    engine.forward(ids[:90], cache)
-    stepped = np.stack([engine.forward(ids[i : i + 1], cache)[0] for i in range(90, 100)])
-    np.testing.assert_allclose(np.concatenate([stepped, engine.forward(ids[100:], cache)]), windowed[90:], atol=1e-4)
+    engine.run(ids[:90], cache)
+    stepped = np.stack([engine.run(ids[i : i + 1], cache)[0] for i in range(90, 100)])
+    np.testing.assert_allclose(np.concatenate([stepped, engine.run(ids[100:], cache)]), windowed[90:], atol=1e-4)
     generator = load(out, drafter="model")
     prompt = list(range(5, 205))  # 200 tokens: far past the window
     expected = generator.generate(prompt, max_new_tokens=40, speculative=False).token_ids

@@ -7,7 +7,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 import specdeploy
-from specdeploy.bench import exact_continuation_probs
+from specdeploy.testing import exact_continuation_probs
 from specdeploy.errors import SpecdeployError
 from specdeploy.runtime import sampling
 from specdeploy.runtime.sampling import SamplingParams
@@ -212,7 +212,7 @@ def test_greedy_with_a_repetition_penalty_is_target_only_token_for_token(agreein
         baseline = generator.generate(ids, max_new_tokens=24, speculative=False, repetition_penalty=1.1)
         context = list(ids)
         for token in baseline.token_ids:
-            logits = generator.target.logits_after(context)
+            logits = generator.target.logits_after(context, generator.target_cache)
             assert token == int(sampling.penalize(logits, np.unique(context), 1.1).argmax())
             context.append(token)
         for k in (1, 2, 4, 8):

@@ -49,7 +49,7 @@ def test_resident_memory_is_flat_with_a_concatenating_draft(long_bundle):
     memory patterns grew with every token before they were turned off for such graphs). Fewer
     tokens than the context allows: its passes copy the cache, so time grows with the square."""
     generator = specdeploy.load(long_bundle, drafter="model")
-    assert not generator.drafter.model.cache.shared_buffer
+    assert not generator.drafter.cache.shared_buffer
     growth, samples, stats = _growth_per_1000(generator, 1500, temperature=0.8, seed=3)
     assert stats.new_tokens == 1500 and stats.drafted > 0
     assert growth < 1.0, f"RSS grew {growth:.2f} MiB per 1,000 tokens ({samples})"

@@ -54,7 +54,7 @@ def export_onnx(model, out_dir: Path, opset: int | None = None) -> Path:
 
     raw = out_dir / "optimum"
     try:
-        # slim: onnxslim folds the shape bookkeeping (1,600 -> 600 nodes for a 6-layer Llama; ~5% faster steps).
+        # slim: onnxslim folds the shape bookkeeping, most of the graph's nodes (fewer nodes, faster steps).
         onnx_export_from_model(model, output=raw, task=TASK, opset=opset, do_validation=False, slim=True)
     except Exception as exc:
         raise SpecdeployError(f"optimum could not export {type(model).__name__}: {str(exc).splitlines()[0]}") from None
@@ -80,8 +80,8 @@ def save_model(model_proto, path: Path) -> None:
     """The graph in path, every weight in path + '.data' beside it (one file, 64-byte aligned offsets).
 
     ONNX Runtime memory-maps external weights and, once it has prepacked them for its kernels, lets
-    the mapping go: loading the codepair target took 94 MB of resident memory this way against
-    150 MB with the weights inside the protobuf (which is parsed, copied, then prepacked)."""
+    the mapping go: a model loads in less resident memory this way than with the weights inside
+    the protobuf (which is parsed, copied, then prepacked)."""
     import onnx
 
     data = weights_path(path)
@@ -110,9 +110,8 @@ def quantize_weights(path: Path, bits: int, block_size: int = 32) -> None:
     """Weight-only MatMulNBits (int8 or int4 blocks, symmetric) with onnxruntime's quantizer.
 
     accuracy_level 4: ONNX Runtime multiplies in int8 (activations quantized per block on the fly)
-    with its VNNI/AVX-512 kernels. The default level dequantizes to fp32 first and was measured
-    slower than fp32 itself on the benchmark pair (int8 target step 19 ms against 1.9 ms fp32;
-    level 4: 0.93 ms; int4 draft step 0.14 ms against 0.38 ms fp32)."""
+    with its VNNI/AVX-512 kernels. The default level dequantizes to fp32 first, which makes a
+    quantized step slower than the fp32 one."""
     import onnx
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 

@@ -1,8 +1,7 @@
 """The fused graph for the Llama family: GroupQueryAttention over a KV cache written in place.
 
-optimum's graph returns `present = Concat(past, new)`: every step copies the whole cache (at 2,048
-tokens of context the target ran at 0.28x its speed at 128), and its 600 nodes cost more than the
-arithmetic of a small model. This module emits, from the same PyTorch weights, the graph
+optimum's graph returns `present = Concat(past, new)`: every step copies the whole cache (so a step
+slows down as the context grows), and its 600 nodes cost more than the arithmetic of a small model. This module emits, from the same PyTorch weights, the graph
 onnxruntime-genai's model builder emits for these models, with ONNX Runtime's contrib operators:
 
     Gather -> [SimplifiedLayerNorm -> MatMul(qkv) -> GroupQueryAttention -> MatMul(o)
@@ -167,89 +166,113 @@ def build_fused(model, path: Path, max_context: int, window: int | None = None) 
 
 
 def _emit(g: _Graph, model, max_context: int, window: int) -> None:
-    """The nodes and weights of the fused graph (see the module docstring) into g."""
-    from onnx import TensorProto, helper
-
+    """The nodes and weights of the fused graph (see the module docstring) into g, in graph order."""
     config = model.config
     layers = model.model.layers
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = layers[0].self_attn.head_dim
-    eps = float(config.rms_norm_eps)
-    vocab = config.vocab_size
-    inputs = [
-        helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_size", "sequence_length"]),
-        helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch_size", "total_sequence_length"]),
-    ]
-    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch_size", "sequence_length", vocab])]
-    cache_shape = ["batch_size", kv_heads, "past_sequence_length", head_dim]
-    present_shape = ["batch_size", kv_heads, "present_sequence_length", head_dim]
-    for i in range(len(layers)):
-        for kind in ("key", "value"):
-            inputs.append(helper.make_tensor_value_info(f"past_key_values.{i}.{kind}", TensorProto.FLOAT, cache_shape))
-            outputs.append(helper.make_tensor_value_info(f"present.{i}.{kind}", TensorProto.FLOAT, present_shape))
-
-    # Valid length from the mask, as onnxruntime-genai: seqlens_k = sum(mask) - 1, total = mask width.
-    one = g.weight("one_i64", np.array([1], dtype=np.int64))
-    row_sum = g.node("ReduceSum", ["attention_mask", one], keepdims=0)[0]
-    seqlens = g.node("Cast", [g.node("Sub", [row_sum, one])[0]], to=TensorProto.INT32)[0]
-    width = g.node("Gather", [g.node("Shape", ["attention_mask"])[0], g.weight("axis1_i64", np.array(1, dtype=np.int64))], axis=0)[0]
-    total = g.node("Cast", [width], to=TensorProto.INT32)[0]
+    g.inputs, g.outputs = _io_specs(config, layers)
+    lengths = _valid_lengths(g)
     cos, sin = _rotary_tables(model, max_context)
-    cos_name, sin_name = g.weight("cos_cache", cos), g.weight("sin_cache", sin)
-
+    rotary = (g.weight("cos_cache", cos), g.weight("sin_cache", sin))
     embed = model.model.embed_tokens.weight
-    hidden = g.node("Gather", [g.weight("embed_tokens.weight", _np(embed)), "input_ids"], axis=0)[0]
-    residual = None  # the running sum that SkipSimplifiedLayerNormalization carries
-    delta = hidden
-
-    def norm(x: str, module, name: str) -> str:
-        nonlocal residual
-        weight = g.weight(f"{name}.weight", _np(module.weight))
-        if residual is None:
-            out = g.node("SimplifiedLayerNormalization", [x, weight], epsilon=eps, axis=-1, stash_type=1)[0]
-            residual = x
-            return out
-        out, _, _, residual = g.node("SkipSimplifiedLayerNormalization", [x, residual, weight], 4, domain=MS, epsilon=eps)
-        return out
-
+    delta = g.node("Gather", [g.weight("embed_tokens.weight", _np(embed)), "input_ids"], axis=0)[0]
+    norm = _ResidualNorm(g, float(config.rms_norm_eps))
     for i, layer in enumerate(layers):
-        attn, mlp = layer.self_attn, layer.mlp
         normed = norm(delta, layer.input_layernorm, f"layers.{i}.input_layernorm")
-        if hasattr(attn, "qkv_proj"):
-            qkv = g.linear(normed, f"layers.{i}.qkv_proj", attn.qkv_proj)
-        else:
-            weight = np.concatenate([_np(p.weight).T for p in (attn.q_proj, attn.k_proj, attn.v_proj)], axis=1)
-            qkv = g.node("MatMul", [normed, g.weight(f"layers.{i}.qkv_proj.weight", weight)])[0]
-            if attn.q_proj.bias is not None:
-                bias = np.concatenate([_np(p.bias) for p in (attn.q_proj, attn.k_proj, attn.v_proj)])
-                qkv = g.node("Add", [qkv, g.weight(f"layers.{i}.qkv_proj.bias", bias)])[0]
-        context = g.node(
-            "GroupQueryAttention",
-            [qkv, "", "", f"past_key_values.{i}.key", f"past_key_values.{i}.value", seqlens, total, cos_name, sin_name],
-            [f"/layers.{i}/attn/out", f"present.{i}.key", f"present.{i}.value"],
-            domain=MS, num_heads=heads, kv_num_heads=kv_heads, scale=float(attn.scaling),
-            do_rotary=1, rotary_interleaved=0, local_window_size=window,
-        )[0]
-        delta = g.linear(context, f"layers.{i}.o_proj", attn.o_proj)
+        context = _attention(g, i, layer.self_attn, normed, lengths, rotary, config, window)
+        delta = g.linear(context, f"layers.{i}.o_proj", layer.self_attn.o_proj)
         normed = norm(delta, layer.post_attention_layernorm, f"layers.{i}.post_attention_layernorm")
-        if hasattr(mlp, "gate_up_proj"):
-            weight = _np(mlp.gate_up_proj.weight)
-            half = weight.shape[0] // 2
-            gate = g.node("MatMul", [normed, g.weight(f"layers.{i}.gate_proj.weight", weight[:half].T)])[0]
-            up = g.node("MatMul", [normed, g.weight(f"layers.{i}.up_proj.weight", weight[half:].T)])[0]
-        else:
-            gate = g.linear(normed, f"layers.{i}.gate_proj", mlp.gate_proj)
-            up = g.linear(normed, f"layers.{i}.up_proj", mlp.up_proj)
-        silu = g.node("Mul", [gate, g.node("Sigmoid", [gate])[0]])[0]  # ONNX Runtime fuses this into QuickGelu
-        delta = g.linear(g.node("Mul", [silu, up])[0], f"layers.{i}.down_proj", mlp.down_proj)
-
+        delta = _mlp(g, i, layer.mlp, normed)
     final = norm(delta, model.model.norm, "norm")
     head = model.lm_head
     if head.weight.data_ptr() == embed.data_ptr():
         # Tied: read the embedding table transposed instead of storing it twice.
         g.node("FusedMatMul", [final, "embed_tokens.weight"], ["logits"], domain=MS, transB=1, alpha=1.0)
     else:
-        g.nodes.append(helper.make_node("MatMul", [final, g.weight("lm_head.weight", _np(head.weight).T)], ["logits"], name="lm_head"))
+        g.nodes.append(g.helper.make_node("MatMul", [final, g.weight("lm_head.weight", _np(head.weight).T)], ["logits"],
+                                          name="lm_head"))
 
-    g.inputs, g.outputs = inputs, outputs
+
+def _io_specs(config, layers) -> tuple[list, list]:
+    """The graph's inputs and outputs: the names and shapes of the manifest's KV templates."""
+    from onnx import TensorProto, helper
+
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = layers[0].self_attn.head_dim
+    inputs = [
+        helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_size", "sequence_length"]),
+        helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch_size", "total_sequence_length"]),
+    ]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch_size", "sequence_length", config.vocab_size])]
+    cache_shape = ["batch_size", kv_heads, "past_sequence_length", head_dim]
+    present_shape = ["batch_size", kv_heads, "present_sequence_length", head_dim]
+    for i in range(len(layers)):
+        for kind in ("key", "value"):
+            inputs.append(helper.make_tensor_value_info(f"past_key_values.{i}.{kind}", TensorProto.FLOAT, cache_shape))
+            outputs.append(helper.make_tensor_value_info(f"present.{i}.{kind}", TensorProto.FLOAT, present_shape))
+    return inputs, outputs
+
+
+def _valid_lengths(g: _Graph) -> tuple[str, str]:
+    """GroupQueryAttention's seqlens_k (sum(mask) - 1, per row) and total length (the mask's width), as
+    onnxruntime-genai computes them."""
+    from onnx import TensorProto
+
+    one = g.weight("one_i64", np.array([1], dtype=np.int64))
+    row_sum = g.node("ReduceSum", ["attention_mask", one], keepdims=0)[0]
+    seqlens = g.node("Cast", [g.node("Sub", [row_sum, one])[0]], to=TensorProto.INT32)[0]
+    width = g.node("Gather", [g.node("Shape", ["attention_mask"])[0], g.weight("axis1_i64", np.array(1, dtype=np.int64))], axis=0)[0]
+    return seqlens, g.node("Cast", [width], to=TensorProto.INT32)[0]
+
+
+class _ResidualNorm:
+    """RMS norms that carry the residual stream: the first is SimplifiedLayerNormalization, every later
+    one SkipSimplifiedLayerNormalization, which adds its input to the running sum before normalizing."""
+
+    def __init__(self, g: _Graph, eps: float):
+        self.g, self.eps = g, eps
+        self.residual: str | None = None
+
+    def __call__(self, x: str, module, name: str) -> str:
+        g = self.g
+        weight = g.weight(f"{name}.weight", _np(module.weight))
+        if self.residual is None:
+            self.residual = x
+            return g.node("SimplifiedLayerNormalization", [x, weight], epsilon=self.eps, axis=-1, stash_type=1)[0]
+        out, _, _, self.residual = g.node("SkipSimplifiedLayerNormalization", [x, self.residual, weight], 4, domain=MS,
+                                          epsilon=self.eps)
+        return out
+
+
+def _attention(g: _Graph, i: int, attn, normed: str, lengths: tuple[str, str], rotary: tuple[str, str], config,
+               window: int) -> str:
+    """One fused qkv MatMul (+ bias), then GroupQueryAttention on layer i's KV buffers; its output before o_proj."""
+    if hasattr(attn, "qkv_proj"):
+        qkv = g.linear(normed, f"layers.{i}.qkv_proj", attn.qkv_proj)
+    else:
+        weight = np.concatenate([_np(p.weight).T for p in (attn.q_proj, attn.k_proj, attn.v_proj)], axis=1)
+        qkv = g.node("MatMul", [normed, g.weight(f"layers.{i}.qkv_proj.weight", weight)])[0]
+        if attn.q_proj.bias is not None:
+            bias = np.concatenate([_np(p.bias) for p in (attn.q_proj, attn.k_proj, attn.v_proj)])
+            qkv = g.node("Add", [qkv, g.weight(f"layers.{i}.qkv_proj.bias", bias)])[0]
+    heads = config.num_attention_heads
+    return g.node(
+        "GroupQueryAttention",
+        [qkv, "", "", f"past_key_values.{i}.key", f"past_key_values.{i}.value", *lengths, *rotary],
+        [f"/layers.{i}/attn/out", f"present.{i}.key", f"present.{i}.value"],
+        domain=MS, num_heads=heads, kv_num_heads=getattr(config, "num_key_value_heads", None) or heads,
+        scale=float(attn.scaling), do_rotary=1, rotary_interleaved=0, local_window_size=window,
+    )[0]
+
+
+def _mlp(g: _Graph, i: int, mlp, normed: str) -> str:
+    """down(SiLU(gate(x)) * up(x)) of layer i (Phi-3 stores gate and up as one matrix)."""
+    if hasattr(mlp, "gate_up_proj"):
+        weight = _np(mlp.gate_up_proj.weight)
+        half = weight.shape[0] // 2
+        gate = g.node("MatMul", [normed, g.weight(f"layers.{i}.gate_proj.weight", weight[:half].T)])[0]
+        up = g.node("MatMul", [normed, g.weight(f"layers.{i}.up_proj.weight", weight[half:].T)])[0]
+    else:
+        gate = g.linear(normed, f"layers.{i}.gate_proj", mlp.gate_proj)
+        up = g.linear(normed, f"layers.{i}.up_proj", mlp.up_proj)
+    silu = g.node("Mul", [gate, g.node("Sigmoid", [gate])[0]])[0]  # ONNX Runtime fuses this into QuickGelu
+    return g.linear(g.node("Mul", [silu, up])[0], f"layers.{i}.down_proj", mlp.down_proj)

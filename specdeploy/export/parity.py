@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ..bundle import ModelSpec, ParityReport
-from ..runtime.engine import OrtEngine, SessionConfig, global_pool_active
+from ..runtime import OrtEngine, SessionConfig, global_pool_active
 
 # Natural text makes the greedy check meaningful for trained models (on random ids every model is
 # unsure, and rounding flips near-ties that no user would see).
@@ -80,8 +80,8 @@ def check_parity(
     # process already switched ONNX Runtime to the shared pool (then optimum cannot run here either).
     engine = OrtEngine(onnx_path, spec, SessionConfig(device="cpu", shared_threads=global_pool_active()))
     prefill_cache = engine.new_cache(prefill_tokens + verify_tokens)
-    prefill_logits = engine.forward(ids[:prefill_tokens], prefill_cache)  # [P, vocab]
-    verify_logits = engine.forward(ids[prefill_tokens:], prefill_cache)  # [V, vocab]
+    prefill_logits = engine.run(ids[:prefill_tokens], prefill_cache)  # [P, vocab]
+    verify_logits = engine.run(ids[prefill_tokens:], prefill_cache)  # [V, vocab]
 
     def agreement(ours: np.ndarray, theirs: np.ndarray) -> float:
         return float(np.mean(ours.argmax(-1) == theirs.argmax(-1)))

@@ -234,7 +234,7 @@ def export_bundle(config: ExportConfig, report: Reporter | None = None) -> Manif
     the other; leftovers of an interrupted export to the same path are cleaned first."""
     report = report or (lambda stage, detail: None)
     out = _check_options(config)
-    from ..runtime.engine import global_pool_active
+    from ..runtime import global_pool_active
 
     if global_pool_active():
         raise SpecdeployError(

@@ -1,8 +1,10 @@
 """Drafters: whatever proposes the k tokens the target then verifies.
 
-The seam has two methods (as transformers' candidate generators do): `propose(context, k, ...)`
-returns the draft tokens and the probabilities they were drawn from (None when greedy), and
-`update(num_accepted)` hears how the last proposal fared.
+The seam (after transformers' candidate generators): `propose(context, k, ...)` returns the draft
+tokens and the probabilities they were drawn from (None when greedy); `prefill(context)` readies a
+drafter for a prompt and `reset()` forgets what it cached. A drafter needs nothing back from the
+verification: a model drafter's cache drops rejected tokens when its next proposal syncs it to the
+new context (`truncate_to_prefix`).
 """
 
 from __future__ import annotations
@@ -12,12 +14,12 @@ from typing import Protocol
 
 import numpy as np
 
-from .engine import CachedModel
+from .engine import OrtEngine
 from .sampling import Sampler
 
 
 class Drafter(Protocol):
-    model: CachedModel | None  # the draft model it runs, if any (timed and reset by the generator)
+    engine: OrtEngine | None  # the draft model it runs, if any (timed by the generator)
 
     def propose(
         self, context: list[int], num_tokens: int, sampler: Sampler, rng: np.random.Generator,
@@ -31,16 +33,17 @@ class Drafter(Protocol):
         many tokens are proposed never depends on the target, so the acceptance rule stays exact.
         The rows may live in a buffer the drafter reuses: they are valid until its next propose."""
 
-    def update(self, num_accepted: int) -> None: ...
-
     def prefill(self, context: list[int]) -> None: ...
+
+    def reset(self) -> None: ...
 
 
 class ModelDrafter:
     """The bundle's draft model, decoding autoregressively on its own KV cache."""
 
-    def __init__(self, model: CachedModel):
-        self.model = model
+    def __init__(self, engine: OrtEngine, capacity: int):
+        self.engine = engine
+        self.cache = engine.new_cache(capacity)
         # Made by _prepare for each generate call (its sampler): one [k, vocab] buffer of probability
         # rows reused by every sampled proposal, with its row views [vocab] and leading-row views
         # [i, vocab] made once rather than per token.
@@ -51,10 +54,13 @@ class ModelDrafter:
         self._capacity = 0  # proposals up to this length need no _prepare
 
     def prefill(self, context: list[int]) -> None:
-        self.model.prefill(context)
+        self.engine.prefill(context, self.cache)
+
+    def reset(self) -> None:
+        self.cache.reset()
 
     def propose(self, context, num_tokens, sampler, rng, min_confidence=0.0):
-        logits = self.model.logits_after(context)  # [vocab]
+        logits = self.engine.logits_after(context, self.cache)  # [vocab]
         # Every statement of a round runs cold after a pass: what a generate call fixes is set up once.
         if sampler is not self._sampler or self._capacity < num_tokens:
             self._prepare(sampler, logits.shape[-1], num_tokens)
@@ -64,7 +70,7 @@ class ModelDrafter:
         # The full processed distribution of each draft token, written in place: proposing from a
         # truncated one (exact too) was measured slower on an 8k vocabulary (argpartition costs what
         # the softmax does) and lowered acceptance.
-        step, rows = self.model.step, self._row_views
+        run, cache, rows = self.engine.run, self.cache, self._row_views
         uniforms = rng.random(num_tokens).tolist()  # the round's draws in one call
         tokens: list[int] = []
         for position in range(num_tokens):
@@ -73,7 +79,7 @@ class ModelDrafter:
             tokens.append(token)
             if position + 1 == num_tokens or (min_confidence > 0 and row.max() < min_confidence):
                 break
-            logits = step(token)
+            logits = run([token], cache)[0]
         return tokens, self._prefix_views[len(tokens)]
 
     def _prepare(self, sampler: Sampler, vocab: int, count: int) -> None:
@@ -103,11 +109,8 @@ class ModelDrafter:
             # Top probability at temperature 1: 1 / sum(exp(logits - max)).
             if min_confidence > 0 and np.exp(logits - logits[token]).sum() * min_confidence > 1.0:
                 break
-            logits = self.model.step(token)
+            logits = self.engine.run([token], self.cache)[0]
         return tokens
-
-    def update(self, num_accepted: int) -> None:
-        pass
 
 
 class PromptLookupDrafter:
@@ -123,7 +126,7 @@ class PromptLookupDrafter:
     shorter) is indexed afresh.
     """
 
-    model = None  # no model to run
+    engine = None  # no model to run
 
     def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1):
         self.vocab_size = vocab_size
@@ -136,6 +139,9 @@ class PromptLookupDrafter:
         self._hot: list[int] = []  # the tokens set to 1 in it, one per row
 
     def prefill(self, context: list[int]) -> None:
+        self._context = None
+
+    def reset(self) -> None:
         self._context = None
 
     def propose(self, context, num_tokens, sampler, rng, min_confidence=0.0):
@@ -160,9 +166,6 @@ class PromptLookupDrafter:
         self._hot = tokens
         return tokens, one_hot[:count]
 
-    def update(self, num_accepted: int) -> None:
-        pass
-
     def _index(self, context: list[int]) -> None:
         """Add the n-grams that end at positions up to len(context) - 2 (the last one is what we look up)."""
         if context is not self._context or len(context) < self._indexed + 1:
@@ -185,20 +188,21 @@ class HybridDrafter:
     never on the target, so the acceptance rule stays exact.
     """
 
-    def __init__(self, model: ModelDrafter, lookup: PromptLookupDrafter):
-        self.model = model.model  # the draft model's CachedModel, for timing and reset
-        self.model_drafter = model
+    def __init__(self, model_drafter: ModelDrafter, lookup: PromptLookupDrafter):
+        self.engine = model_drafter.engine
+        self.model_drafter = model_drafter
         self.lookup = lookup
 
     def prefill(self, context: list[int]) -> None:
         self.lookup.prefill(context)
         self.model_drafter.prefill(context)
 
+    def reset(self) -> None:
+        self.lookup.reset()
+        self.model_drafter.reset()
+
     def propose(self, context, num_tokens, sampler, rng, min_confidence=0.0):
         tokens, probs = self.lookup.propose(context, num_tokens, sampler, rng)
         if tokens:
             return tokens, probs
         return self.model_drafter.propose(context, num_tokens, sampler, rng, min_confidence)
-
-    def update(self, num_accepted: int) -> None:
-        pass

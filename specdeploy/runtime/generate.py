@@ -17,7 +17,7 @@ import numpy as np
 
 from ..errors import SpecdeployError
 from .drafters import Drafter
-from .engine import CachedModel
+from .engine import OrtEngine
 from .rejection import accept
 from .sampling import BlockGenerator, Sampler, SamplingParams
 from .text import TextCodec, TextStream
@@ -117,11 +117,12 @@ class GenerationOutput:
 class Generator:
     """A target (and a drafter) with their caches; `generate` and `stream` run the loop."""
 
-    def __init__(self, target: CachedModel, drafter: Drafter | None, codec: TextCodec, max_context: int,
+    def __init__(self, target: OrtEngine, drafter: Drafter | None, codec: TextCodec, max_context: int,
                  eos_token_ids: tuple[int, ...], manifest=None):
         self.manifest = manifest  # the bundle's Manifest, when loaded from one
         self.last_output: GenerationOutput | None = None  # set when a generate or stream call ends
         self.target = target
+        self.target_cache = target.new_cache(max_context)  # kept between calls: a repeated prefix is reused
         self.drafter = drafter
         self.codec = codec
         self.max_context = max_context
@@ -129,9 +130,9 @@ class Generator:
 
     def reset(self) -> None:
         """Forget the cached prefixes (the next call prefills from scratch, as a fresh process would)."""
-        for model in (self.target, self.drafter.model if self.drafter is not None else None):
-            if model is not None:
-                model.reset()
+        self.target_cache.reset()
+        if self.drafter is not None:
+            self.drafter.reset()
 
     def _config(self, kwargs) -> GenerationConfig:
         stop = kwargs.pop("stop", None)
@@ -227,17 +228,17 @@ class Generator:
         """Yield the tokens of each round until `budget` tokens are out (the caller may stop earlier)."""
         rng = BlockGenerator(config.seed)  # default_rng(seed)'s numbers, cheaper to take
         drafter = self.drafter if config.speculative else None
-        draft_model = drafter.model if drafter is not None else None
-        engines = [self.target.engine] + ([draft_model.engine] if draft_model is not None else [])
+        engines = [self.target] + ([drafter.engine] if drafter is not None and drafter.engine is not None else [])
+        target, target_cache = self.target, self.target_cache
         context = list(prompt_ids)
         # The target's distributions of a round, written in place ([k + 1, vocab]; unused when greedy).
-        vocab = self.target.engine.spec.vocab_size
+        vocab = target.spec.vocab_size
         sampler = Sampler(config.sampling, vocab)  # every row of this call is processed through it
         greedy = sampler.greedy
         target_probs = None if greedy else np.empty((config.num_draft_tokens + 1, vocab), dtype=np.float32)
 
         start = time.perf_counter()
-        self.target.prefill(context[:-1])
+        target.prefill(context[:-1], target_cache)
         if drafter is not None:
             drafter.prefill(context[:-1])
         stats.prefill_ms = (time.perf_counter() - start) * 1000
@@ -255,14 +256,14 @@ class Generator:
                 drafts, draft_probs = (drafter.propose(context, num_draft, sampler, rng, draft_confidence)
                                        if num_draft > 0 else ([], None))
                 if drafts:
-                    logits = self.target.extend(self.target.uncached(context) + drafts)[-(len(drafts) + 1):]  # [k+1, vocab]
+                    pending = target_cache.truncate_to_prefix(context, min_rest=1)  # [context[-1]]: the cache holds the rest
+                    logits = target.run(pending + drafts, target_cache)[-(len(drafts) + 1):]  # [k+1, vocab]
                     num_accepted, token = accept(sampler, drafts, draft_probs, logits, rng, target_probs)
-                    drafter.update(num_accepted)
                     drafted += len(drafts)
                     ended_at[num_accepted] += 1
                     new = drafts[:num_accepted] + [token]
                 else:
-                    logits = self.target.logits_after(context)  # [vocab]
+                    logits = target.logits_after(context, target_cache)  # [vocab]
                     token = sampler.argmax(logits) if greedy else sampler.sample(logits, rng.random(), target_probs[0])
                     new = [token]
                 rounds += 1

@@ -24,7 +24,7 @@ def _ortvalue(array: np.ndarray, device: str):
     """A C-level OrtValue (what IO binding takes) holding array on device; on the CPU it shares array's memory
     (and does not keep array alive: the caller must).
 
-    Straight to the C binding: the Python wrapper's device lookup costs more than the call (~10 us)."""
+    Straight to the C binding: the Python wrapper's device lookup costs more than the call itself."""
     entry = _C_DEVICES.get(device)
     if entry is None:
         from onnxruntime.capi import _pybind_state
@@ -35,21 +35,55 @@ def _ortvalue(array: np.ndarray, device: str):
 
 
 class _Cache:
-    """What both layouts share: their size, their device, and rollback as a shorter valid length."""
+    """What both layouts share: the tokens a cache holds, and rollback as a shorter valid length.
+
+    `tokens` are the tokens whose keys and values the cache holds, `length` its valid positions;
+    they agree between passes (`OrtEngine.run` appends to both). Batch 1: a batched cache would
+    keep one length per row, which is what the fused graphs read (GroupQueryAttention's per-row
+    sequence lengths come from the mask's per-row sum)."""
 
     shared_buffer: bool
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: np.dtype, capacity: int,
-                 device: str = "cpu"):
+    def __init__(self, num_layers: int, capacity: int, device: str = "cpu"):
         self.num_layers = num_layers
         self.capacity = capacity
         self.device = device
         self.length = 0  # valid positions
+        self.tokens: list[int] = []
+        # The context list the last truncate_to_prefix followed, and how many leading tokens the
+        # cache shares with it: the generate loop only appends to its context, so the next call
+        # compares only what came after (not the whole context, per model per round). A context
+        # changed in place, rather than appended to, must be passed as a new list.
+        self._synced: list[int] | None = None
+        self._agreed = 0
 
     def truncate(self, length: int) -> None:
+        """Roll back to the first `length` positions (the keys and values after them are stale from here on)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
+        del self.tokens[length:]
         self.length = length
+        if self._agreed > length:
+            self._agreed = length
+
+    def truncate_to_prefix(self, context: list[int], min_rest: int = 0) -> list[int]:
+        """Truncate to the longest prefix shared with context, leaving at least min_rest of its tokens
+        out; returns the tokens of context the cache lacks (what the next pass runs)."""
+        limit = max(0, min(len(self.tokens), len(context) - min_rest))
+        start = min(self._agreed, limit) if context is self._synced else 0  # tokens[:start] == context[:start]
+        shared = limit
+        if self.tokens[start:limit] != context[start:limit]:
+            shared = next(i for i in range(start, limit) if self.tokens[i] != context[i])
+        if shared < self.length:
+            self.truncate(shared)
+        self._synced, self._agreed = context, shared
+        return context[shared:]
+
+    def reset(self) -> None:
+        """Empty (the next pass starts at position 0)."""
+        self.tokens = []
+        self.length = 0
+        self._synced, self._agreed = None, 0
 
 
 class KVCache(_Cache):
@@ -59,17 +93,17 @@ class KVCache(_Cache):
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: np.dtype, capacity: int,
                  device: str = "cpu"):
-        super().__init__(num_layers, num_kv_heads, head_dim, dtype, capacity, device)
+        super().__init__(num_layers, capacity, device)
         self._shape = (1, num_kv_heads, 0, head_dim)
         self._dtype = dtype
         self.reset()
 
     def reset(self) -> None:
+        super().reset()
         self._backing: list[np.ndarray] = []  # NumPy buffers that CPU OrtValues made by _from_numpy point into
         empty = self._from_numpy(np.zeros(self._shape, dtype=self._dtype))
         self.tensors: list = [empty] * (2 * self.num_layers)  # key 0, value 0, key 1, ... [1, kv_heads, stored, head_dim]
-        self.stored = 0  # positions the tensors hold
-        self.length = 0  # valid positions; stored ones past it are stale
+        self.stored = 0  # positions the tensors hold; those past self.length are stale
 
     def past(self) -> list:
         """Keys and values of the valid positions, [1, kv_heads, length, head_dim] each, in layer order."""
@@ -111,7 +145,7 @@ class SharedKVCache(_Cache):
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: np.dtype, capacity: int,
                  device: str = "cpu"):
-        super().__init__(num_layers, num_kv_heads, head_dim, dtype, capacity, device)
+        super().__init__(num_layers, capacity, device)
         shape = (1, num_kv_heads, capacity, head_dim)
         self.mask = self.mask_value = None
         if device == "cpu":
@@ -121,7 +155,7 @@ class SharedKVCache(_Cache):
             self.mask = np.zeros((1, capacity), dtype=np.int64)  # [1, capacity]
             self._mask_row = self.mask[0]  # [capacity]: a 1-D index is the cheapest write
             self.mask_value = _ortvalue(self.mask, device)
-            self._ones = 0  # the mask's leading ones
+            self._mask_length = 0  # the mask's leading ones
         else:
             import onnxruntime as ort
 
@@ -130,17 +164,14 @@ class SharedKVCache(_Cache):
 
     def mask_to(self, total: int) -> None:
         """Ones over the first `total` positions of the mask, zeros after (for a pass that ends at total)."""
-        ones = self._ones
+        ones = self._mask_length
         if total == ones + 1:  # the next token: the draft's every step
             self._mask_row[ones] = 1
         elif total > ones:
             self.mask[0, ones:total] = 1
         elif total < ones:
             self.mask[0, total:ones] = 0
-        self._ones = total
-
-    def reset(self) -> None:
-        self.length = 0
+        self._mask_length = total
 
     def past(self) -> list:
         return self.tensors

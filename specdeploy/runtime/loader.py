@@ -8,7 +8,7 @@ from pathlib import Path
 from ..bundle import load_manifest
 from ..errors import SpecdeployError
 from .drafters import HybridDrafter, ModelDrafter, PromptLookupDrafter
-from .engine import CachedModel, OrtEngine, SessionConfig
+from .engine import OrtEngine, SessionConfig
 from .generate import Generator
 from .text import TextCodec
 
@@ -39,16 +39,16 @@ def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verif
         trt_cache_dir=str(bundle / "trt_cache") if device == "tensorrt" else None,
     )
 
-    def cached(spec) -> CachedModel:
+    def engine(spec) -> OrtEngine:
         # The generate loop reads each pass's logits before the next pass: they may share one buffer.
-        return CachedModel(OrtEngine(bundle / spec.onnx_path, spec, config), manifest.max_context, scratch_logits=True)
+        return OrtEngine(bundle / spec.onnx_path, spec, config, scratch_logits=True)
 
-    target = cached(manifest.target)
+    target = engine(manifest.target)
     lookup = PromptLookupDrafter(manifest.target.vocab_size, min_ngram=lookup_ngram)
     if drafter == "prompt-lookup":
         chosen = lookup
     else:
-        draft = ModelDrafter(cached(manifest.draft))
+        draft = ModelDrafter(engine(manifest.draft), manifest.max_context)
         chosen = draft if drafter == "model" else HybridDrafter(draft, lookup)
     codec = TextCodec(bundle / manifest.tokenizer.path, manifest.tokenizer)
     return Generator(target, chosen, codec, manifest.max_context, manifest.target.eos_token_ids, manifest)

@@ -1,0 +1,35 @@
+"""Oracles for tests and the lossless check (scripts/check_lossless.py): what the runtime must equal.
+
+Nothing in the product imports this module (a test proves it): it holds the slow, obvious
+computations that the fast paths are measured against.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .runtime.generate import Generator
+from .runtime.sampling import SamplingParams, process_logits
+
+
+def exact_continuation_probs(generator: Generator, prompt_ids: list[int], params: SamplingParams,
+                             length: int, min_probability: float = 0.0) -> dict[tuple[int, ...], float]:
+    """The probability of every `length`-token continuation under the target alone.
+
+    The reference that sampled speculative decoding is tested against: computed from the target's
+    processed distributions, position by position, with no draft involved. Over a whole vocabulary
+    (no small top-k) pass min_probability: only continuations at least that likely are formed (a
+    prefix below it has no such continuation), and their total falls short of 1 by the rest."""
+    def probs(context: list[int]) -> np.ndarray:  # [vocab]
+        logits = generator.target.logits_after(context, generator.target_cache)  # [vocab]
+        return process_logits(logits[None], params, [context])[0].astype(np.float64)  # the penalty reads the context
+
+    result: dict[tuple[int, ...], float] = {(): 1.0}
+    for _ in range(length):
+        extended = {}
+        for sequence, probability in result.items():
+            row = probability * probs(prompt_ids + list(sequence))
+            for token in np.flatnonzero((row > 0) & (row >= min_probability)):
+                extended[sequence + (int(token),)] = row[token]
+        result = extended
+    return result
