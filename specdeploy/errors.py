@@ -25,8 +25,11 @@ def describe_unexpected(exc: BaseException) -> str:
             return f"ONNX Runtime failed: {first}"
         return f"{type(exc).__name__}: {first}"
     spec = owner.spec
-    count = innermost.get("count", 1 if "token" in innermost else None)
-    cache = innermost.get("cache")
+    # The pass's own frame (the engine method that holds its token count and cache), innermost first.
+    engine_frames = [frame.f_locals for frame in reversed(frames) if frame.f_locals.get("self") is owner]
+    pass_frame = next((f for f in engine_frames if "cache" in f and ("count" in f or "token" in f)), innermost)
+    count = pass_frame.get("count", 1 if "token" in pass_frame else None)
+    cache = pass_frame.get("cache")
     if any(frame.f_code.co_name == "prefill" for frame in frames):
         pass_kind = "prefill pass"
     elif count == 1:
