@@ -44,10 +44,15 @@ def ours(bundle: Path, prompts: list[str], new: int, drafter: str, speculative: 
     return {"tokens_per_s": 1000 * tokens / ms, "new_tokens": tokens, "ids": ids}
 
 
-def genai(folder: Path, prompt_ids: list[list[int]], new: int) -> dict:
+def genai(folder: Path, prompt_ids: list[list[int]], new: int, threads: int | None) -> dict:
+    """The config as written (threads None), or with every session's intra-op threads set."""
     import onnxruntime_genai as og
 
-    model = og.Model(str(folder))
+    config = og.Config(str(folder))
+    if threads is not None:
+        options = {"session_options": {"intra_op_num_threads": threads}}
+        config.overlay(json.dumps({"model": {"decoder": options, **({"draft": options} if folder.name != "target" else {})}}))
+    model = og.Model(config)
 
     def one(ids):
         params = og.GeneratorParams(model)
@@ -90,33 +95,46 @@ def subprocess_host(cmd_for, prompts: list[str], pattern: re.Pattern, node: bool
     return {"tokens_per_s": 1000 * tokens / ms, "new_tokens": tokens}
 
 
+PYTHON_HOSTS = {
+    "specdeploy hybrid": lambda a: ours(a.bundle, a.prompts, a.new, "hybrid", True),
+    "specdeploy model drafter": lambda a: ours(a.bundle, a.prompts, a.new, "model", True),
+    "specdeploy target-only": lambda a: ours(a.bundle, a.prompts, a.new, "hybrid", False),
+    "onnxruntime-genai speculative": lambda a: genai(a.bundle, a.prompt_ids, a.new, None),
+    "onnxruntime-genai target-only": lambda a: genai(a.bundle / "target", a.prompt_ids, a.new, None),
+    "onnxruntime-genai speculative, threads = cores": lambda a: genai(a.bundle, a.prompt_ids, a.new, os.cpu_count()),
+    "onnxruntime-genai target-only, threads = cores": lambda a: genai(a.bundle / "target", a.prompt_ids, a.new,
+                                                                      os.cpu_count()),
+}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("bundle", type=Path)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--host", default=None, help=argparse.SUPPRESS)  # one Python host, in this process
     args = ap.parse_args()
-    os.environ.setdefault("SPECDEPLOY_SHARED_THREADS", "0")  # genai's sessions share the process
+    import specdeploy
     from specdeploy.bench import builtin_prompts
 
-    prompts, new, bundle = builtin_prompts()[: args.limit], args.max_new_tokens, args.bundle.resolve()
-    rows = {
-        "specdeploy hybrid": ours(bundle, prompts, new, "hybrid", True),
-        "specdeploy model drafter": ours(bundle, prompts, new, "model", True),
-        "specdeploy target-only": ours(bundle, prompts, new, "hybrid", False),
-    }
-    import specdeploy
-
-    codec = specdeploy.load(bundle, drafter="prompt-lookup").codec
-    prompt_ids = [codec.encode(p) for p in prompts]
-    rows["onnxruntime-genai speculative"] = genai(bundle, prompt_ids, new)
-    rows["onnxruntime-genai target-only"] = genai(bundle / "target", prompt_ids, new)
+    args.prompts, args.new, args.bundle = builtin_prompts()[: args.limit], args.max_new_tokens, args.bundle.resolve()
+    generator = specdeploy.load(args.bundle, drafter="prompt-lookup")
+    args.prompt_ids = [generator.codec.encode(p) for p in args.prompts]
+    if args.host is not None:
+        print(json.dumps(PYTHON_HOSTS[args.host](args)))
+        return 0
+    rows = {}
+    for name in PYTHON_HOSTS:  # each in its own process: ONNX Runtime's thread pools are per process
+        cmd = [sys.executable, __file__, str(args.bundle), "--max-new-tokens", str(args.new), "--host", name]
+        cmd += ["--limit", str(args.limit)] if args.limit else []
+        rows[name] = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.splitlines()[-1])
     host = REPO / "build" / "specdeploy-host"
-    rows["C++ host (genai C API)"] = subprocess_host(lambda p: [str(host), str(bundle), str(p), str(new)], prompts,
-                                                     STATS, node=False)
+    rows["C++ host (genai C API)"] = subprocess_host(lambda p: [str(host), str(args.bundle), str(p), str(args.new)],
+                                                     args.prompts, STATS, node=False)
     rows["Node host (onnxruntime-node)"] = subprocess_host(
-        lambda p: ["node", "examples/node/host.mjs", str(bundle), str(p), str(new)], prompts, NODE_STATS, node=True)
-    eos = set(specdeploy.load(bundle, drafter="prompt-lookup").eos_token_ids)
+        lambda p: ["node", "examples/node/host.mjs", str(args.bundle), str(p), str(args.new)], args.prompts, NODE_STATS,
+        node=True)
+    eos = set(generator.eos_token_ids)
     strip = lambda ids: ids[:-1] if ids and ids[-1] in eos else ids  # noqa: E731 - ours lists EOS last, genai not
     reference = [strip(ids) for ids in rows["specdeploy target-only"]["ids"]]
     for row in rows.values():
@@ -126,7 +144,7 @@ def main() -> int:
     for name, row in rows.items():
         same = row.get("identical_to_target_only", "(text compared by its test)")
         print(f"| {name} | {row['tokens_per_s']:.0f} | {same} |", file=sys.stderr)
-    print(json.dumps({"bundle": str(args.bundle), "prompts": len(prompts), "max_new_tokens": new, "hosts": rows}))
+    print(json.dumps({"bundle": str(args.bundle), "prompts": len(args.prompts), "max_new_tokens": args.new, "hosts": rows}))
     return 0
 
 

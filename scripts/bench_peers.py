@@ -201,6 +201,8 @@ class GenaiPeer:
             self._build(src, self.onnx_dir / role)
         self._compose()
         self.version = og.__version__
+        self.defaults = ("the model builder's genai_config.json as written: intra_op_num_threads unset (ONNX Runtime "
+                         "picks one per physical core), spinning on")
         self.models: dict = {}
 
     def _build(self, src: Path, out: Path) -> None:
@@ -305,6 +307,7 @@ class HfPeer:
         transformers.logging.set_verbosity_error()  # the assistant's inner generate() warns on every call
         self.torch, self.args = torch, args
         self.default_threads = torch.get_num_threads()
+        self.defaults = f"torch's default thread count ({self.default_threads} here)"
         self.version = transformers.__version__
         load = lambda path: AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,  # noqa: E731
                                                                  local_files_only=True).eval()
@@ -532,7 +535,7 @@ def main() -> int:
         if key in args.systems.split(","):
             try:
                 peer = cls(args)
-                result["peers"][peer.name] = {"version": peer.version}
+                result["peers"][peer.name] = {"version": peer.version, "defaults": peer.defaults}
                 result["tuning"][peer.name] = tune(peer, ids_list, args)
                 peers.append(peer)
             except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported, the others still run

@@ -38,16 +38,18 @@ MAX_DRAFT_TOKENS = 4  # K, as `specdeploy run` drafts by default
 # genai's generic "decoder". genai knows more types; others are not claimed.
 GENAI_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "phi3": "phi3", "gpt2": "decoder"}
 
-# Both models' session options. Draft and target run one after the other, each in a session with its
-# own intra-op pool (ONNX Runtime picks one thread per physical core): spinning threads of the idle
-# pool would take the cores the busy one needs. No CPU arena, as the Python runtime (see SessionConfig).
+# Every model's session options; intra-op threads are left to ONNX Runtime (one per physical core).
+# No CPU arena, as the Python runtime (see SessionConfig).
 SESSION_OPTIONS: dict[str, Any] = {
     "log_id": "onnxruntime-genai",
     "inter_op_num_threads": 1,
     "enable_cpu_mem_arena": False,
-    "session.intra_op.allow_spinning": "0",
     "provider_options": [],
 }
+# The speculative config's draft and target run one after the other, each in a session with its own
+# intra-op pool: spinning threads of the idle pool would take the cores the busy one needs, so both
+# stop spinning there. A target alone keeps ONNX Runtime's spinning, which is faster for one session.
+NO_SPINNING = {"session.intra_op.allow_spinning": "0"}
 
 
 def write_genai_config(manifest: Manifest, root: Path) -> Manifest:
@@ -89,19 +91,19 @@ def _config(manifest: Manifest, folder: str, draft: bool) -> dict[str, Any]:
         "pad_token_id": target.pad_token_id if target.pad_token_id is not None else eos[0],
         "vocab_size": target.vocab_size,
         "context_length": manifest.max_context,
-        "decoder": _decoder(target, _relative(target.onnx_path, folder)),
+        "decoder": _decoder(target, _relative(target.onnx_path, folder), spinning=not draft),
     }
     models = (target, manifest.draft) if draft else (target,)
     shared = all(spec.kv_cache.shared_buffer for spec in models)
     config: dict[str, Any] = {"model": model, "search": _search(manifest.max_context, shared)}
     if draft:
-        model["draft"] = _decoder(manifest.draft, _relative(manifest.draft.onnx_path, folder))
+        model["draft"] = _decoder(manifest.draft, _relative(manifest.draft.onnx_path, folder), spinning=False)
         # min_adaptive_k 0 and no cooldown: K drafts every round, as `specdeploy run -k K`.
         config["speculative"] = {"max_draft_tokens": MAX_DRAFT_TOKENS, "min_adaptive_k": 0, "cooldown": False}
     return config
 
 
-def _decoder(spec: ModelSpec, filename: str) -> dict[str, Any]:
+def _decoder(spec: ModelSpec, filename: str, spinning: bool) -> dict[str, Any]:
     """One model.decoder / model.draft block: the graph's file, shapes and I/O names."""
     kv = spec.kv_cache
     inputs = {"input_ids": "input_ids", "attention_mask": "attention_mask"}
@@ -109,7 +111,7 @@ def _decoder(spec: ModelSpec, filename: str) -> dict[str, Any]:
         inputs["position_ids"] = "position_ids"
     return {
         "filename": filename,
-        "session_options": dict(SESSION_OPTIONS),
+        "session_options": dict(SESSION_OPTIONS) if spinning else {**SESSION_OPTIONS, **NO_SPINNING},
         "head_size": spec.head_dim,
         "hidden_size": spec.hidden_size,
         "num_attention_heads": spec.num_attention_heads,
