@@ -268,3 +268,11 @@ def test_prompt_lookup_drafter_is_lossless(agreeing_bundle):
     for prompt, k in itertools.product(PROMPTS, (2, 4)):
         assert (lookup.generate(prompt, max_new_tokens=40, num_draft_tokens=k).token_ids
                 == model_drafted.generate(prompt, max_new_tokens=40, speculative=False).token_ids)
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64, 1.5, "7"])
+def test_a_seed_outside_64_bits_is_refused_before_generation(agreeing_bundle, seed):
+    generator = specdeploy.load(agreeing_bundle)
+    with pytest.raises(specdeploy.SpecdeployError, match="seed must be"):
+        generator.generate("def f():", max_new_tokens=2, seed=seed)
+    assert generator.generate("def f():", max_new_tokens=2, seed=2**64 - 1).stats.new_tokens == 2
