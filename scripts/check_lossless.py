@@ -23,7 +23,7 @@ from scipy import stats
 
 import specdeploy
 from specdeploy.bench import builtin_prompts
-from specdeploy.testing import exact_continuation_probs
+from specdeploy.testing import SAMPLED_SETTINGS, exact_continuation_probs
 from specdeploy.runtime.sampling import SamplingParams
 
 EXTRA_PROMPTS = [
@@ -40,14 +40,7 @@ EXTRA_PROMPTS = [
 ]
 
 
-SETTINGS = {
-    "T 0.8": dict(temperature=0.8),
-    "T 0.8, top-k 50": dict(temperature=0.8, top_k=50),
-    "T 0.8, top-p 0.95": dict(temperature=0.8, top_p=0.95),
-    "T 0.8, top-k 50, top-p 0.95": dict(temperature=0.8, top_k=50, top_p=0.95),
-    "T 0.8, min-p 0.05": dict(temperature=0.8, min_p=0.05),
-    "T 0.8, top-p 0.95, repetition penalty 1.1": dict(temperature=0.8, top_p=0.95, repetition_penalty=1.1),
-}
+SETTINGS = SAMPLED_SETTINGS
 
 
 def greedy_equivalence(bundle: str, prompts: list[str], max_new_tokens: int, repetition_penalty: float = 1.0) -> dict:

@@ -12,6 +12,18 @@ from .runtime.generate import Generator
 from .runtime.sampling import SamplingParams, process_logits
 
 
+# The sampled settings users run (each benchmarked in docs/performance.md), as generate's options:
+# what the lossless checks of the tests and of scripts/check_lossless.py go through.
+SAMPLED_SETTINGS = {
+    "T 0.8": dict(temperature=0.8),
+    "T 0.8, top-k 50": dict(temperature=0.8, top_k=50),
+    "T 0.8, top-p 0.95": dict(temperature=0.8, top_p=0.95),
+    "T 0.8, top-k 50, top-p 0.95": dict(temperature=0.8, top_k=50, top_p=0.95),
+    "T 0.8, min-p 0.05": dict(temperature=0.8, min_p=0.05),
+    "T 0.8, top-p 0.95, repetition penalty 1.1": dict(temperature=0.8, top_p=0.95, repetition_penalty=1.1),
+}
+
+
 def exact_continuation_probs(generator: Generator, prompt_ids: list[int], params: SamplingParams,
                              length: int, min_probability: float = 0.0) -> dict[tuple[int, ...], float]:
     """The probability of every `length`-token continuation under the target alone.

@@ -226,3 +226,15 @@ def long_bundle(tmp_path_factory, checkpoints):
     export_bundle(ExportConfig(target=str(pair["target"]), draft=str(pair["draft"]), out=str(out),
                                max_context=LONG_CONTEXT))
     return out
+
+
+@pytest.fixture(scope="session")
+def demo_bundle(tmp_path_factory):
+    """The embedded demo pair, exported as `specdeploy export` does with no options (int8 draft)."""
+    from specdeploy.defaults import demo_checkpoints
+    from specdeploy.export import ExportConfig, export_bundle
+
+    target, draft = demo_checkpoints()
+    out = tmp_path_factory.mktemp("demo") / "bundle"
+    export_bundle(ExportConfig(target=target, draft=draft, out=str(out)))
+    return out

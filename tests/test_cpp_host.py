@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ARCHITECTURES
-from test_genai_host import PROMPTS, demo_bundle, specdeploy_run  # noqa: F401 - demo_bundle is a fixture
+from test_genai_host import PROMPTS, specdeploy_run
 
 from specdeploy.bundle import load_manifest
 

@@ -88,18 +88,6 @@ def test_genai_target_only_greedy_equals_specdeploy_run(bundles, arch):
     assert_matches_specdeploy_run(bundle, bundle / genai.target_only, ("--no-speculative",), speculative=False)
 
 
-@pytest.fixture(scope="module")
-def demo_bundle(tmp_path_factory):
-    """The embedded demo pair, exported as `specdeploy export` does with no options (int8 draft)."""
-    from specdeploy.defaults import demo_checkpoints
-    from specdeploy.export import ExportConfig, export_bundle
-
-    target, draft = demo_checkpoints()
-    out = tmp_path_factory.mktemp("demo") / "bundle"
-    export_bundle(ExportConfig(target=target, draft=draft, out=str(out)))
-    return out
-
-
 @pytest.mark.slow
 def test_genai_runs_the_demo_pair_both_ways(demo_bundle):
     manifest = load_manifest(demo_bundle)

@@ -7,7 +7,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 import specdeploy
-from specdeploy.testing import exact_continuation_probs
+from specdeploy.testing import SAMPLED_SETTINGS, exact_continuation_probs
 from specdeploy.errors import SpecdeployError
 from specdeploy.runtime import sampling
 from specdeploy.runtime.sampling import SamplingParams
@@ -158,15 +158,7 @@ def test_sampled_speculative_matches_the_target_distribution(agreeing_bundle, mo
     assert scipy_stats.chisquare(observed, expected * observed.sum() / expected.sum()).pvalue > 1e-3
 
 
-# The sampling settings users run (each benchmarked in docs/performance.md), as generate's options.
-SETTINGS = {
-    "T 0.8": dict(temperature=0.8),
-    "T 0.8, top-k 50": dict(temperature=0.8, top_k=50),
-    "T 0.8, top-p 0.95": dict(temperature=0.8, top_p=0.95),
-    "T 0.8, top-k 50, top-p 0.95": dict(temperature=0.8, top_k=50, top_p=0.95),
-    "T 0.8, min-p 0.05": dict(temperature=0.8, min_p=0.05),
-    "T 0.8, top-p 0.95, repetition penalty 1.1": dict(temperature=0.8, top_p=0.95, repetition_penalty=1.1),
-}
+SETTINGS = SAMPLED_SETTINGS
 
 
 @pytest.mark.slow

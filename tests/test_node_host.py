@@ -40,17 +40,6 @@ def node():
 
 
 @pytest.fixture(scope="module")
-def demo_bundle(tmp_path_factory):
-    from specdeploy.defaults import demo_checkpoints
-    from specdeploy.export import ExportConfig, export_bundle
-
-    target, draft = demo_checkpoints()
-    out = tmp_path_factory.mktemp("demo") / "bundle"
-    export_bundle(ExportConfig(target=target, draft=draft, out=str(out)))
-    return out
-
-
-@pytest.fixture(scope="module")
 def fp16_bundle(tmp_path_factory, trained_pair):
     """fp16 fused graphs: float16 logits and KV buffers, and the target's two-token minimum pass."""
     from conftest import export_pair
