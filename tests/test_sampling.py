@@ -9,18 +9,14 @@ from scipy import stats
 from specdeploy.runtime import sampling
 from specdeploy.runtime.sampling import (PenaltyContext, Sampler, SamplingParams, draw, penalize, process_logits,
                                          process_row, residual_draw)
+from specdeploy.testing import SAMPLED_SETTINGS
 
 fast = sampling._fastsample
 needs_c = pytest.mark.skipif(fast is None, reason="the C kernel was not built (test_the_c_kernel_was_built says so)")
 
 # Every setting the runtime has a path for: the benchmarked ones, and combinations of them.
 SETTINGS = {
-    "temperature": SamplingParams(temperature=0.8),
-    "top_k": SamplingParams(temperature=0.8, top_k=50),
-    "top_p": SamplingParams(temperature=0.8, top_p=0.95),
-    "top_k_top_p": SamplingParams(temperature=0.8, top_k=50, top_p=0.95),
-    "min_p": SamplingParams(temperature=0.8, min_p=0.05),
-    "top_p_penalty": SamplingParams(temperature=0.8, top_p=0.95, repetition_penalty=1.1),
+    **{name: SamplingParams(**options) for name, options in SAMPLED_SETTINGS.items()},
     "penalty": SamplingParams(temperature=1.3, repetition_penalty=0.8),
     "top_k_min_p_penalty": SamplingParams(temperature=0.6, top_k=7, min_p=0.2, repetition_penalty=1.5),
     "everything": SamplingParams(temperature=1.1, top_k=300, top_p=0.7, min_p=0.01, repetition_penalty=1.2),
@@ -185,7 +181,8 @@ def test_a_sampled_row_draws_the_inverse_cdf(monkeypatch, name, use_c):
                 assert abs(cdf[min(token, expected)] - uniform * cdf[-1]) <= 1e-6 * cdf[-1]
 
 
-@pytest.mark.parametrize("name", ["temperature", "top_k_top_p", "min_p", "top_p_penalty"])
+@pytest.mark.parametrize("name", ["T 0.8", "T 0.8, top-k 50, top-p 0.95", "T 0.8, min-p 0.05",
+                                  "T 0.8, top-p 0.95, repetition penalty 1.1"])
 @pytest.mark.parametrize("use_c", [True, False])
 def test_sampled_tokens_follow_the_distribution(monkeypatch, name, use_c):
     if not use_c:
@@ -316,7 +313,7 @@ def test_nan_logits_give_no_token(monkeypatch, name, use_c):
             sampler.sample(logits, 0.5, np.empty_like(logits))
 
 
-@pytest.mark.parametrize("name", ["temperature", "top_k_min_p_penalty"])
+@pytest.mark.parametrize("name", ["T 0.8", "top_k_min_p_penalty"])
 def test_float64_and_strided_logits_draw_the_same_tokens(name):
     params = SETTINGS[name]
     logits = (np.random.default_rng(15).normal(size=(2, 300)) * 3).astype(np.float32)
