@@ -9,11 +9,12 @@ from pathlib import Path
 
 import click
 
-from .cli_support import EXIT_INTERRUPTED, MAX_SEED, ErrorMappingGroup, Utf8Text
+from .cli_support import EXIT_INTERRUPTED, ErrorMappingGroup, Utf8Text
 from .errors import SpecdeployError
+from .runtime.generate import SEED_LIMIT  # the package imports the runtime already
 
 BAR = "\u2500"
-SEED = click.IntRange(0, MAX_SEED)
+SEED = click.IntRange(0, SEED_LIMIT - 1)
 TEXT = Utf8Text()
 
 

@@ -18,7 +18,6 @@ import click
 from .errors import SpecdeployError, describe_unexpected
 
 EXIT_ERROR, EXIT_INTERRUPTED = 2, 130
-MAX_SEED = 2**64 - 1  # numpy's SeedSequence takes any non-negative int; 64 bits is what a user can pass on
 
 
 def fail(message: str, code: int = EXIT_ERROR):

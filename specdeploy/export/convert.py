@@ -7,21 +7,13 @@ import shutil
 import warnings
 from pathlib import Path
 
-from ..bundle import KVCacheSpec, TensorSpec
+from ..bundle import ONNX_TYPES, KVCacheSpec, TensorSpec
 from ..errors import SpecdeployError
 
 TASK = "text-generation-with-past"
 ONNX_NAME = "model.onnx"
 # Above this size the protobuf 2 GB limit needs the weights beside the graph.
 EXTERNAL_DATA_THRESHOLD = 1_800_000_000
-_ONNX_TO_NUMPY = {
-    "tensor(float)": "float32",
-    "tensor(float16)": "float16",
-    "tensor(bfloat16)": "bfloat16",
-    "tensor(int64)": "int64",
-    "tensor(int32)": "int32",
-    "tensor(bool)": "bool",
-}
 
 
 def quiet_export_logs() -> None:
@@ -131,7 +123,7 @@ def describe_io(path: Path, shared_buffer: bool = False) -> tuple[tuple[TensorSp
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
     def spec(arg) -> TensorSpec:
-        dtype = _ONNX_TO_NUMPY.get(arg.type)
+        dtype = ONNX_TYPES.get(arg.type)
         if dtype is None:
             raise SpecdeployError(f"{path}: unsupported tensor type {arg.type} for '{arg.name}'")
         return TensorSpec(name=arg.name, dtype=dtype, shape=tuple(d if isinstance(d, int) else str(d) for d in arg.shape))

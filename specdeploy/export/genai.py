@@ -154,9 +154,9 @@ def _write(root: Path, folder: Path, config: dict[str, Any], manifest: Manifest)
     """genai_config.json and copies of the tokenizer files into folder; their manifest entries."""
     path = folder / GENAI_CONFIG
     path.write_text(json.dumps(config, indent=2) + "\n")
-    written = [path]
-    for entry in manifest.tokenizer.files:
+    entries = [file_entry(root, path)]
+    for entry in manifest.tokenizer.files:  # a copy has its source's bytes: its hash and size are known
         copy = folder / Path(entry.path).name
         shutil.copy2(root / entry.path, copy)
-        written.append(copy)
-    return [file_entry(root, p) for p in written]
+        entries.append(dataclasses.replace(entry, path=copy.relative_to(root).as_posix()))
+    return entries

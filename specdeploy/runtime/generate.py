@@ -23,7 +23,7 @@ from .sampling import BlockGenerator, Sampler, SamplingParams
 from .text import TextCodec, TextStream
 
 MAX_DRAFT_TOKENS = 32
-MAX_SEED = 2**64  # seeds are 64-bit, as the CLI takes them
+SEED_LIMIT = 2**64  # seeds are 64-bit: 0 .. SEED_LIMIT - 1 (the CLI and the server take the same)
 MIN_TEMPERATURE = 1e-6  # below this, logits / temperature can overflow float32
 
 
@@ -59,7 +59,7 @@ class GenerationConfig:
             raise SpecdeployError(f"draft_confidence must be in [0, 1) (got {self.draft_confidence})")
         if not 1 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
             raise SpecdeployError(f"num_draft_tokens must be in 1..{MAX_DRAFT_TOKENS} (got {self.num_draft_tokens})")
-        if self.seed is not None and (type(self.seed) is not int or not 0 <= self.seed < MAX_SEED):
+        if self.seed is not None and (type(self.seed) is not int or not 0 <= self.seed < SEED_LIMIT):
             raise SpecdeployError(f"seed must be None or an integer in 0..2**64 - 1 (got {self.seed!r})")
 
     @property

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from ..errors import SpecdeployError
 from ..runtime import GenerationConfig
+from ..runtime.generate import SEED_LIMIT
 
 # name -> the JSON type its value must have (float takes integers too)
 EXTENSIONS = {"top_k": int, "min_p": float, "repetition_penalty": float, "num_draft_tokens": int, "speculative": bool,
@@ -35,7 +36,6 @@ ACCEPTED = {"completion": frozenset(COMMON + ("prompt",) + tuple(UNSUPPORTED["co
             "chat": frozenset(COMMON + ("messages", "max_completion_tokens") + tuple(UNSUPPORTED["chat"]))}
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; chat defaults to the rest of the context
 MAX_STOP_STRINGS = 16
-SEED_LIMIT = 2**63
 
 
 class ApiError(Exception):
