@@ -247,7 +247,7 @@ def test_c_verify_returns_what_the_reference_returns(name):
         assert (formed[got[0] + 1 :] == -1.0).all()
 
 
-@pytest.mark.parametrize("name", ["temperature", "top_k_top_p", "top_p_penalty"])
+@pytest.mark.parametrize("name", ["T 0.8", "T 0.8, top-k 50, top-p 0.95", "T 0.8, top-p 0.95, repetition penalty 1.1"])
 def test_accept_gives_float64_and_strided_rows_the_same_tokens(monkeypatch, name):
     """Rows the C scan cannot take (float64, strided), and no kernel at all, go to the reference with the
     uniforms already drawn: the same tokens, and the generator left where the C path leaves it."""
