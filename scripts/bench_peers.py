@@ -53,8 +53,9 @@ Timing: onnxruntime-genai's prefill is ``append_tokens(prompt)``, timed apart; d
 runs from the first streamed chunk (prefill plus the first token or assisted round) to the end, and
 that chunk's tokens are not counted. specdeploy reports decode time itself. Variants are interleaved
 per prompt (order alternating per repeat); settings are the outer loop, every system timed within
-each setting, so that cross-system ratios of one setting are taken minutes apart, not tens of
-minutes. Sampled runs seed each run with ``1000 * prompt_index + repeat``.
+each setting: the first tuned peer, specdeploy, the other tuned peer (which peer goes first
+alternates from setting to setting), then both peers' defaults, so that ours is timed right beside
+each tuned peer it is compared with. Sampled runs seed each run with ``1000 * prompt_index + repeat``.
 """
 
 from __future__ import annotations
@@ -405,17 +406,16 @@ def tune(peer, ids_list: list[list[int]], args) -> dict:
     return result
 
 
-def time_peer(peer, tuning: dict, ids_list, setting: Setting, args) -> dict:
+def time_peer(peer, tuning: dict, ids_list, setting: Setting, args, label: str) -> dict:
+    """One setting timed with the peer's tuned configuration (label "tuned") or its defaults ("defaults")."""
     reason = peer.supports(setting)
     if reason:
         return {"unsupported": reason}
-    out = {}
-    for label, configs in (("tuned", {v: tuning[v]["chosen"] for v in VARIANTS}), ("defaults", dict.fromkeys(VARIANTS))):
-        models = {v: peer.load(v, configs[v]) for v in VARIANTS}
-        run = lambda v, pi, seed: peer.run(models[v], v, ids_list[pi], setting, seed, args.max_new_tokens)  # noqa: E731
-        run("speculative", 0, 0), run("target_only", 0, 0)  # warm-up of this configuration
-        out[label] = timed_block(run, len(ids_list), args.repeat, setting, f"{peer.name} {label}")
-    return out
+    configs = {v: tuning[v]["chosen"] for v in VARIANTS} if label == "tuned" else dict.fromkeys(VARIANTS)
+    models = {v: peer.load(v, configs[v]) for v in VARIANTS}
+    run = lambda v, pi, seed: peer.run(models[v], v, ids_list[pi], setting, seed, args.max_new_tokens)  # noqa: E731
+    run("speculative", 0, 0), run("target_only", 0, 0)  # warm-up of this configuration
+    return timed_block(run, len(ids_list), args.repeat, setting, f"{peer.name} {label}")
 
 
 # ----------------------------------------------------------------------------- specdeploy
@@ -434,7 +434,10 @@ def bench_ours(args, setting: Setting, ids_list: list[list[int]]) -> dict:
     report = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=REPO).stdout.splitlines()[-1])
     out = {v: {"tokens_per_s": round(report[v]["tokens_per_s"], 2), "new_tokens": report[v]["new_tokens"],
                "time_share": report[v]["time_share"]} for v in VARIANTS}
-    out.update(speedup=round(report["speedup"], 3), identical_outputs=report["identical_outputs"],
+    # The cost model's bound: the speedup these passes give with nothing outside ONNX Runtime.
+    bound = next(r["leviathan_bound"] for r in report["by_num_draft_tokens"]
+                 if r["num_draft_tokens"] == report["num_draft_tokens"])
+    out.update(speedup=round(report["speedup"], 3), bound=round(bound, 3), identical_outputs=report["identical_outputs"],
                acceptance_rate=round(report["acceptance_rate"], 4), command=" ".join(cmd))
     if setting.greedy:
         script = ("import json, sys, specdeploy\n"
@@ -541,12 +544,21 @@ def main() -> int:
             except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported, the others still run
                 log(traceback.format_exc())
                 result["peers"][cls.name] = {"error": f"{type(exc).__name__}: {exc}"}
-    for setting in settings:
+    for index, setting in enumerate(settings):
         block = result["settings"][setting.name]
-        for peer in peers:
-            block[peer.name] = time_peer(peer, result["tuning"][peer.name], ids_list, setting, args)
+        # Ours right after one tuned peer and right before the other (which one first alternates from
+        # setting to setting), the defaults after: this machine drifts over minutes, and the ratios
+        # that matter are ours against the tuned peers.
+        ordered = peers if index % 2 == 0 else peers[::-1]
+        timed = lambda peer, label: time_peer(peer, result["tuning"][peer.name], ids_list, setting, args, label)  # noqa: E731
+        tuned = {peer.name: timed(peer, "tuned") for peer in ordered[:1]}
         if args.ours is not None:
             block["specdeploy"] = bench_ours(args, setting, ids_list)
+        tuned.update({peer.name: timed(peer, "tuned") for peer in ordered[1:]})
+        for peer in peers:
+            result_tuned = tuned[peer.name]
+            block[peer.name] = result_tuned if "unsupported" in result_tuned else \
+                {"tuned": result_tuned, "defaults": timed(peer, "defaults")}
         flat = {"specdeploy": block.get("specdeploy", {})}
         flat.update({f"{p.name}": block[p.name].get("tuned", {}) for p in peers})
         if setting.greedy:

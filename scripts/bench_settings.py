@@ -4,7 +4,9 @@
 For each prompt, every setting runs target-only and speculative back to back (the order of the
 settings rotating from prompt to prompt), so ratios between settings are taken seconds apart,
 not minutes. Reported per setting: target-only and speculative tokens/s, target-only against
-greedy target-only, the speedup, acceptance, and the share of decode time outside ONNX Runtime.
+greedy target-only, the speedup, acceptance, the share of decode time outside ONNX Runtime, and the
+cost model's bound (`specdeploy bench`'s): the speedup the same passes give with nothing outside
+ONNX Runtime, the most that faster sampling and bookkeeping can reach.
 Settings use scripts/bench_peers.py's words (greedy, tT, kK, pP, minpM, repR, joined by "-").
 
     .venv/bin/python scripts/bench_settings.py BUNDLE [--settings greedy,t0.8,...] [-k 4] [--max-new-tokens 128]
@@ -35,7 +37,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=1)
     args = ap.parse_args()
     import specdeploy
-    from specdeploy.bench import ModeTotals, builtin_prompts
+    from specdeploy.bench import KResult, ModeTotals, builtin_prompts
 
     settings = [parse_setting(name) for name in args.settings.split(",")]
     options = {s.name: {k: v for k, v in asdict(s).items() if k != "name"} for s in settings}
@@ -65,14 +67,17 @@ def main() -> int:
             "acceptance_rate": round(sp.accepted / sp.drafted, 3) if sp.drafted else None,
             "other_share_target_only": round(t.other_ms / t.decode_ms, 4),
             "other_share_speculative": round(sp.other_ms / sp.decode_ms, 4),
+            "bound": round(KResult(args.num_draft_tokens, sp, None).summary(t)["leviathan_bound"], 3),
             "new_tokens": [t.new_tokens, sp.new_tokens],
         }
     print(f"| setting | target-only tok/s | vs {settings[0].name} | speculative tok/s | speedup | acceptance "
-          "| outside ONNX Runtime (target-only / speculative) |\n|---|---|---|---|---|---|---|", file=sys.stderr)
+          "| outside ONNX Runtime (target-only / speculative) | bound (nothing outside it) |\n"
+          "|---|---|---|---|---|---|---|---|", file=sys.stderr)
     for name, r in rows.items():
         print(f"| {name} | {r['target_only_tokens_per_s']:.0f} | {r['target_only_vs_first']:.2f} | "
               f"{r['speculative_tokens_per_s']:.0f} | {r['speedup']:.2f} | {r['acceptance_rate'] or 0:.2f} | "
-              f"{100 * r['other_share_target_only']:.1f}% / {100 * r['other_share_speculative']:.1f}% |", file=sys.stderr)
+              f"{100 * r['other_share_target_only']:.1f}% / {100 * r['other_share_speculative']:.1f}% | "
+              f"{r['bound']:.2f} |", file=sys.stderr)
     print(json.dumps({"bundle": str(args.bundle), "num_draft_tokens": args.num_draft_tokens,
                       "max_new_tokens": args.max_new_tokens, "repeat": args.repeat, "settings": rows}))
     return 0
