@@ -41,7 +41,7 @@ Run (from the repository root; PAIR is a folder holding the target and draft che
     specdeploy export --target PAIR/target --draft PAIR/draft --out bench-bundle
     .venv-peers/bin/python scripts/bench_peers.py --target PAIR/target --draft PAIR/draft \
         --ours bench-bundle [--settings greedy,t0.8,t0.8-k50-p0.95] [--max-new-tokens 128] \
-        [--num-draft-tokens 4] [--repeat 1] [--systems ort,hf] [--work .peers-work]
+        [--num-draft-tokens 4] [--repeat 1] [--rounds 1] [--systems ort,hf] [--work .peers-work]
 
 One JSON line is the last line of stdout; a Markdown table of the run goes to stderr at the end.
 onnxruntime-genai models and configs are built into ``--work`` (rebuilt when the checkpoint
@@ -55,7 +55,8 @@ that chunk's tokens are not counted. specdeploy reports decode time itself. Vari
 per prompt (order alternating per repeat); settings are the outer loop, every system timed within
 each setting: the first tuned peer, specdeploy, the other tuned peer (which peer goes first
 alternates from setting to setting), then both peers' defaults, so that ours is timed right beside
-each tuned peer it is compared with. Sampled runs seed each run with ``1000 * prompt_index + repeat``.
+each tuned peer it is compared with; ``--rounds R`` runs the tuned sequence R times in alternating
+order and sums each system's rounds (each round's tokens/s stays in the JSON). Sampled runs seed each run with ``1000 * prompt_index + repeat``.
 """
 
 from __future__ import annotations
@@ -184,6 +185,33 @@ def timed_block(run, n_prompts: int, repeat: int, setting: Setting, label: str) 
         mismatches = [first_mismatch(a, b) for a, b in zip(first["target_only"], first["speculative"])]
         out["identical_outputs"] = all(m is None for m in mismatches)
         out["greedy_ids"] = first["target_only"]
+    return out
+
+
+def merge_rounds(blocks: list[dict]) -> dict:
+    """One system's timed blocks of one setting over several rounds -> one block: per variant, decode tokens
+    and seconds summed (time shares weighted by seconds), each round's tokens/s kept beside; the speedup
+    recomputed; a bound averaged; the greedy ids and identity of the first round."""
+    if len(blocks) == 1:
+        return blocks[0]
+    out = dict(blocks[0])
+    for v in VARIANTS:
+        parts = [b[v] for b in blocks]
+        seconds = sum(p["decode_s"] for p in parts)
+        merged = {**parts[0], "decode_tokens": sum(p["decode_tokens"] for p in parts), "decode_s": round(seconds, 4),
+                  "new_tokens": sum(p["new_tokens"] for p in parts),
+                  "per_round_tokens_per_s": [p["tokens_per_s"] for p in parts]}
+        merged["tokens_per_s"] = round(merged["decode_tokens"] / seconds, 2) if seconds > 0 else None
+        if "runs" in parts[0]:
+            merged["runs"] = sum(p["runs"] for p in parts)
+        if "time_share" in parts[0]:
+            merged["time_share"] = {key: sum(p["time_share"][key] * p["decode_s"] for p in parts) / seconds
+                                    for key in parts[0]["time_share"]}
+        out[v] = merged
+    t, s = out["target_only"]["tokens_per_s"], out["speculative"]["tokens_per_s"]
+    out["speedup"] = round(s / t, 3) if s and t else None
+    if "bound" in out:
+        out["bound"] = round(sum(b["bound"] for b in blocks) / len(blocks), 3)
     return out
 
 
@@ -433,6 +461,7 @@ def bench_ours(args, setting: Setting, ids_list: list[list[int]]) -> dict:
     log("specdeploy:", " ".join(cmd))
     report = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=REPO).stdout.splitlines()[-1])
     out = {v: {"tokens_per_s": round(report[v]["tokens_per_s"], 2), "new_tokens": report[v]["new_tokens"],
+               "decode_tokens": report[v]["new_tokens"], "decode_s": round(report[v]["decode_ms"] / 1000, 4),
                "time_share": report[v]["time_share"]} for v in VARIANTS}
     # The cost model's bound: the speedup these passes give with nothing outside ONNX Runtime.
     bound = next(r["leviathan_bound"] for r in report["by_num_draft_tokens"]
@@ -507,6 +536,8 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--num-draft-tokens", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="times each setting's tuned sequence (peer, ours, other peer) runs, alternating its order")
     ap.add_argument("--limit", type=int, default=None, help="only the first N prompts (for trials)")
     ap.add_argument("--tune-prompts", type=int, default=3, help="warm-up subset used to choose each peer's configuration")
     ap.add_argument("--tune-tokens", type=int, default=64)
@@ -527,7 +558,7 @@ def main() -> int:
     result: dict = {
         "date": time.strftime("%Y-%m-%d"), "machine": machine_info(), "prompts": len(prompts),
         "prompt_tokens": [len(ids) for ids in ids_list], "max_new_tokens": args.max_new_tokens,
-        "num_draft_tokens": args.num_draft_tokens, "repeat": args.repeat,
+        "num_draft_tokens": args.num_draft_tokens, "repeat": args.repeat, "rounds": args.rounds,
         "settings_defined": {s.name: asdict(s) for s in settings},
         "eos": "every system stops at EOS or max_new_tokens; tokens/s counts each system's own new tokens",
         "tokens_per_s": "decode only: sum(decode tokens) / sum(decode seconds) over prompts and repeats",
@@ -549,16 +580,24 @@ def main() -> int:
         # Ours right after one tuned peer and right before the other (which one first alternates from
         # setting to setting), the defaults after: this machine drifts over minutes, and the ratios
         # that matter are ours against the tuned peers.
-        ordered = peers if index % 2 == 0 else peers[::-1]
+        # With --rounds, that sequence runs again in the other order, so drift within a setting
+        # averages out; each system's rounds are summed (merge_rounds).
         timed = lambda peer, label: time_peer(peer, result["tuning"][peer.name], ids_list, setting, args, label)  # noqa: E731
-        tuned = {peer.name: timed(peer, "tuned") for peer in ordered[:1]}
-        if args.ours is not None:
-            block["specdeploy"] = bench_ours(args, setting, ids_list)
-        tuned.update({peer.name: timed(peer, "tuned") for peer in ordered[1:]})
+        tuned, ours_rounds = {peer.name: [] for peer in peers}, []
+        for rnd in range(args.rounds):
+            ordered = peers if (index + rnd) % 2 == 0 else peers[::-1]
+            for peer in ordered[:1]:
+                tuned[peer.name].append(timed(peer, "tuned"))
+            if args.ours is not None:
+                ours_rounds.append(bench_ours(args, setting, ids_list))
+            for peer in ordered[1:]:
+                tuned[peer.name].append(timed(peer, "tuned"))
+        if ours_rounds:
+            block["specdeploy"] = merge_rounds(ours_rounds)
         for peer in peers:
-            result_tuned = tuned[peer.name]
-            block[peer.name] = result_tuned if "unsupported" in result_tuned else \
-                {"tuned": result_tuned, "defaults": timed(peer, "defaults")}
+            rounds = tuned[peer.name]
+            block[peer.name] = rounds[0] if "unsupported" in rounds[0] else \
+                {"tuned": merge_rounds(rounds), "defaults": timed(peer, "defaults")}
         flat = {"specdeploy": block.get("specdeploy", {})}
         flat.update({f"{p.name}": block[p.name].get("tuned", {}) for p in peers})
         if setting.greedy:
