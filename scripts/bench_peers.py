@@ -53,10 +53,10 @@ Timing: onnxruntime-genai's prefill is ``append_tokens(prompt)``, timed apart; d
 runs from the first streamed chunk (prefill plus the first token or assisted round) to the end, and
 that chunk's tokens are not counted. specdeploy reports decode time itself. Variants are interleaved
 per prompt (order alternating per repeat); settings are the outer loop, every system timed within
-each setting: the first tuned peer, specdeploy, the other tuned peer (which peer goes first
-alternates from setting to setting), then both peers' defaults, so that ours is timed right beside
-each tuned peer it is compared with; ``--rounds R`` runs the tuned sequence R times in alternating
-order and sums each system's rounds (each round's tokens/s stays in the JSON). Sampled runs seed each run with ``1000 * prompt_index + repeat``.
+each setting: the first tuned peer, specdeploy, the other tuned peer (the sequence reversed from one
+setting to the next), then both peers' defaults, so that ours is timed right beside each tuned peer
+it is compared with; ``--rounds R`` runs the tuned sequence R times, reversed each time, and sums
+each system's rounds (each round's tokens/s stays in the JSON). Sampled runs seed each run with ``1000 * prompt_index + repeat``.
 """
 
 from __future__ import annotations
@@ -190,8 +190,8 @@ def timed_block(run, n_prompts: int, repeat: int, setting: Setting, label: str) 
 
 def merge_rounds(blocks: list[dict]) -> dict:
     """One system's timed blocks of one setting over several rounds -> one block: per variant, decode tokens
-    and seconds summed (time shares weighted by seconds), each round's tokens/s kept beside; the speedup
-    recomputed; a bound averaged; the greedy ids and identity of the first round."""
+    and seconds summed (time shares and prefill weighted), each round's tokens/s kept beside; the speedup,
+    acceptance and identity over all rounds; the bound weighted by decode time; the first round's greedy ids."""
     if len(blocks) == 1:
         return blocks[0]
     out = dict(blocks[0])
@@ -204,14 +204,21 @@ def merge_rounds(blocks: list[dict]) -> dict:
         merged["tokens_per_s"] = round(merged["decode_tokens"] / seconds, 2) if seconds > 0 else None
         if "runs" in parts[0]:
             merged["runs"] = sum(p["runs"] for p in parts)
+            merged["mean_prefill_ms"] = round(sum(p["mean_prefill_ms"] * p["runs"] for p in parts) / merged["runs"], 3)
         if "time_share" in parts[0]:
             merged["time_share"] = {key: sum(p["time_share"][key] * p["decode_s"] for p in parts) / seconds
                                     for key in parts[0]["time_share"]}
         out[v] = merged
     t, s = out["target_only"]["tokens_per_s"], out["speculative"]["tokens_per_s"]
     out["speedup"] = round(s / t, 3) if s and t else None
-    if "bound" in out:
-        out["bound"] = round(sum(b["bound"] for b in blocks) / len(blocks), 3)
+    if out.get("identical_outputs") is not None:
+        out["identical_outputs"] = all(b["identical_outputs"] for b in blocks)
+    if "bound" in out:  # weighted by decode time, as the speedup is
+        seconds = [b["speculative"]["decode_s"] for b in blocks]
+        out["bound"] = round(sum(b["bound"] * w for b, w in zip(blocks, seconds)) / sum(seconds), 3)
+    if "drafted" in out:
+        out["accepted"], out["drafted"] = sum(b["accepted"] for b in blocks), sum(b["drafted"] for b in blocks)
+        out["acceptance_rate"] = round(out["accepted"] / out["drafted"], 4) if out["drafted"] else 0.0
     return out
 
 
@@ -449,8 +456,9 @@ def time_peer(peer, tuning: dict, ids_list, setting: Setting, args, label: str) 
 # ----------------------------------------------------------------------------- specdeploy
 
 
-def bench_ours(args, setting: Setting, ids_list: list[list[int]]) -> dict:
-    """`specdeploy bench` on the bundle in the main venv, and (greedy) our speculative token ids of the same ids."""
+def bench_ours(args, setting: Setting, ids_list: list[list[int]], greedy_ids: bool = True) -> dict:
+    """`specdeploy bench` on the bundle in the main venv, and (greedy, unless greedy_ids is False) our
+    speculative token ids of the same ids."""
     cmd = [str(args.ours_python), "-m", "specdeploy", "bench", str(args.ours), "--prompts", str(args.prompts_used),
            "--max-new-tokens", str(args.max_new_tokens), "-k", str(args.num_draft_tokens),
            "--repeat", str(args.repeat), "--temperature", str(setting.temperature), "--json"]
@@ -467,8 +475,9 @@ def bench_ours(args, setting: Setting, ids_list: list[list[int]]) -> dict:
     bound = next(r["leviathan_bound"] for r in report["by_num_draft_tokens"]
                  if r["num_draft_tokens"] == report["num_draft_tokens"])
     out.update(speedup=round(report["speedup"], 3), bound=round(bound, 3), identical_outputs=report["identical_outputs"],
-               acceptance_rate=round(report["acceptance_rate"], 4), command=" ".join(cmd))
-    if setting.greedy:
+               acceptance_rate=round(report["acceptance_rate"], 4), accepted=report["speculative"]["accepted"],
+               drafted=report["speculative"]["drafted"], command=" ".join(cmd))
+    if setting.greedy and greedy_ids:
         script = ("import json, sys, specdeploy\n"
                   "g = specdeploy.load(sys.argv[1])\n"
                   "spec = json.loads(sys.stdin.read())\n"
@@ -537,7 +546,7 @@ def main() -> int:
     ap.add_argument("--num-draft-tokens", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=1,
-                    help="times each setting's tuned sequence (peer, ours, other peer) runs, alternating its order")
+                    help="times each setting's tuned sequence (peer, ours, other peer) runs, reversed each time")
     ap.add_argument("--limit", type=int, default=None, help="only the first N prompts (for trials)")
     ap.add_argument("--tune-prompts", type=int, default=3, help="warm-up subset used to choose each peer's configuration")
     ap.add_argument("--tune-tokens", type=int, default=64)
@@ -548,6 +557,8 @@ def main() -> int:
     ap.add_argument("--ours-python", type=Path, default=REPO / ".venv" / "bin" / "python",
                     help="the interpreter with specdeploy installed (the main venv)")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
 
     settings = [parse_setting(name) for name in args.settings.split(",") if name]
     prompts = load_prompts(args.prompts)[: args.limit]
@@ -577,21 +588,19 @@ def main() -> int:
                 result["peers"][cls.name] = {"error": f"{type(exc).__name__}: {exc}"}
     for index, setting in enumerate(settings):
         block = result["settings"][setting.name]
-        # Ours right after one tuned peer and right before the other (which one first alternates from
-        # setting to setting), the defaults after: this machine drifts over minutes, and the ratios
-        # that matter are ours against the tuned peers.
-        # With --rounds, that sequence runs again in the other order, so drift within a setting
-        # averages out; each system's rounds are summed (merge_rounds).
+        # Ours between the two tuned peers (the whole sequence reversed from one setting to the next),
+        # the defaults after: this machine drifts over minutes, and the ratios that matter are ours
+        # against the tuned peers. With --rounds the sequence runs again, reversed each time, so that
+        # drift within a setting averages out; each system's rounds are summed (merge_rounds).
         timed = lambda peer, label: time_peer(peer, result["tuning"][peer.name], ids_list, setting, args, label)  # noqa: E731
         tuned, ours_rounds = {peer.name: [] for peer in peers}, []
+        sequence = peers[:1] + ([None] if args.ours is not None else []) + peers[1:]  # None: ours
         for rnd in range(args.rounds):
-            ordered = peers if (index + rnd) % 2 == 0 else peers[::-1]
-            for peer in ordered[:1]:
-                tuned[peer.name].append(timed(peer, "tuned"))
-            if args.ours is not None:
-                ours_rounds.append(bench_ours(args, setting, ids_list))
-            for peer in ordered[1:]:
-                tuned[peer.name].append(timed(peer, "tuned"))
+            for system in (sequence if (index + rnd) % 2 == 0 else sequence[::-1]):
+                if system is None:
+                    ours_rounds.append(bench_ours(args, setting, ids_list, greedy_ids=rnd == 0))
+                else:
+                    tuned[system.name].append(timed(system, "tuned"))
         if ours_rounds:
             block["specdeploy"] = merge_rounds(ours_rounds)
         for peer in peers:
