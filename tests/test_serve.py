@@ -334,16 +334,26 @@ def test_full_queue_answers_429_and_health_answers_meanwhile(slow_server):
     assert slow_server.metric('specdeploy:requests_total{endpoint="/v1/completions",status="429"}') == 1
 
 
-def test_a_client_that_disconnects_mid_stream_frees_its_slot(slow_server):
-    aborted = slow_server.metric('specdeploy:request_finished_total{finished_reason="abort"}')
+ABORTED = 'specdeploy:request_finished_total{finished_reason="abort"}'
+
+
+@contextlib.contextmanager
+def long_stream(server):
+    """A greedy 200-token completion stream, open once its first piece has come; yields its lines."""
     body = {"prompt": PROMPT, "max_tokens": 200, "temperature": 0, "stream": True}
     with httpx.Client(timeout=30) as client:
-        with client.stream("POST", slow_server.url + "/v1/completions", json=body) as response:
+        with client.stream("POST", server.url + "/v1/completions", json=body) as response:
             lines = response.iter_lines()
             assert next(lines).startswith("data: ")
+            yield lines
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_slot(slow_server):
+    aborted = slow_server.metric(ABORTED)
+    with long_stream(slow_server):
+        pass
     # The greedy stream runs to 178 tokens (about 3.5 s of pieces); the server notices the disconnect and stops at the next piece.
-    wait_for(lambda: slow_server.metric('specdeploy:request_finished_total{finished_reason="abort"}') == aborted + 1,
-             "the generation to stop", timeout_s=2)
+    wait_for(lambda: slow_server.metric(ABORTED) == aborted + 1, "the generation to stop", timeout_s=2)
     assert slow_server.metric("specdeploy:num_requests_running") == 0
     after = slow_server.client().completions.create(model="x", prompt=PROMPT, max_tokens=3, temperature=0)
     assert after.usage.completion_tokens >= 1
@@ -419,20 +429,16 @@ def _refused(url: str) -> bool:
 
 
 def test_a_client_that_gives_up_in_the_queue_leaves_it(slow_server):
-    aborted = slow_server.metric('specdeploy:request_finished_total{finished_reason="abort"}')
-    body = {"prompt": PROMPT, "max_tokens": 200, "temperature": 0, "stream": True}
-    with httpx.Client(timeout=30) as client:
-        with client.stream("POST", slow_server.url + "/v1/completions", json=body) as running:
-            lines = running.iter_lines()
-            assert next(lines).startswith("data: ")
-            impatient = httpx.Client(timeout=httpx.Timeout(30, read=0.3))
-            with pytest.raises(httpx.ReadTimeout):  # queued: no response yet
-                impatient.post(slow_server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
-            impatient.close()
-            wait_for(lambda: slow_server.metric("specdeploy:num_requests_waiting") == 0, "the queue to empty")
-            assert slow_server.metric('specdeploy:request_finished_total{finished_reason="abort"}') == aborted + 1
-            assert slow_server.metric("specdeploy:num_requests_running") == 1  # the stream is still generating
-            assert next(line for line in lines if line).startswith("data: ")
+    aborted = slow_server.metric(ABORTED)
+    with long_stream(slow_server) as lines:
+        impatient = httpx.Client(timeout=httpx.Timeout(30, read=0.3))
+        with pytest.raises(httpx.ReadTimeout):  # queued: no response yet
+            impatient.post(slow_server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
+        impatient.close()
+        wait_for(lambda: slow_server.metric("specdeploy:num_requests_waiting") == 0, "the queue to empty")
+        assert slow_server.metric(ABORTED) == aborted + 1
+        assert slow_server.metric("specdeploy:num_requests_running") == 1  # the stream is still generating
+        assert next(line for line in lines if line).startswith("data: ")
 
 
 def test_the_serve_command_refuses_bad_input_in_one_line(tmp_path, agreeing_bundle):
