@@ -82,6 +82,30 @@ def test_c_rows_equal_the_definition(name, vocab):
         np.testing.assert_array_equal(ours, reference, err_msg=f"{name} trial {trial}")
 
 
+@needs_c
+@pytest.mark.parametrize("vocab", [17, 1000, 8192])
+def test_c_top_k_selects_the_kth_largest_at_every_k(vocab):
+    """The kernel's k-th largest logit (its selection runs on the floats' order as integers): every k from 1 to
+    vocab - 1 around the chunk count, on rows of signed zeros, -inf, negative-only, huge and tied logits."""
+    rng = np.random.default_rng(vocab + 7)
+    chunks = -(-vocab // 16)
+    special = [
+        np.where(rng.random(vocab) < 0.5, np.float32(0.0), np.float32(-0.0)),  # +0.0 and -0.0 only
+        np.where(rng.random(vocab) < 0.3, np.float32(-np.inf), rng.normal(size=vocab).astype(np.float32)),
+        -np.abs(rng.normal(size=vocab)).astype(np.float32) - 100.0,  # every logit negative
+        (rng.normal(size=vocab) * 1e30).astype(np.float32),  # huge magnitudes, both signs
+        np.round(rng.normal(size=vocab)).astype(np.float32),  # few distinct values: ties everywhere
+    ]
+    special[0][rng.integers(0, vocab)] = 1.0  # one maximum above the zeros
+    for k in sorted({1, 2, 3, 7, 50, chunks - 1, chunks, chunks + 1, vocab // 2, vocab - 1} - {0} & set(range(1, vocab))):
+        params = SamplingParams(temperature=1.0, top_k=k)
+        sampler = Sampler(params, vocab)
+        for index, logits in enumerate(special):
+            ours = sampler.distribution(logits, np.empty(vocab, np.float32))
+            reference = process_row(logits, params, np.empty(vocab, np.float32))
+            np.testing.assert_array_equal(ours, reference, err_msg=f"k={k} row {index}")
+
+
 @pytest.mark.parametrize("name", SETTINGS)
 def test_numpy_rows_equal_the_c_rows_to_rounding(monkeypatch, name):
     """Without the kernel, NumPy forms the same support and the same probabilities to float rounding."""

@@ -264,15 +264,17 @@ static struct {
     float *penalized;          /* [n] the penalized logits */
     float *work;               /* [n] selection scratch */
     Py_ssize_t *work_indices;  /* [n] */
+    uint32_t *keys;            /* [n] order keys (top-k's selection) */
     double *dense_blocks;      /* [blocks] block sums of dense rows */
     float *maxima;             /* [chunks] chunk maxima */
+    Py_ssize_t *chunks;        /* [chunks] chunk numbers (top-k's candidates) */
     Sparse sparse;
 } scratch;
 
 static int ensure_scratch(Py_ssize_t n) {
     if (n <= scratch.capacity) return 0;
     const size_t count = (size_t)n, blocks = (size_t)num_blocks_of(n);
-    void *parts[7] = {
+    void *parts[8] = {
         PyMem_Realloc(scratch.penalized, count * sizeof(float)),
         PyMem_Realloc(scratch.work, count * sizeof(float)),
         PyMem_Realloc(scratch.work_indices, count * sizeof(Py_ssize_t)),
@@ -280,10 +282,13 @@ static int ensure_scratch(Py_ssize_t n) {
         PyMem_Realloc(scratch.sparse.indices, count * sizeof(Py_ssize_t)),
         PyMem_Realloc(scratch.sparse.weights, count * sizeof(float)),
         PyMem_Realloc(scratch.sparse.block_starts, (count + 1) * sizeof(Py_ssize_t)),
+        PyMem_Realloc(scratch.keys, count * sizeof(uint32_t)),
     };
     double *sums = PyMem_Realloc(scratch.sparse.block_sums, count * sizeof(double));
     float *maxima = PyMem_Realloc(scratch.maxima, (size_t)num_chunks_of(n) * sizeof(float));
+    Py_ssize_t *chunks = PyMem_Realloc(scratch.chunks, (size_t)num_chunks_of(n) * sizeof(Py_ssize_t));
     if (maxima) scratch.maxima = maxima;
+    if (chunks) scratch.chunks = chunks;
     /* A failed realloc leaves its block as it was: keep whatever succeeded, report the failure. */
     if (parts[0]) scratch.penalized = parts[0];
     if (parts[1]) scratch.work = parts[1];
@@ -292,13 +297,14 @@ static int ensure_scratch(Py_ssize_t n) {
     if (parts[4]) scratch.sparse.indices = parts[4];
     if (parts[5]) scratch.sparse.weights = parts[5];
     if (parts[6]) scratch.sparse.block_starts = parts[6];
+    if (parts[7]) scratch.keys = parts[7];
     if (sums) scratch.sparse.block_sums = sums;
-    for (int i = 0; i < 7; i++)
+    for (int i = 0; i < 8; i++)
         if (parts[i] == NULL) {
             PyErr_NoMemory();
             return -1;
         }
-    if (sums == NULL || maxima == NULL) {
+    if (sums == NULL || maxima == NULL || chunks == NULL) {
         PyErr_NoMemory();
         return -1;
     }
@@ -402,27 +408,45 @@ static inline float chunk_max(const float *restrict x) {
 }
 #endif
 
-/* Rearranges values [count] so that values[k - 1] is their k-th largest (larger or equal before it,
- * smaller or equal after) and returns it (Wirth's selection: O(count) on average). No NaN. */
-static float select_descending(float *values, Py_ssize_t count, Py_ssize_t k) {
-    Py_ssize_t low = 0, high = count - 1;
-    const Py_ssize_t target = k - 1;
-    while (low < high) {
-        const float pivot = values[target];
-        Py_ssize_t i = low, j = high;
-        do {
-            while (values[i] > pivot) i++;
-            while (pivot > values[j]) j--;
-            if (i <= j) {
-                const float swap = values[i];
-                values[i++] = values[j];
-                values[j--] = swap;
-            }
-        } while (i <= j);
-        if (j < target) low = i;
-        if (target < i) high = j;
+/* A float's bits as an unsigned integer in the floats' order (no NaN; -0.0 just below +0.0): the sign
+ * bit set on a positive float, every bit flipped on a negative one. Branch-free, so loops of it vectorize. */
+static inline uint32_t order_key(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    const uint32_t negative = (uint32_t)0 - (bits >> 31); /* all ones for a negative float */
+    return bits ^ (negative | 0x80000000u);
+}
+
+static inline float from_order_key(uint32_t key) {
+    const uint32_t bits = key & 0x80000000u ? key & 0x7fffffffu : ~key;
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+ROW_PASS static Py_ssize_t count_at_least(const uint32_t *restrict keys, Py_ssize_t count, uint32_t threshold) {
+    uint32_t reached = 0; /* count < 2^32: a row's length */
+    for (Py_ssize_t i = 0; i < count; i++) reached += keys[i] >= threshold;
+    return (Py_ssize_t)reached;
+}
+
+/* The k-th largest of keys [count] (1 <= k <= count), whose least and largest are given: the largest t
+ * that at least k keys reach, set bit by bit from the highest bit in which least and largest differ,
+ * one counting pass per bit. The passes are branch-free: right after an ONNX Runtime pass the branch
+ * predictors know nothing of this loop, and a partition's data-dependent branches (a quickselect's)
+ * were what made a top-k row cost more than a temperature-only one during generation. */
+static uint32_t kth_key(const uint32_t *keys, Py_ssize_t count, Py_ssize_t k, uint32_t least, uint32_t largest) {
+    const uint32_t differ = least ^ largest;
+    if (differ == 0) return least;
+    int bit = 31;
+    while (!((differ >> bit) & 1u)) bit--;
+    /* least's bits above `bit`, zeros below: every key reaches it (count >= k), as the loop keeps */
+    uint32_t result = bit == 31 ? 0u : least & ~((2u << bit) - 1u);
+    for (; bit >= 0; bit--) {
+        const uint32_t candidate = result | (1u << bit);
+        result = count_at_least(keys, count, candidate) >= k ? candidate : result;
     }
-    return values[target];
+    return result;
 }
 
 /* maxima [num_chunks_of(n)] = the largest value of each chunk of LANES values of row [n] (no NaN). */
@@ -436,37 +460,59 @@ ROW_PASS static void chunk_maxima(const float *restrict row, Py_ssize_t n, float
     }
 }
 
+/* chunks [return] = the numbers of the chunks whose maximum (maxima [num_chunks]) reaches threshold,
+ * ascending; branch-free, so that the loops over them branch only on their count. */
+static Py_ssize_t chunks_at_least(const float *maxima, Py_ssize_t num_chunks, float threshold, Py_ssize_t *chunks) {
+    Py_ssize_t count = 0;
+    for (Py_ssize_t c = 0; c < num_chunks; c++) {
+        chunks[count] = c;
+        count += maxima[c] >= threshold;
+    }
+    return count;
+}
+
 /* The k-th largest of row [n] (1 <= k < n; no NaN), by partial selection. The k-th largest of the chunks'
  * maxima is a lower bound (k values reach it), so only the chunks whose maximum reaches it can hold the
  * k largest values; their values at or above it are few, and one selection over them finds the k-th.
- * work [n] is scratch. */
-static float kth_largest(const float *row, Py_ssize_t n, Py_ssize_t k, const float *maxima, float *work) {
+ * chunks [return] = those chunks (chunks_at_least's); keys [n] is scratch. */
+static float kth_largest(const float *row, Py_ssize_t n, Py_ssize_t k, const float *maxima, Py_ssize_t *chunks,
+                         Py_ssize_t *num_listed, uint32_t *keys) {
     const Py_ssize_t num_chunks = num_chunks_of(n);
     float bound = -INFINITY;
+    uint32_t least = UINT32_MAX, largest = 0;
     if (k <= num_chunks) {
-        memcpy(work, maxima, (size_t)num_chunks * sizeof *work);
-        bound = select_descending(work, num_chunks, k);
+        for (Py_ssize_t c = 0; c < num_chunks; c++) {
+            const uint32_t key = order_key(maxima[c]);
+            keys[c] = key;
+            least = key < least ? key : least;
+            largest = key > largest ? key : largest;
+        }
+        bound = from_order_key(kth_key(keys, num_chunks, k, least, largest));
+        least = UINT32_MAX;
     }
+    *num_listed = chunks_at_least(maxima, num_chunks, bound, chunks);
     Py_ssize_t count = 0;
-    for (Py_ssize_t c = 0; c < num_chunks; c++) {
-        if (!(maxima[c] >= bound)) continue;
-        const Py_ssize_t end = (c + 1) * LANES < n ? (c + 1) * LANES : n;
+    for (Py_ssize_t j = 0; j < *num_listed; j++) {
+        const Py_ssize_t c = chunks[j], end = (c + 1) * LANES < n ? (c + 1) * LANES : n;
         for (Py_ssize_t i = c * LANES; i < end; i++) { /* branch-free: any of a chunk's values may pass */
-            work[count] = row[i];
-            count += row[i] >= bound;
+            const uint32_t key = order_key(row[i]);
+            const int passes = row[i] >= bound;
+            keys[count] = key;
+            count += passes;
+            least = passes && key < least ? key : least;
+            largest = passes && key > largest ? key : largest;
         }
     }
-    return count < k ? -INFINITY : select_descending(work, count, k);
+    return count < k ? -INFINITY : from_order_key(kth_key(keys, count, k, least, largest));
 }
 
-/* indices [return] = the ids of row [n] whose value is >= threshold, ascending; chunks whose maximum
- * (maxima, as chunk_maxima gives them) is below it are not read. */
-static Py_ssize_t collect_at_least(const float *row, Py_ssize_t n, float threshold, const float *maxima,
-                                   Py_ssize_t *indices) {
+/* indices [return] = the ids of row [n] whose value is >= threshold, ascending, read from the listed chunks
+ * (chunks [num_listed], ascending: every chunk that can hold such a value). */
+static Py_ssize_t collect_at_least(const float *row, Py_ssize_t n, float threshold, const Py_ssize_t *chunks,
+                                   Py_ssize_t num_listed, Py_ssize_t *indices) {
     Py_ssize_t count = 0;
-    for (Py_ssize_t c = 0; c < num_chunks_of(n); c++) {
-        if (!(maxima[c] >= threshold)) continue;
-        const Py_ssize_t end = (c + 1) * LANES < n ? (c + 1) * LANES : n;
+    for (Py_ssize_t j = 0; j < num_listed; j++) {
+        const Py_ssize_t c = chunks[j], end = (c + 1) * LANES < n ? (c + 1) * LANES : n;
         for (Py_ssize_t i = c * LANES; i < end; i++) {
             indices[count] = i;
             count += row[i] >= threshold;
@@ -652,8 +698,9 @@ static Sparse *top_k_row(const Settings *p, const float *row, Py_ssize_t n, floa
     Sparse *s = &scratch.sparse;
     const float inverse = p->inverse_temperature;
     chunk_maxima(row, n, scratch.maxima);
-    const float kth = kth_largest(row, n, p->top_k, scratch.maxima, scratch.work);
-    s->count = collect_at_least(row, n, kth, scratch.maxima, s->indices);
+    Py_ssize_t num_listed;
+    const float kth = kth_largest(row, n, p->top_k, scratch.maxima, scratch.chunks, &num_listed, scratch.keys);
+    s->count = collect_at_least(row, n, kth, scratch.chunks, num_listed, s->indices);
     for (Py_ssize_t j = 0; j < s->count; j++) s->weights[j] = exp_nonpositive(row[s->indices[j]] * inverse - shift);
     if (p->top_p < 1.0) keep_nucleus(s, p->top_p * sparse_sums(s, n));
     if (p->log_min_p > -INFINITY) keep_min_p(s, row, inverse, shift, p->log_min_p);
