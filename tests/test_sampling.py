@@ -2,6 +2,11 @@
 same supports and bits, or the same to float rounding where the docstrings say so), Hugging Face's
 semantics for every setting, the same draws from the same uniforms, and one-line errors for bad buffers."""
 
+import shutil
+import subprocess
+import sysconfig
+from pathlib import Path
+
 import numpy as np
 import pytest
 from scipy import stats
@@ -46,6 +51,16 @@ def sampler_with_context(params, vocab, rng, length=40):
 def test_the_c_kernel_was_built():
     """pip builds it whenever a C compiler is present (CI has one); without it sampling is ~3x slower."""
     assert fast is not None, "specdeploy.runtime._fastsample is missing: reinstall with a C compiler (pip install -e .)"
+
+
+@pytest.mark.skipif(shutil.which("clang") is None, reason="clang is not installed")
+def test_the_c_kernel_compiles_with_clang():
+    """clang (macOS's compiler) defines __GNUC__ but has GCC's vector extensions only in part: the kernel must
+    compile there too, or pip installs quietly fall back to NumPy."""
+    source = Path(sampling.__file__).with_name("_fastsample.c")
+    result = subprocess.run(["clang", "-std=c99", "-fsyntax-only", "-Werror=implicit-function-declaration",
+                             "-I", sysconfig.get_paths()["include"], str(source)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
 
 
 @pytest.mark.parametrize("vocab", [1, 5, 63, 64, 65, 1000, 8192, 50257])

@@ -382,19 +382,30 @@ ROW_PASS static int any_nan(const float *restrict row, Py_ssize_t n) {
 /* The largest of the LANES values at x (no NaN): in vector registers with GCC (a max with the lanes
  * swapped in halves, quarters, ...), so that a row's chunk maxima cost about one pass over it. */
 #if defined(__GNUC__)
-/* Lane permutations that swap halves, quarters, eighths and neighbours: four steps reduce 16 lanes. */
+/* LANE_SWAP(v, step) swaps v's halves (step 0), quarters, eighths and neighbours (step 3): four
+ * steps reduce 16 lanes. GCC takes the permutation as a vector, clang (which defines __GNUC__ too)
+ * only as constants. */
+#if defined(__clang__)
+#define LANE_SWAP(v, step)                                                                                \
+    ((step) == 0   ? __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7) \
+     : (step) == 1 ? __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11) \
+     : (step) == 2 ? __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13) \
+                   : __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14))
+#else
 static const MaskLanes swaps[4] = {
     {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7},
     {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11},
     {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13},
     {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14},
 };
+#define LANE_SWAP(v, step) __builtin_shuffle(v, swaps[step])
+#endif
 
 static inline float chunk_max(const float *restrict x) {
     FloatLanes lanes;
     memcpy(&lanes, x, sizeof lanes);
     for (int step = 0; step < 4; step++) {
-        const FloatLanes other = __builtin_shuffle(lanes, swaps[step]);
+        const FloatLanes other = LANE_SWAP(lanes, step);
         const MaskLanes greater = other > lanes;
         lanes = (FloatLanes)((greater & (MaskLanes)other) | (~greater & (MaskLanes)lanes));
     }
@@ -730,7 +741,7 @@ static inline int any_in_bucket(const float *restrict x, int32_t low, int32_t bu
     keys = (keys >> KEY_SHIFT) - low;
     keys = keys & (keys > 0); /* negative keys (comparisons give -1 where true) go to the lowest bucket, 0 */
     MaskLanes hit = keys == bucket;
-    for (int step = 0; step < 4; step++) hit |= __builtin_shuffle(hit, swaps[step]);
+    for (int step = 0; step < 4; step++) hit |= LANE_SWAP(hit, step);
     return hit[0] != 0;
 #else
     int found = 0;
