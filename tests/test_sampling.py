@@ -100,8 +100,8 @@ def test_c_rows_equal_the_definition(name, vocab):
 @needs_c
 @pytest.mark.parametrize("vocab", [17, 1000, 8192])
 def test_c_top_k_selects_the_kth_largest_at_every_k(vocab):
-    """The kernel's k-th largest logit (its selection runs on the floats' order as integers): every k from 1 to
-    vocab - 1 around the chunk count, on rows of signed zeros, -inf, negative-only, huge and tied logits."""
+    """The kernel's k-th largest logit (its selection runs on the floats' order as integers): k from 1 to
+    vocab - 1 around the chunk count, on rows of signed zeros, -inf, negative-only, huge, tied and denormal logits."""
     rng = np.random.default_rng(vocab + 7)
     chunks = -(-vocab // 16)
     special = [
@@ -110,6 +110,8 @@ def test_c_top_k_selects_the_kth_largest_at_every_k(vocab):
         -np.abs(rng.normal(size=vocab)).astype(np.float32) - 100.0,  # every logit negative
         (rng.normal(size=vocab) * 1e30).astype(np.float32),  # huge magnitudes, both signs
         np.round(rng.normal(size=vocab)).astype(np.float32),  # few distinct values: ties everywhere
+        rng.choice(np.array([1e-45, -1e-45, 1e-39, -1e-39, 0.0, -0.0, 3e38, -3e38, -np.inf], dtype=np.float32),
+                   size=vocab),  # denormals, zeros, the largest floats
     ]
     special[0][rng.integers(0, vocab)] = 1.0  # one maximum above the zeros
     for k in sorted({1, 2, 3, 7, 50, chunks - 1, chunks, chunks + 1, vocab // 2, vocab - 1} - {0} & set(range(1, vocab))):

@@ -441,21 +441,45 @@ ROW_PASS static Py_ssize_t count_at_least(const uint32_t *restrict keys, Py_ssiz
     return (Py_ssize_t)reached;
 }
 
+/* keys [return] = the keys [count] in [low, high], in order; *above += the number of keys above high
+ * (branch-free). */
+static Py_ssize_t keep_window(uint32_t *keys, Py_ssize_t count, uint32_t low, uint32_t high, Py_ssize_t *above) {
+    Py_ssize_t kept = 0, over = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        const uint32_t key = keys[i];
+        keys[kept] = key;
+        kept += key >= low && key <= high;
+        over += key > high;
+    }
+    *above += over;
+    return kept;
+}
+
+#define WINDOW_BITS 4   /* keys outside the bits still open are dropped every this many bits ... */
+#define WINDOW_KEYS 64  /* ... while more than this many keys remain */
+
 /* The k-th largest of keys [count] (1 <= k <= count), whose least and largest are given: the largest t
  * that at least k keys reach, set bit by bit from the highest bit in which least and largest differ,
- * one counting pass per bit. The passes are branch-free: right after an ONNX Runtime pass the branch
- * predictors know nothing of this loop, and a partition's data-dependent branches (a quickselect's)
- * were what made a top-k row cost more than a temperature-only one during generation. */
-static uint32_t kth_key(const uint32_t *keys, Py_ssize_t count, Py_ssize_t k, uint32_t least, uint32_t largest) {
+ * one counting pass per bit. Every WINDOW_BITS bits, the keys outside the range the bits set so far
+ * leave open are dropped (those above it counted off k), so that many keys cost few full passes. The
+ * passes are branch-free: right after an ONNX Runtime pass the branch predictors know nothing of this
+ * loop, and a partition's data-dependent branches (a quickselect's) were what made a top-k row cost
+ * more than a temperature-only one during generation. keys is reordered. */
+static uint32_t kth_key(uint32_t *keys, Py_ssize_t count, Py_ssize_t k, uint32_t least, uint32_t largest) {
     const uint32_t differ = least ^ largest;
     if (differ == 0) return least;
     int bit = 31;
     while (!((differ >> bit) & 1u)) bit--;
     /* least's bits above `bit`, zeros below: every key reaches it (count >= k), as the loop keeps */
     uint32_t result = bit == 31 ? 0u : least & ~((2u << bit) - 1u);
-    for (; bit >= 0; bit--) {
+    for (int done = 0; bit >= 0; bit--) {
         const uint32_t candidate = result | (1u << bit);
         result = count_at_least(keys, count, candidate) >= k ? candidate : result;
+        if (++done % WINDOW_BITS == 0 && bit > 0 && count > WINDOW_KEYS) {
+            Py_ssize_t above = 0; /* keys beyond the open bits: they rank before the k-th */
+            count = keep_window(keys, count, result, result | ((1u << bit) - 1u), &above);
+            k -= above;
+        }
     }
     return result;
 }
@@ -485,35 +509,27 @@ static Py_ssize_t chunks_at_least(const float *maxima, Py_ssize_t num_chunks, fl
 /* The k-th largest of row [n] (1 <= k < n; no NaN), by partial selection. The k-th largest of the chunks'
  * maxima is a lower bound (k values reach it), so only the chunks whose maximum reaches it can hold the
  * k largest values; their values at or above it are few, and one selection over them finds the k-th.
- * chunks [return] = those chunks (chunks_at_least's); keys [n] is scratch. */
+ * chunks [*num_listed] = those chunks (chunks_at_least's); keys [n] is scratch. */
 static float kth_largest(const float *row, Py_ssize_t n, Py_ssize_t k, const float *maxima, Py_ssize_t *chunks,
                          Py_ssize_t *num_listed, uint32_t *keys) {
     const Py_ssize_t num_chunks = num_chunks_of(n);
-    float bound = -INFINITY;
-    uint32_t least = UINT32_MAX, largest = 0;
+    float bound = -INFINITY, max = -INFINITY;
+    for (Py_ssize_t c = 0; c < num_chunks; c++) max = maxima[c] > max ? maxima[c] : max;
     if (k <= num_chunks) {
-        for (Py_ssize_t c = 0; c < num_chunks; c++) {
-            const uint32_t key = order_key(maxima[c]);
-            keys[c] = key;
-            least = key < least ? key : least;
-            largest = key > largest ? key : largest;
-        }
-        bound = from_order_key(kth_key(keys, num_chunks, k, least, largest));
-        least = UINT32_MAX;
+        for (Py_ssize_t c = 0; c < num_chunks; c++) keys[c] = order_key(maxima[c]);
+        bound = from_order_key(kth_key(keys, num_chunks, k, order_key(-INFINITY), order_key(max == 0.0f ? 0.0f : max)));
     }
     *num_listed = chunks_at_least(maxima, num_chunks, bound, chunks);
     Py_ssize_t count = 0;
     for (Py_ssize_t j = 0; j < *num_listed; j++) {
         const Py_ssize_t c = chunks[j], end = (c + 1) * LANES < n ? (c + 1) * LANES : n;
         for (Py_ssize_t i = c * LANES; i < end; i++) { /* branch-free: any of a chunk's values may pass */
-            const uint32_t key = order_key(row[i]);
-            const int passes = row[i] >= bound;
-            keys[count] = key;
-            count += passes;
-            least = passes && key < least ? key : least;
-            largest = passes && key > largest ? key : largest;
+            keys[count] = order_key(row[i]);
+            count += row[i] >= bound;
         }
     }
+    /* every candidate lies between the bound (-0.0 when it is a zero) and the maximum (+0.0 when a zero) */
+    const uint32_t least = order_key(bound == 0.0f ? -0.0f : bound), largest = order_key(max == 0.0f ? 0.0f : max);
     return count < k ? -INFINITY : from_order_key(kth_key(keys, count, k, least, largest));
 }
 
