@@ -24,6 +24,7 @@ SETTINGS = {
     **{name: SamplingParams(**options) for name, options in SAMPLED_SETTINGS.items()},
     "penalty": SamplingParams(temperature=1.3, repetition_penalty=0.8),
     "top_k_min_p_penalty": SamplingParams(temperature=0.6, top_k=7, min_p=0.2, repetition_penalty=1.5),
+    "top_p_min_p": SamplingParams(temperature=0.9, top_p=0.8, min_p=0.1),
     "everything": SamplingParams(temperature=1.1, top_k=300, top_p=0.7, min_p=0.01, repetition_penalty=1.2),
 }
 
