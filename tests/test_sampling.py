@@ -99,6 +99,23 @@ def test_c_rows_equal_the_definition(name, vocab):
 
 
 @needs_c
+def test_c_top_p_within_an_ulp_of_one_keeps_the_whole_row():
+    """top_p = 1 - 2**-52 is valid; rounding can carry the cut's bucket scan down to an empty lowest bucket,
+    where the cut must still come from the row (not from scratch left by an earlier row): every token stays,
+    as in NumPy, up to the last one at the rounding of the cut."""
+    peaked = np.zeros(64, np.float32)
+    peaked[3] = 50.0
+    for seed in range(40):
+        rng = np.random.default_rng(seed)
+        logits = rng.normal(size=int(rng.integers(200, 3000))).astype(np.float32)
+        Sampler(SamplingParams(temperature=1.0, top_p=0.5), 64).distribution(peaked, np.empty(64, np.float32))
+        params = SamplingParams(temperature=0.3, top_p=1 - 2**-52)
+        ours = Sampler(params, logits.size).distribution(logits, np.empty(logits.size, np.float32))
+        reference = process_row(logits, params, np.empty(logits.size, np.float32))
+        assert np.count_nonzero(ours) >= np.count_nonzero(reference) - 1, f"seed {seed}"
+
+
+@needs_c
 @pytest.mark.parametrize("vocab", [17, 1000, 8192])
 def test_c_top_k_selects_the_kth_largest_at_every_k(vocab):
     """The kernel's k-th largest logit (its selection runs on the floats' order as integers): k from 1 to

@@ -809,7 +809,14 @@ static Py_ssize_t dense_nucleus_cut(const float *weights, Py_ssize_t n, double t
     double before = 0.0; /* mass of the buckets above the cut's */
     Py_ssize_t bucket = buckets - 1;
     for (; bucket > 0 && before + histogram[bucket] < target; bucket--) before += histogram[bucket];
-    const Py_ssize_t count = bucket_members(weights, n, low, (int32_t)bucket, scratch.work, scratch.work_indices);
+    Py_ssize_t count = bucket_members(weights, n, low, (int32_t)bucket, scratch.work, scratch.work_indices);
+    /* Rounding can carry the scan (top_p within a few ulps of 1) down to an empty lowest bucket: the cut is
+     * then the last token of the lowest bucket that has any, every token being kept. */
+    while (count == 0 && bucket < buckets - 1) {
+        bucket++;
+        before -= histogram[bucket];
+        count = bucket_members(weights, n, low, (int32_t)bucket, scratch.work, scratch.work_indices);
+    }
     nucleus_cut(scratch.work, scratch.work_indices, count, target - before, cut_value, cut_id);
     return count;
 }
