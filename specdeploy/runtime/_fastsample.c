@@ -830,16 +830,12 @@ static void drop_later_ties(float *out, const float *values, const Py_ssize_t *i
         if (values[j] == cut_value && ids[j] > cut_id) out[ids[j]] = 0.0f;
 }
 
-/* out [n] = the weights at or above the cut's value (the nucleus, once drop_later_ties has run), else 0;
- * mask_row_min_p also keeps only the tokens min-p keeps. Their block sums are block_sums_of's pass: with
- * the sums in the same loop, the stores kept GCC 12 from vectorizing it under -fwrapv, which Python's
- * build flags pass (8x slower on an 8k row). */
-ROW_PASS static void mask_row(float *restrict out, Py_ssize_t n, float cut_value) {
-    for (Py_ssize_t i = 0; i < n; i++) out[i] = out[i] >= cut_value ? out[i] : 0.0f;
-}
-
-ROW_PASS static void mask_row_min_p(float *restrict out, const float *restrict row, Py_ssize_t n, float cut_value,
-                                    float inverse, float shift, float log_min_p) {
+/* out [n] = the weights at or above the cut's value (the nucleus, once drop_later_ties has run) that min-p
+ * keeps too (log_min_p -inf: every one), else 0. Their block sums are block_sums_of's pass: with the sums in
+ * the same loop, the stores kept GCC 12 from vectorizing it under -fwrapv, which Python's build flags pass
+ * (8x slower on an 8k row). */
+ROW_PASS static void mask_row(float *restrict out, const float *restrict row, Py_ssize_t n, float cut_value,
+                              float inverse, float shift, float log_min_p) {
     for (Py_ssize_t i = 0; i < n; i++)
         out[i] = out[i] >= cut_value && row[i] * inverse - shift >= log_min_p ? out[i] : 0.0f;
 }
@@ -881,10 +877,7 @@ static Py_ssize_t process_row(const Settings *p, const float *logits, float *out
         exp_row(row, out, n, p->inverse_temperature, shift);
         const Py_ssize_t members = dense_nucleus_cut(out, n, p->top_p, &cut_value, &cut_id);
         drop_later_ties(out, scratch.work, scratch.work_indices, members, cut_value, cut_id);
-        if (p->log_min_p == -INFINITY)
-            mask_row(out, n, cut_value);
-        else
-            mask_row_min_p(out, row, n, cut_value, p->inverse_temperature, shift, p->log_min_p);
+        mask_row(out, row, n, cut_value, p->inverse_temperature, shift, p->log_min_p);
         const double total = block_sums_of(out, n, scratch.dense_blocks);
         return finish_dense(out, n, total, uniform);
     }
