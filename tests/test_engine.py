@@ -78,6 +78,29 @@ def test_prompt_lookup_finds_the_latest_earlier_ngram():
             context.extend(int(t) for t in rng.integers(0, 4, size=int(rng.integers(1, 6))))
 
 
+def test_the_hybrid_drafts_from_shorter_matches_only_when_greedy(bundles):
+    """Greedy, a recurring 2-gram is enough for a lookup proposal; sampling, the draft model proposes unless
+    a 3-gram recurs (a lookup token is then kept only with the target's probability of it)."""
+    import specdeploy
+    from specdeploy.runtime.sampling import Sampler, SamplingParams
+
+    generator = specdeploy.load(bundles("llama"))
+    hybrid, vocab = generator.drafter, generator.target.spec.vocab_size
+    greedy, sampled = Sampler(SamplingParams(), vocab), Sampler(SamplingParams(temperature=0.8), vocab)
+    rng = np.random.default_rng(0)
+    two_gram = [5, 6, 7, 9, 6, 7]  # "6 7" recurs, no 3-gram does
+    three_gram = [5, 6, 7, 9, 5, 6, 7]  # "5 6 7" recurs
+    for context, sampler, lookup in ((two_gram, greedy, [9, 6]), (two_gram, sampled, None),
+                                     (three_gram, sampled, [9, 5]), (three_gram, greedy, [9, 5])):
+        calls = hybrid.engine.calls
+        tokens, probs = hybrid.propose(context, 2, sampler, rng)
+        if lookup is not None:  # no draft pass; one-hot rows when sampling
+            assert tokens == lookup and hybrid.engine.calls == calls
+            assert probs is None if sampler.greedy else (probs[np.arange(2), lookup] == 1.0).all()
+        else:  # the draft model's own proposal: its rows are distributions, not one-hot
+            assert len(tokens) == 2 and hybrid.engine.calls > calls and (probs.max(axis=1) < 1.0).all()
+
+
 @pytest.mark.parametrize("role", ["target", "draft"])  # fused (shared buffer) and optimum (concat) layouts
 def test_chunked_prefill_equals_one_pass(bundles, role):
     from specdeploy.runtime.engine import PREFILL_CHUNK
