@@ -11,11 +11,41 @@ import click
 
 from .cli_support import EXIT_INTERRUPTED, ErrorMappingGroup, Utf8Text
 from .errors import SpecdeployError
-from .runtime.generate import SEED_LIMIT  # the package imports the runtime already
+from .runtime.generate import SEED_LIMIT, GenerationConfig  # the package imports the runtime already
 
 BAR = "\u2500"
 SEED = click.IntRange(0, SEED_LIMIT - 1)
 TEXT = Utf8Text()
+DEFAULTS = GenerationConfig  # the defaults of the options below are its fields'
+
+
+def _options(*options):
+    """One decorator applying options that several commands share, so that each is declared once."""
+    def apply(command):
+        for option in reversed(options):
+            command = option(command)
+        return command
+    return apply
+
+
+# Generation controls of `run` and `bench`, named as Hugging Face's GenerationConfig names them.
+SAMPLING_OPTIONS = _options(
+    click.option("--temperature", type=float, default=DEFAULTS.temperature, show_default=True, help="0 is greedy."),
+    click.option("--top-k", type=int, default=DEFAULTS.top_k, show_default=True, help="0 is off."),
+    click.option("--top-p", type=float, default=DEFAULTS.top_p, show_default=True, help="1.0 is off."),
+    click.option("--min-p", type=float, default=DEFAULTS.min_p, show_default=True,
+                 help="Keep tokens at least this fraction as likely as the most likely one; 0 is off."),
+    click.option("--repetition-penalty", type=float, default=DEFAULTS.repetition_penalty, show_default=True,
+                 help="Divide positive / multiply negative logits of tokens already in the context (HF's); 1.0 is off."),
+    click.option("--seed", type=SEED, default=DEFAULTS.seed, show_default=True, help="0 .. 2**64 - 1."),
+    click.option("--draft-confidence", type=float, default=DEFAULTS.draft_confidence, show_default=True,
+                 help="Stop drafting once the draft's top probability falls below this (0: always draft k)."),
+)
+# How `run`, `bench` and `serve` load a bundle.
+DEVICE_OPTION = click.option("--device", default="cpu", show_default=True, help="cpu | cuda | tensorrt")
+DRAFTER_OPTION = click.option("--drafter", default="hybrid", show_default=True,
+                              help="hybrid (prompt lookup when the text repeats, else the draft model) | model | prompt-lookup")
+VERIFY_OPTION = click.option("--verify", is_flag=True, help="Re-hash every bundle file before loading (sizes are always checked).")
 
 
 @click.group(cls=ErrorMappingGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -195,22 +225,13 @@ def verify(bundle) -> None:
 @click.argument("bundle", type=click.Path(), required=False)
 @click.option("--prompt", required=True, type=TEXT, help="Prompt text (UTF-8); '-' reads standard input.")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
-@click.option("--top-k", type=int, default=0, show_default=True, help="0 is off.")
-@click.option("--top-p", type=float, default=1.0, show_default=True, help="1.0 is off.")
-@click.option("--min-p", type=float, default=0.0, show_default=True,
-              help="Keep tokens at least this fraction as likely as the most likely one; 0 is off.")
-@click.option("--repetition-penalty", type=float, default=1.0, show_default=True,
-              help="Divide positive / multiply negative logits of tokens already in the context (HF's); 1.0 is off.")
-@click.option("--seed", type=SEED, default=0, show_default=True, help="0 .. 2**64 - 1.")
-@click.option("--num-draft-tokens", "-k", type=int, default=4, show_default=True)
-@click.option("--draft-confidence", type=float, default=0.0, show_default=True,
-              help="Stop drafting once the draft's top probability falls below this (0: always draft k).")
+@SAMPLING_OPTIONS
+@click.option("--num-draft-tokens", "-k", type=int, default=DEFAULTS.num_draft_tokens, show_default=True)
 @click.option("--no-speculative", is_flag=True, help="Target-only decoding (the baseline).")
 @click.option("--stop", multiple=True, type=TEXT, help="Stop before this string (repeatable).")
-@click.option("--device", default="cpu", show_default=True, help="cpu | cuda | tensorrt")
-@click.option("--drafter", default="hybrid", show_default=True, help="hybrid | model | prompt-lookup")
-@click.option("--verify", is_flag=True, help="Re-hash every bundle file before loading (sizes are always checked).")
+@DEVICE_OPTION
+@DRAFTER_OPTION
+@VERIFY_OPTION
 @click.option("--stream/--no-stream", default=True, show_default=True, help="Print text as it is accepted.")
 @click.option("--json", "as_json", is_flag=True, help='Print one JSON object {"text", "token_ids", "stats"}.')
 def run(bundle, prompt, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, num_draft_tokens,
@@ -293,18 +314,11 @@ def _parse_draft_tokens(value: str) -> tuple[int, ...] | None:
               help="Lengthen every prompt to this many tokens (decode speed at a long context); a list like "
                    "128,1920 benches each length in one run and compares them.")
 @click.option("--num-draft-tokens", "-k", default="4", show_default=True, help="K, a list (2,4,8) or auto.")
-@click.option("--temperature", type=float, default=0.0, show_default=True)
-@click.option("--top-k", type=int, default=0, show_default=True)
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--min-p", type=float, default=0.0, show_default=True)
-@click.option("--repetition-penalty", type=float, default=1.0, show_default=True)
-@click.option("--draft-confidence", type=float, default=0.0, show_default=True,
-              help="Stop drafting once the draft's top probability falls below this.")
+@SAMPLING_OPTIONS
 @click.option("--repeat", type=int, default=1, show_default=True)
-@click.option("--seed", type=SEED, default=0, show_default=True, help="0 .. 2**64 - 1.")
-@click.option("--device", default="cpu", show_default=True)
-@click.option("--drafter", default="hybrid", show_default=True, help="hybrid | model | prompt-lookup")
-@click.option("--verify", is_flag=True, help="Re-hash every bundle file before loading (sizes are always checked).")
+@DEVICE_OPTION
+@DRAFTER_OPTION
+@VERIFY_OPTION
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on the last line of stdout.")
 @click.option("--plot", type=click.Path(), default=None, help="Draw speedup vs k and acceptance by position (PNG).")
 def bench(bundle, prompts_file, max_new_tokens, prompt_tokens, num_draft_tokens, temperature, top_k, top_p, min_p,
@@ -376,8 +390,8 @@ def _parse_prompt_tokens(value: str | None, max_new_tokens: int, max_context: in
               help="Requests that may wait behind the one generating; one more answers 429.")
 @click.option("--num-draft-tokens", "-k", type=int, default=4, show_default=True,
               help="k for requests that do not set num_draft_tokens.")
-@click.option("--drafter", default="hybrid", show_default=True, help="hybrid | model | prompt-lookup")
-@click.option("--device", default="cpu", show_default=True, help="cpu | cuda | tensorrt")
+@DRAFTER_OPTION
+@DEVICE_OPTION
 @click.option("--api-key", envvar="SPECDEPLOY_API_KEY", default=None,
               help="Require 'Authorization: Bearer KEY' on /v1/* (also read from $SPECDEPLOY_API_KEY).")
 @click.option("--max-body-bytes", type=int, default=1 << 20, show_default=True, help="Larger request bodies get 413.")
