@@ -28,7 +28,8 @@ def _options(*options):
     return apply
 
 
-# Generation controls of `run` and `bench`, named as Hugging Face's GenerationConfig names them.
+# Generation controls of `run` and `bench`: the sampling ones named as Hugging Face's GenerationConfig
+# names them, then the seed and the drafting threshold.
 SAMPLING_OPTIONS = _options(
     click.option("--temperature", type=float, default=DEFAULTS.temperature, show_default=True, help="0 is greedy."),
     click.option("--top-k", type=int, default=DEFAULTS.top_k, show_default=True, help="0 is off."),
@@ -388,7 +389,7 @@ def _parse_prompt_tokens(value: str | None, max_new_tokens: int, max_context: in
 @click.option("--port", type=int, default=8000, show_default=True, help="0 picks a free port (it is logged).")
 @click.option("--max-queue", type=int, default=64, show_default=True,
               help="Requests that may wait behind the one generating; one more answers 429.")
-@click.option("--num-draft-tokens", "-k", type=int, default=4, show_default=True,
+@click.option("--num-draft-tokens", "-k", type=int, default=DEFAULTS.num_draft_tokens, show_default=True,
               help="k for requests that do not set num_draft_tokens.")
 @DRAFTER_OPTION
 @DEVICE_OPTION

@@ -91,7 +91,8 @@ def test_the_hybrid_drafts_from_shorter_matches_only_when_greedy(bundles):
     two_gram = [5, 6, 7, 9, 6, 7]  # "6 7" recurs, no 3-gram does
     three_gram = [5, 6, 7, 9, 5, 6, 7]  # "5 6 7" recurs
     for context, sampler, lookup in ((two_gram, greedy, [9, 6]), (two_gram, sampled, None),
-                                     (three_gram, sampled, [9, 5]), (three_gram, greedy, [9, 5])):
+                                     (three_gram, sampled, [9, 5]), (three_gram, greedy, [9, 5]),
+                                     ([6, 7, 6, 7], greedy, [6, 7]), ([6, 7, 6], sampled, None)):
         calls = hybrid.engine.calls
         tokens, probs = hybrid.propose(context, 2, sampler, rng)
         if lookup is not None:  # no draft pass; one-hot rows when sampling
@@ -99,6 +100,8 @@ def test_the_hybrid_drafts_from_shorter_matches_only_when_greedy(bundles):
             assert probs is None if sampler.greedy else (probs[np.arange(2), lookup] == 1.0).all()
         else:  # the draft model's own proposal: its rows are distributions, not one-hot
             assert len(tokens) == 2 and hybrid.engine.calls > calls and (probs.max(axis=1) < 1.0).all()
+    with pytest.raises(SpecdeployError, match="lookup_ngram"):  # no n-gram that long is ever matched
+        specdeploy.load(bundles("llama"), lookup_ngram=4)
 
 
 @pytest.mark.parametrize("role", ["target", "draft"])  # fused (shared buffer) and optimum (concat) layouts

@@ -188,9 +188,9 @@ class HybridDrafter:
     lookup's `min_ngram` tokens recurs (greedy), or of at least `sampled_ngram` when sampling; the
     draft model runs only in the other rounds (its cache catches up on the tokens it skipped in one
     multi-token pass). When sampling, a lookup token is kept with the target's probability of it,
-    not only when it is the target's choice, so a short match loses to the model's proposal: on the
-    benchmark pair and the demo pair, 2-token matches cost 1-7% of the speed at every sampled
-    setting against 3-token ones, and 3-token matches cost 1-3% greedy (docs/performance.md).
+    not only when it is the target's choice, so a short match loses to the model's proposal
+    (measured on two pairs in docs/performance.md, "The hybrid's lookup when sampling"). A
+    sampled_ngram above the lookup's max_ngram is taken as max_ngram.
     Which drafter proposes depends only on the context and the settings, never on the target, so
     the acceptance rule stays exact.
     """
