@@ -273,38 +273,35 @@ static struct {
 
 static int ensure_scratch(Py_ssize_t n) {
     if (n <= scratch.capacity) return 0;
-    const size_t count = (size_t)n, blocks = (size_t)num_blocks_of(n);
-    void *parts[8] = {
-        PyMem_Realloc(scratch.penalized, count * sizeof(float)),
-        PyMem_Realloc(scratch.work, count * sizeof(float)),
-        PyMem_Realloc(scratch.work_indices, count * sizeof(Py_ssize_t)),
-        PyMem_Realloc(scratch.dense_blocks, blocks * sizeof(double)),
-        PyMem_Realloc(scratch.sparse.indices, count * sizeof(Py_ssize_t)),
-        PyMem_Realloc(scratch.sparse.weights, count * sizeof(float)),
-        PyMem_Realloc(scratch.sparse.block_starts, (count + 1) * sizeof(Py_ssize_t)),
-        PyMem_Realloc(scratch.keys, count * sizeof(uint32_t)),
+    const size_t count = (size_t)n, blocks = (size_t)num_blocks_of(n), chunks = (size_t)num_chunks_of(n);
+    /* Each field's address and the size it grows to; the pointers are read and written with memcpy, which any
+     * pointer type allows (a cast to void ** would read a float * through another type). */
+    struct {
+        void *field;
+        size_t bytes;
+    } parts[] = {
+        {&scratch.penalized, count * sizeof(float)},
+        {&scratch.work, count * sizeof(float)},
+        {&scratch.work_indices, count * sizeof(Py_ssize_t)},
+        {&scratch.keys, count * sizeof(uint32_t)},
+        {&scratch.dense_blocks, blocks * sizeof(double)},
+        {&scratch.maxima, chunks * sizeof(float)},
+        {&scratch.chunks, chunks * sizeof(Py_ssize_t)},
+        {&scratch.sparse.indices, count * sizeof(Py_ssize_t)},
+        {&scratch.sparse.weights, count * sizeof(float)},
+        {&scratch.sparse.block_starts, (count + 1) * sizeof(Py_ssize_t)},
+        {&scratch.sparse.block_sums, count * sizeof(double)},
     };
-    double *sums = PyMem_Realloc(scratch.sparse.block_sums, count * sizeof(double));
-    float *maxima = PyMem_Realloc(scratch.maxima, (size_t)num_chunks_of(n) * sizeof(float));
-    Py_ssize_t *chunks = PyMem_Realloc(scratch.chunks, (size_t)num_chunks_of(n) * sizeof(Py_ssize_t));
-    if (maxima) scratch.maxima = maxima;
-    if (chunks) scratch.chunks = chunks;
     /* A failed realloc leaves its block as it was: keep whatever succeeded, report the failure. */
-    if (parts[0]) scratch.penalized = parts[0];
-    if (parts[1]) scratch.work = parts[1];
-    if (parts[2]) scratch.work_indices = parts[2];
-    if (parts[3]) scratch.dense_blocks = parts[3];
-    if (parts[4]) scratch.sparse.indices = parts[4];
-    if (parts[5]) scratch.sparse.weights = parts[5];
-    if (parts[6]) scratch.sparse.block_starts = parts[6];
-    if (parts[7]) scratch.keys = parts[7];
-    if (sums) scratch.sparse.block_sums = sums;
-    for (int i = 0; i < 8; i++)
-        if (parts[i] == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-    if (sums == NULL || maxima == NULL || chunks == NULL) {
+    int failed = 0;
+    for (size_t i = 0; i < sizeof parts / sizeof parts[0]; i++) {
+        void *old;
+        memcpy(&old, parts[i].field, sizeof old);
+        void *grown = PyMem_Realloc(old, parts[i].bytes);
+        if (grown == NULL) failed = 1;
+        else memcpy(parts[i].field, &grown, sizeof grown);
+    }
+    if (failed) {
         PyErr_NoMemory();
         return -1;
     }
