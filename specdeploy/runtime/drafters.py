@@ -17,6 +17,8 @@ import numpy as np
 from .engine import OrtEngine
 from .sampling import Sampler
 
+MAX_NGRAM = 3  # the longest n-gram prompt lookup matches
+
 
 class Drafter(Protocol):
     engine: OrtEngine | None  # the draft model it runs, if any (timed by the generator)
@@ -128,7 +130,7 @@ class PromptLookupDrafter:
 
     engine = None  # no model to run
 
-    def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, vocab_size: int, max_ngram: int = MAX_NGRAM, min_ngram: int = 1):
         self.vocab_size = vocab_size
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
@@ -145,11 +147,12 @@ class PromptLookupDrafter:
         self._context = None
 
     def propose(self, context, num_tokens, sampler, rng, min_confidence=0.0, min_ngram=None):
-        """As Drafter.propose; min_ngram (None: the drafter's own) is the shortest match it drafts from."""
+        """As Drafter.propose; min_ngram (None: the drafter's own, else min_ngram..max_ngram) is the shortest
+        match it drafts from."""
         self._index(context)
         tokens: list[int] = []
         length = len(context)
-        shortest = self.min_ngram if min_ngram is None else max(min_ngram, self.min_ngram)
+        shortest = self.min_ngram if min_ngram is None else min_ngram
         for size in range(min(self.max_ngram, length - 1), shortest - 1, -1):
             end = self._ends.get(tuple(context[length - size :]))
             if end is not None:

@@ -7,13 +7,12 @@ from pathlib import Path
 
 from ..bundle import load_manifest
 from ..errors import SpecdeployError
-from .drafters import HybridDrafter, ModelDrafter, PromptLookupDrafter
+from .drafters import MAX_NGRAM, HybridDrafter, ModelDrafter, PromptLookupDrafter
 from .engine import OrtEngine, SessionConfig
 from .generate import Generator
 from .text import TextCodec
 
 DRAFTERS = ("model", "prompt-lookup", "hybrid")
-LOOKUP_MAX_NGRAM = 3  # the longest n-gram prompt lookup matches
 
 
 def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verify: bool = False,
@@ -22,7 +21,7 @@ def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verif
 
     drafter: "hybrid" (default: prompt lookup when an n-gram of `lookup_ngram` tokens recurs, of 3
     when sampling (see HybridDrafter), the draft model otherwise), "model" (the draft model every
-    round) or "prompt-lookup" (no model). lookup_ngram is 1 to LOOKUP_MAX_NGRAM, the longest match
+    round) or "prompt-lookup" (no model). lookup_ngram is 1 to MAX_NGRAM, the longest match
     the lookup tries. All three are exact: they change speed, never the output.
 
     Every file the manifest lists is checked for its place and size; verify=True also re-hashes
@@ -35,8 +34,8 @@ def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verif
     manifest = load_manifest(bundle, verify=verify)
     if drafter not in DRAFTERS:
         raise SpecdeployError(f"unknown drafter '{drafter}' (choose from {', '.join(DRAFTERS)})")
-    if not 1 <= lookup_ngram <= LOOKUP_MAX_NGRAM:
-        raise SpecdeployError(f"lookup_ngram must be in 1..{LOOKUP_MAX_NGRAM} (got {lookup_ngram})")
+    if not 1 <= lookup_ngram <= MAX_NGRAM:
+        raise SpecdeployError(f"lookup_ngram must be in 1..{MAX_NGRAM} (got {lookup_ngram})")
     config = session or SessionConfig(
         device=device,
         shared_threads=os.environ.get("SPECDEPLOY_SHARED_THREADS", "1") != "0",
@@ -48,7 +47,7 @@ def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verif
         return OrtEngine(bundle / spec.onnx_path, spec, config, scratch_logits=True)
 
     target = engine(manifest.target)
-    lookup = PromptLookupDrafter(manifest.target.vocab_size, max_ngram=LOOKUP_MAX_NGRAM, min_ngram=lookup_ngram)
+    lookup = PromptLookupDrafter(manifest.target.vocab_size, min_ngram=lookup_ngram)
     if drafter == "prompt-lookup":
         chosen = lookup
     else:
