@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+import numpy as np
+
 from .errors import SpecdeployError
 from .runtime.generate import GenerationStats, Generator
 
@@ -181,14 +183,21 @@ def peak_memory_mb() -> float:
     return peak / 1024 if sys.platform != "darwin" else peak / 2**20  # KiB on Linux, bytes on macOS
 
 
-def memory_budget_mb(generator: Generator) -> float:
-    """fp32 weights of both models plus their KV caches at the maximum context: the figure peak RSS is held to."""
-    manifest = generator.manifest
-    total = 0.0
-    for spec in (manifest.target, manifest.draft):
-        total += spec.num_parameters * 4
-        total += 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * manifest.max_context * 4
-    return total / 2**20
+def model_memory(spec, max_context: int) -> dict:
+    """One model's resident floor in bytes: its weights as the bundle stores them (the sizes of its ONNX
+    files: packed int8/int4 blocks and their scales, fp16 or fp32 tensors) and its KV cache at
+    max_context in the cache's dtype. The graph's own structure is a few KB of those files."""
+    kv_itemsize = np.dtype(spec.kv_cache.dtype).itemsize
+    return {"weights_bytes": sum(entry.size for entry in spec.files),
+            "kv_cache_bytes": 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * max_context * kv_itemsize,
+            "dtype": spec.dtype if spec.quantize == "none" else spec.quantize}
+
+
+def memory_budget(manifest) -> dict:
+    """Per model (target, draft): the bytes model_memory counts; total_mb is both together, in MiB."""
+    models = {spec.role: model_memory(spec, manifest.max_context) for spec in (manifest.target, manifest.draft)}
+    total = sum(model["weights_bytes"] + model["kv_cache_bytes"] for model in models.values())
+    return {**models, "total_mb": total / 2**20}
 
 
 def run_bench(generator: Generator, config: BenchConfig, progress=None) -> dict:
@@ -250,7 +259,7 @@ def run_bench(generator: Generator, config: BenchConfig, progress=None) -> dict:
         "mean_accepted_tokens": best["mean_accepted_tokens"],
         "by_num_draft_tokens": by_k,
         "peak_rss_mb": peak_memory_mb(),
-        "memory_budget_mb": memory_budget_mb(generator),
+        "memory_budget": memory_budget(generator.manifest),
     }
 
 

@@ -53,8 +53,16 @@ def print_bench(report: dict) -> None:
     add("prefill ms (mean)", f"{base['prefill_ms_mean']:.1f}", lambda r: f"{r['speculative']['prefill_ms_mean']:.1f}")
     console = Console() if sys.stdout.isatty() else Console(width=130)  # logs and pipes get the whole table
     console.print(table)
-    console.print(f"peak RSS {report['peak_rss_mb']:.0f} MB (fp32 weights + KV caches at max context: "
-                  f"{report['memory_budget_mb']:.0f} MB)")
+    console.print(memory_line(report))
+
+
+def memory_line(report: dict) -> str:
+    """Peak RSS against the floor it is held to: each model's weights as stored, in their dtype, and KV caches."""
+    budget = report["memory_budget"]
+    parts = [f"{role} {budget[role]['dtype']} weights {budget[role]['weights_bytes'] / 2**20:.1f} + KV "
+             f"{budget[role]['kv_cache_bytes'] / 2**20:.1f}" for role in ("target", "draft")]
+    return (f"peak RSS {report['peak_rss_mb']:.0f} MB (bundle weights as stored + KV caches at max context, MiB: "
+            f"{', '.join(parts)}; {budget['total_mb']:.0f} MB in all)")
 
 
 def print_context_sweep(rows: list[dict]) -> None:

@@ -5,7 +5,9 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from specdeploy.bench import choose_num_draft, fit_alpha, lengthen_prompts, read_prompts, tokens_per_round
+from specdeploy.bench import (choose_num_draft, fit_alpha, lengthen_prompts, memory_budget, read_prompts,
+                              tokens_per_round)
+from specdeploy.bundle import load_manifest
 from specdeploy.cli import main
 from specdeploy.errors import SpecdeployError
 
@@ -57,6 +59,24 @@ def test_bench_smoke(agreeing_bundle, tmp_path):
                                  "--drafter", "model"])
     assert table.exit_code == 0, table.output
     assert "tokens/s" in table.output and "Leviathan bound" in table.output
+    assert "target fp32 weights" in table.output and "draft int8 weights" in table.output
+
+
+def test_memory_budget_counts_the_stored_weights_of_each_model(agreeing_bundle):
+    """An int8 draft counts its packed bytes, not 4 per parameter; an fp32 target about 4 per parameter."""
+    manifest = load_manifest(agreeing_bundle)
+    assert manifest.target.quantize == "none" and manifest.draft.quantize == "int8"
+    budget = memory_budget(manifest)
+    for spec in (manifest.target, manifest.draft):
+        on_disk = sum((agreeing_bundle / entry.path).stat().st_size for entry in spec.files)
+        assert budget[spec.role]["weights_bytes"] == on_disk
+        assert budget[spec.role]["kv_cache_bytes"] == (2 * spec.num_layers * spec.num_kv_heads * spec.head_dim
+                                                       * manifest.max_context * 4)
+    assert budget["target"]["weights_bytes"] >= 4 * manifest.target.num_parameters
+    assert budget["draft"]["weights_bytes"] < 0.6 * 4 * manifest.draft.num_parameters
+    assert budget["draft"]["dtype"] == "int8" and budget["target"]["dtype"] == "fp32"
+    total = sum(budget[role]["weights_bytes"] + budget[role]["kv_cache_bytes"] for role in ("target", "draft"))
+    assert budget["total_mb"] == pytest.approx(total / 2**20)
 
 
 def test_bench_reports_every_sampling_setting(agreeing_bundle, tmp_path):
