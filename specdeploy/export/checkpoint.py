@@ -1,6 +1,7 @@
 """Local Hugging Face checkpoints: find them, check they can be exported, check a pair is compatible.
 
-Nothing is downloaded: a folder is used as it is, and a hub id is only looked up in the local cache.
+Nothing is downloaded: a folder is used as it is, a .gguf file is converted into a folder in the
+export's work folder (gguf.py), and a hub id is only looked up in the local cache.
 """
 
 from __future__ import annotations
@@ -28,20 +29,30 @@ class Checkpoint:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
+    source: str = ""  # what was asked for: the folder, or the .gguf file it was converted from
+    gguf_tokens: Any = None  # gguf.GgufTokens: the special tokens of the GGUF metadata (None: not a GGUF)
 
 
-def resolve_checkpoint(name: str, role: str) -> Path:
-    """A local folder, or a hub id already in the local cache; never a download."""
+def resolve_checkpoint(name: str, role: str, work_dir: Path | None = None) -> tuple[Path, Any]:
+    """A local folder, a .gguf file (converted into work_dir), or a hub id already in the local cache; never a download.
+
+    Returns the folder and, for a GGUF, its special-token metadata."""
+    from . import gguf
+
     path = Path(name).expanduser()
     if path.is_dir():
-        return path.resolve()
+        return path.resolve(), None
     if path.exists():
-        raise SpecdeployError(f"--{role} {name}: not a folder")
+        if not gguf.is_gguf(path):
+            raise SpecdeployError(f"--{role} {name}: not a folder, nor a GGUF file")
+        if work_dir is None:
+            raise SpecdeployError(f"--{role} {name}: a GGUF file needs a work folder to be converted in")
+        return gguf.gguf_to_folder(path, role, work_dir)
     if _HUB_ID.match(name) and not name.startswith((".", "/")):
         from huggingface_hub import snapshot_download
 
         try:
-            return Path(snapshot_download(name, local_files_only=True))
+            return Path(snapshot_download(name, local_files_only=True)), None
         except Exception:
             raise SpecdeployError(
                 f"--{role} {name}: no such folder, and not in the local Hugging Face cache "
@@ -82,9 +93,10 @@ def _read_config(path: Path, role: str) -> dict:
     return raw
 
 
-def load_checkpoint(name: str, role: str, trust_remote_code: bool = False, allow_pickle: bool = False) -> Checkpoint:
+def load_checkpoint(name: str, role: str, trust_remote_code: bool = False, allow_pickle: bool = False,
+                    work_dir: Path | None = None) -> Checkpoint:
     """Resolve, check for config and weights, and check that optimum can export it as a causal LM."""
-    path = resolve_checkpoint(name, role)
+    path, gguf_tokens = resolve_checkpoint(name, role, work_dir)
     if not (path / "config.json").is_file():
         raise SpecdeployError(f"--{role} {path}: no config.json (not a Hugging Face checkpoint folder)")
     check_weights(path, role, allow_pickle)
@@ -129,6 +141,8 @@ def load_checkpoint(name: str, role: str, trust_remote_code: bool = False, allow
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=eos,
         pad_token_id=None if pad is None else int(pad),
+        source=str(Path(name).expanduser().resolve()) if gguf_tokens is not None else str(path),
+        gguf_tokens=gguf_tokens,
     )
 
 

@@ -22,6 +22,7 @@ from ..bundle import (FORMAT_VERSION, ROLES, FileEntry, Manifest, ModelSpec, Par
 from ..errors import SpecdeployError
 from . import checkpoint as ckpt
 from . import convert, fused, genai
+from .special_tokens import check_special_tokens
 from .accept import write_accept_graphs
 from .parity import check_parity
 
@@ -132,7 +133,7 @@ def _model_spec(role: str, checkpoint: ckpt.Checkpoint, onnx_path: Path, root: P
         role=role,
         onnx_path=onnx_path.relative_to(root).as_posix(),
         files=files,
-        source=str(checkpoint.path),
+        source=checkpoint.source or str(checkpoint.path),
         architecture=(getattr(hf, "architectures", None) or [type(hf).__name__])[0],
         model_type=hf.model_type,
         num_parameters=num_parameters,
@@ -248,12 +249,12 @@ def export_bundle(config: ExportConfig, report: Reporter | None = None) -> Manif
             return load_manifest(out)  # a concurrent export made it while this one waited
         _check_out(out, config.force)
         convert.quiet_export_logs()
-        report("load", "reading checkpoints")
-        checkpoints = {role: ckpt.load_checkpoint(getattr(config, role), role, config.trust_remote_code,
-                                                  config.allow_pickle) for role in ROLES}
-        max_context = _max_context(config, checkpoints)
         work = Path(tempfile.mkdtemp(prefix=f".{out.name}{swap.PARTIAL}", dir=out.parent))
         try:
+            report("load", "reading checkpoints")
+            checkpoints = {role: ckpt.load_checkpoint(getattr(config, role), role, config.trust_remote_code,
+                                                      config.allow_pickle, work_dir=work) for role in ROLES}
+            max_context = _max_context(config, checkpoints)
             manifest = _build_bundle(config, checkpoints, max_context, work, report)
             swap.replace(work / "bundle", out)
             return manifest
@@ -286,6 +287,10 @@ def _build_bundle(config: ExportConfig, checkpoints: dict, max_context: int, wor
     root = work / "bundle"
     root.mkdir()
     tokenizer_dirs = {role: ckpt.load_tokenizer_json(c, work) for role, c in checkpoints.items()}
+    repairs = {}
+    for role in ROLES:  # the special tokens each checkpoint states, agreed (or repaired) before anything is built
+        checked = check_special_tokens(checkpoints[role], tokenizer_dirs[role], work, report)
+        checkpoints[role], tokenizer_dirs[role], repairs[role] = checked.checkpoint, checked.tokenizer_dir, checked.repairs
     ckpt.check_pair(checkpoints["target"], checkpoints["draft"], tokenizer_dirs["target"], tokenizer_dirs["draft"])
     specs: dict[str, ModelSpec] = {}
     for role in ROLES:
@@ -314,7 +319,8 @@ def _build_bundle(config: ExportConfig, checkpoints: dict, max_context: int, wor
         target=specs["target"],
         draft=specs["draft"],
         tokenizer=_copy_tokenizer(tokenizer_dirs["target"], root, checkpoints["target"]),
-        export_options=_export_options(config, max_context),
+        export_options={**_export_options(config, max_context),
+                        "special_token_repairs": {role: list(lines) for role, lines in repairs.items()}},
         tool_versions=_tool_versions(),
         accept=write_accept_graphs(root, specs["target"]),
     )

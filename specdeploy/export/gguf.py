@@ -1,0 +1,161 @@
+"""GGUF checkpoints in: a .gguf file read through transformers' GGUF loader into a Hugging Face folder.
+
+The weights are dequantized to fp32 and saved with the tokenizer, config and generation config in
+the export's work folder; the rest of the export reads that folder like any other checkpoint.
+transformers' converted tokenizer and config do not carry the GGUF's special tokens faithfully
+(its tokenizer takes BOS for EOS; its config holds the model class's defaults), so the special
+tokens are read from the GGUF metadata itself and passed on as the authority the special-token
+check repairs the folder from (special_tokens.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import SpecdeployError
+
+MAGIC = b"GGUF"
+
+
+@dataclass(frozen=True)
+class GgufTokens:
+    """The special tokens as the GGUF's metadata states them (None: the key is absent)."""
+
+    bos_token_id: int | None
+    eos_token_id: int | None
+    pad_token_id: int | None
+    add_bos_token: bool | None
+    chat_template: str | None
+
+
+def is_gguf(path: Path) -> bool:
+    """A file named *.gguf, or any file that starts with the GGUF magic."""
+    if not path.is_file():
+        return False
+    if path.suffix.lower() == ".gguf":
+        return True
+    with open(path, "rb") as handle:
+        return handle.read(4) == MAGIC
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:300] if text else type(exc).__name__
+
+
+def read_tokens(path: Path, role: str) -> tuple[str, GgufTokens]:
+    """The architecture and the special-token metadata, read with gguf's GGUFReader."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise SpecdeployError(f"--{role} {path}: reading GGUF needs the gguf package (pip install 'specdeploy[export]')") from None
+    with open(path, "rb") as handle:
+        if handle.read(4) != MAGIC:
+            raise SpecdeployError(f"--{role} {path}: not a GGUF file (no GGUF magic at its start)")
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as exc:  # noqa: BLE001 - a truncated or corrupt file fails anywhere in the parser
+        raise SpecdeployError(f"--{role} {path}: cannot read the GGUF file: {_first_line(exc)}") from None
+
+    def value(key: str):
+        field = reader.get_field(key)
+        if field is None:
+            return None
+        try:
+            return field.contents()
+        except Exception:  # noqa: BLE001
+            raise SpecdeployError(f"--{role} {path}: cannot read the GGUF metadata key {key}") from None
+
+    def token_id(key: str) -> int | None:
+        raw = value(key)
+        return None if raw is None else int(raw)
+
+    architecture = value("general.architecture")
+    if not isinstance(architecture, str):
+        raise SpecdeployError(f"--{role} {path}: the GGUF file has no general.architecture")
+    add_bos = value("tokenizer.ggml.add_bos_token")
+    template = value("tokenizer.chat_template")
+    return architecture, GgufTokens(
+        bos_token_id=token_id("tokenizer.ggml.bos_token_id"),
+        eos_token_id=token_id("tokenizer.ggml.eos_token_id"),
+        pad_token_id=token_id("tokenizer.ggml.padding_token_id"),
+        add_bos_token=None if add_bos is None else bool(add_bos),
+        chat_template=template if isinstance(template, str) else None,
+    )
+
+
+def _supported(architecture: str) -> bool:
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    return architecture in GGUF_SUPPORTED_ARCHITECTURES
+
+
+def gguf_to_folder(path: Path, role: str, work_dir: Path) -> tuple[Path, GgufTokens]:
+    """Dequantize the GGUF into a Hugging Face folder under work_dir (once per file); returns it and the metadata.
+
+    The folder's config.json and generation_config.json take their special tokens from the GGUF
+    metadata; the tokenizer files are transformers' conversion, left for the special-token check."""
+    path = path.resolve()
+    architecture, tokens = read_tokens(path, role)
+    if not _supported(architecture):
+        raise SpecdeployError(
+            f"--{role} {path}: transformers' GGUF loader does not read the architecture '{architecture}'"
+        )
+    key = hashlib.sha256(str(path).encode()).hexdigest()[:12]
+    folder = work_dir / f"gguf-{key}"
+    if (folder / "config.json").is_file():
+        return folder, tokens  # the same file as target and draft: converted once
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the dequantization bar would cut through the CLI's progress lines
+    where, name = path.parent, path.name
+    try:
+        config = AutoConfig.from_pretrained(where, gguf_file=name, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32, local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - transformers raises many kinds for a GGUF it cannot convert
+        raise SpecdeployError(f"--{role} {path}: transformers cannot load the GGUF: {_first_line(exc)}") from None
+    ids = {"bos_token_id": tokens.bos_token_id, "eos_token_id": tokens.eos_token_id,
+           "pad_token_id": tokens.pad_token_id}
+    for name_, value in ids.items():  # the config's own values are the model class's defaults
+        setattr(config, name_, value)
+        setattr(model.config, name_, value)
+    _keep_control_tokens(path, tokenizer)
+    model.generation_config = GenerationConfig(**{k: v for k, v in ids.items() if v is not None})
+    partial = work_dir / f"gguf-{key}.partial"
+    model.save_pretrained(partial)
+    config.save_pretrained(partial)  # the loaded config, with architectures and the ids above
+    model.generation_config.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    if tokens.chat_template is not None and not (partial / "chat_template.jinja").is_file():
+        _set_template(partial / "tokenizer_config.json", tokens.chat_template)
+    partial.rename(folder)
+    return folder, tokens
+
+
+def _set_template(tokenizer_config: Path, template: str) -> None:
+    data = json.loads(tokenizer_config.read_text()) if tokenizer_config.is_file() else {}
+    data.setdefault("chat_template", template)
+    tokenizer_config.write_text(json.dumps(data, indent=2, ensure_ascii=False))
+
+
+def _keep_control_tokens(path: Path, tokenizer) -> None:
+    """The GGUF's control tokens as special added tokens: some of transformers' converters (Gemma's) keep only
+    BOS/EOS/pad/unk, which leaves <start_of_turn> and <end_of_turn> as plain pieces that text never encodes to."""
+    from gguf import GGUFReader, TokenType
+
+    reader = GGUFReader(str(path))
+    tokens, types = reader.get_field("tokenizer.ggml.tokens"), reader.get_field("tokenizer.ggml.token_type")
+    if tokens is None or types is None:
+        return
+    special = set(tokenizer.all_special_tokens) | {str(t) for t in tokenizer.added_tokens_decoder.values()}
+    control = [t for t, kind in zip(tokens.contents(), types.contents())
+               if kind == TokenType.CONTROL and t not in special]
+    if control:
+        tokenizer.add_special_tokens({"additional_special_tokens": control}, replace_additional_special_tokens=False)

@@ -1,0 +1,275 @@
+"""GGUF checkpoints in: tiny .gguf files written here with gguf's GGUFWriter, exported, compared with transformers."""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from specdeploy.errors import SpecdeployError
+
+pytest.importorskip("gguf")
+
+CHATML = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
+CHATML_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+GEMMA = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]  # ids 0..5
+GEMMA_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>"
+                  "{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n{{ m['content'] }}<end_of_turn>\n"
+                  "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+HIDDEN, LAYERS, HEADS, KV_HEADS = 64, 2, 4, 2
+
+
+def _bpe(specials: list[str], vocab_size: int) -> tuple[list[str], list[str]]:
+    """A byte-level BPE trained on a slice of the standard library: its tokens (by id) and merges."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    corpus = [(stdlib / name).read_text() for name in ("textwrap.py", "bisect.py")]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    data = json.loads(tokenizer.to_str())
+    tokens = [""] * len(data["model"]["vocab"])
+    for token, index in data["model"]["vocab"].items():
+        tokens[index] = token
+    merges = [" ".join(m) if isinstance(m, list) else m for m in data["model"]["merges"]]
+    return tokens, merges
+
+
+def _write_tensors(writer, model, arch) -> None:
+    import gguf
+
+    names = gguf.get_tensor_name_map(arch, model.config.num_hidden_layers)
+    for name, tensor in model.state_dict().items():
+        base, suffix = name.rsplit(".", 1)
+        writer.add_tensor(f"{names.get_name(base)}.{suffix}", tensor.numpy().astype(np.float32))
+
+
+def write_llama_gguf(path: Path, *, add_bos: bool = False, eos: int = 2, seed: int = 0) -> Path:
+    """A Llama layout as llama.cpp writes SmolLM2: a GPT-2 BPE, ChatML, no BOS prepended, EOS <|im_end|>."""
+    import gguf
+    import torch
+    import transformers as tf
+
+    tokens, merges = _bpe(CHATML, 320)
+    config = tf.LlamaConfig(vocab_size=len(tokens), hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+                            num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                            max_position_embeddings=256, tie_word_embeddings=False, initializer_range=0.2)
+    torch.manual_seed(seed)
+    model = tf.LlamaForCausalLM(config)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny-llama")
+    writer.add_context_length(256)
+    writer.add_block_count(LAYERS)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(2 * HIDDEN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_dimension_count(HIDDEN // HEADS)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if t in CHATML else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(eos)
+    writer.add_pad_token_id(0)
+    writer.add_add_bos_token(add_bos)
+    writer.add_chat_template(CHATML_TEMPLATE)
+    _write_tensors(writer, model, gguf.MODEL_ARCH.LLAMA)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def write_gemma3_gguf(path: Path) -> Path:
+    """A Gemma 3 layout: <eos> is the GGUF's EOS, and the template ends a turn with <end_of_turn>."""
+    import gguf
+    import torch
+    import transformers as tf
+
+    tokens, merges = _bpe(GEMMA, 300)
+    head_dim = 16
+    config = tf.Gemma3TextConfig(vocab_size=len(tokens), hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+                                 num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                                 head_dim=head_dim, max_position_embeddings=256, sliding_window=32)
+    torch.manual_seed(3)
+    model = tf.Gemma3ForCausalLM(config)
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_name("tiny-gemma3")
+    writer.add_context_length(256)
+    writer.add_block_count(LAYERS)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(2 * HIDDEN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_sliding_window(32)
+    writer.add_tokenizer_model("llama")  # Gemma's tokenizers are SentencePiece: transformers builds a Unigram
+    writer.add_token_list(tokens)
+    writer.add_token_scores([-float(i) for i in range(len(tokens))])
+    writer.add_token_types([gguf.TokenType.CONTROL if t in GEMMA else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_pad_token_id(0)
+    writer.add_unk_token_id(3)
+    writer.add_add_bos_token(True)
+    writer.add_chat_template(GEMMA_TEMPLATE)
+    _write_tensors(writer, model, gguf.MODEL_ARCH.GEMMA3)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama_gguf(tmp_path_factory) -> Path:
+    return write_llama_gguf(tmp_path_factory.mktemp("gguf") / "tiny-llama.Q0.gguf")
+
+
+@pytest.fixture(scope="module")
+def llama_bundle(tmp_path_factory, llama_gguf):
+    from specdeploy.export import ExportConfig, export_bundle
+
+    out = tmp_path_factory.mktemp("gguf-bundle") / "bundle"
+    lines = []
+    manifest = export_bundle(ExportConfig(target=str(llama_gguf), draft=str(llama_gguf), out=str(out),
+                                          draft_quantize="none"), report=lambda stage, detail: lines.append(detail))
+    return out, manifest, lines
+
+
+def test_gguf_export_greedy_equals_transformers(llama_gguf, llama_bundle):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import specdeploy
+
+    out, manifest, _ = llama_bundle
+    assert manifest.target.source == str(llama_gguf) == manifest.draft.source
+    assert manifest.target.parity.passed and manifest.draft.parity.passed
+    model = AutoModelForCausalLM.from_pretrained(llama_gguf.parent, gguf_file=llama_gguf.name, dtype=torch.float32)
+    generator = specdeploy.load(out)
+    for seed in range(3):
+        prompt = [int(i) for i in np.random.default_rng(seed).integers(3, 320, size=10)]
+        with torch.no_grad():
+            hf = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=2,
+                                pad_token_id=0)[0, len(prompt):].tolist()
+        plain = generator.generate(prompt, max_new_tokens=24, speculative=False)
+        speculative = generator.generate(prompt, max_new_tokens=24, num_draft_tokens=3)
+        assert plain.token_ids == speculative.token_ids
+        assert hf[: len(plain.token_ids)] == plain.token_ids
+        assert len(plain.token_ids) == 24 or hf[len(plain.token_ids)] == 2  # stopped where transformers stopped
+
+
+def test_gguf_special_tokens_come_from_its_metadata(llama_bundle):
+    from tokenizers import Tokenizer
+
+    out, manifest, lines = llama_bundle
+    for spec in (manifest.target, manifest.draft, manifest.tokenizer):
+        assert spec.bos_token_id == 1 and spec.eos_token_ids == (2,) and spec.pad_token_id == 0
+    # transformers' conversion says BOS = EOS = <|im_start|> and prepends it; the GGUF says neither
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer" / "tokenizer.json"))
+    assert tokenizer.encode("def f", add_special_tokens=True).ids == tokenizer.encode("def f", add_special_tokens=False).ids
+    config = json.loads((out / "tokenizer" / "tokenizer_config.json").read_text())
+    assert config["add_bos_token"] is False and config["eos_token"] == "<|im_end|>" and config["bos_token"] == "<|im_start|>"
+    repairs = manifest.export_options["special_token_repairs"]["target"]
+    assert any(line.startswith("target: eos '<|im_end|>' (2) from GGUF tokenizer.ggml.eos_token_id")
+               and "'<|im_start|>' (1)" in line for line in repairs)
+    assert any("add_bos_token False from GGUF tokenizer.ggml.add_bos_token" in line for line in repairs)
+    assert set(repairs) <= set(lines)  # each was reported
+    assert "<|im_end|>" in (out / "tokenizer" / "chat_template.jinja").read_text()
+
+
+def test_gguf_that_prepends_bos_keeps_it(tmp_path):
+    from specdeploy.export import checkpoint as ckpt
+    from specdeploy.export.special_tokens import check_special_tokens
+    from tokenizers import Tokenizer
+
+    path = write_llama_gguf(tmp_path / "bos.gguf", add_bos=True, seed=1)
+    work = tmp_path / "work"
+    work.mkdir()
+    checkpoint = ckpt.load_checkpoint(str(path), "target", work_dir=work)
+    checked = check_special_tokens(checkpoint, ckpt.load_tokenizer_json(checkpoint, work), work, lambda *a: None)
+    assert checked.checkpoint.bos_token_id == 1 and checked.checkpoint.eos_token_ids == (2,)
+    tokenizer = Tokenizer.from_file(str(checked.tokenizer_dir / "tokenizer.json"))
+    assert tokenizer.encode("x", add_special_tokens=True).ids[0] == 1
+    assert not any("add_bos_token" in line for line in checked.repairs)
+
+
+def test_gemma3_gguf_converts_with_its_metadata(tmp_path):
+    from specdeploy.export import checkpoint as ckpt
+    from specdeploy.export.special_tokens import check_special_tokens
+    from tokenizers import Tokenizer
+
+    path = write_gemma3_gguf(tmp_path / "gemma.gguf")
+    work = tmp_path / "work"
+    work.mkdir()
+    checkpoint = ckpt.load_checkpoint(str(path), "target", work_dir=work)
+    assert checkpoint.config.model_type == "gemma3_text" and checkpoint.source == str(path)
+    config = json.loads((checkpoint.path / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (2, 1, 0)
+    lines = []
+    checked = check_special_tokens(checkpoint, ckpt.load_tokenizer_json(checkpoint, work), work,
+                                   lambda stage, detail: lines.append(detail))
+    assert checked.checkpoint.bos_token_id == 2 and checked.checkpoint.pad_token_id == 0
+    assert checked.checkpoint.eos_token_ids == (1, 5)  # <eos>, then the template's <end_of_turn>
+    assert any(line.startswith("target: eos_token_ids + '<end_of_turn>' (5)") for line in lines)
+    assert list(checked.repairs) == lines
+    tokenizer = Tokenizer.from_file(str(checked.tokenizer_dir / "tokenizer.json"))
+    assert tokenizer.encode("x", add_special_tokens=True).ids[0] == 2
+
+
+def test_bad_gguf_is_one_error_line(tmp_path, checkpoints):
+    from specdeploy.export import checkpoint as ckpt
+
+    work = tmp_path / "work"
+    work.mkdir()
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"PK\x03\x04 not a gguf")
+    with pytest.raises(SpecdeployError, match=r"fake.gguf: not a GGUF file"):
+        ckpt.load_checkpoint(str(fake), "target", work_dir=work)
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(b"GGUF\x03\x00\x00\x00\x05")
+    with pytest.raises(SpecdeployError, match=r"truncated.gguf: cannot read the GGUF file"):
+        ckpt.load_checkpoint(str(truncated), "target", work_dir=work)
+    import gguf
+
+    other = tmp_path / "rwkv.gguf"
+    writer = gguf.GGUFWriter(str(other), "rwkv6")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(SpecdeployError, match=r"does not read the architecture 'rwkv6'"):
+        ckpt.load_checkpoint(str(other), "target", work_dir=work)
+
+
+def test_cli_export_from_gguf_reports_errors_in_one_line(tmp_path, checkpoints):
+    import subprocess
+    import sys
+
+    fake = tmp_path / "model.gguf"
+    fake.write_text("hello")
+    result = subprocess.run([sys.executable, "-m", "specdeploy", "export", "--target", str(fake), "--draft",
+                             str(checkpoints("llama")["draft"]), "--out", str(tmp_path / "b")],
+                            capture_output=True, text=True)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(f"error: --target {fake}: not a GGUF file")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]  # no partial bundle left behind
