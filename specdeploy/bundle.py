@@ -123,6 +123,22 @@ class ModelSpec:
         return tuple(t.name for t in self.inputs)
 
 
+TOKENIZER_HOST_STATUSES = ("ok", "repaired", "unsupported", "not checked")
+
+
+@dataclass(frozen=True)
+class HostTokenizerCheck:
+    """How one host's tokenizer library read the bundle's tokenizer.json at export, against HF tokenizers
+    (specdeploy/export/tokenizer_hosts.py): the same ids for a fixed sample of text, the same text back."""
+
+    # ok: read alike; repaired: read alike once export rewrote tokenizer.json (reason says how);
+    # unsupported: reads it differently (reason: the first difference); not checked: not installed at export
+    status: str = one_of(*TOKENIZER_HOST_STATUSES)
+    reason: str | None = None
+    version: str | None = None  # the host's tokenizer library at export (onnxruntime-genai, @huggingface/tokenizers)
+    samples: int = bounded(0, default=0)  # texts compared
+
+
 @dataclass(frozen=True)
 class TokenizerSpec:
     path: str = relative_path()  # folder relative to the bundle root; its tokenizer.json is listed in files
@@ -131,6 +147,8 @@ class TokenizerSpec:
     bos_token_id: int | None = bounded(0, MAX_VOCAB)
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None = bounded(0, MAX_VOCAB)
+    # host ("genai", "node") -> how it read tokenizer.json at export; empty: an older bundle, never checked
+    hosts: dict[str, HostTokenizerCheck] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

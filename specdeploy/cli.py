@@ -205,6 +205,27 @@ def inspect(bundle, as_json, verify) -> None:
     console.print(table)
     tok = manifest.tokenizer
     console.print(f"tokenizer: {tok.vocab_size} tokens, bos {tok.bos_token_id}, eos {list(tok.eos_token_ids)}, pad {tok.pad_token_id}")
+    for line in _tokenizer_host_lines(tok.hosts):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+HOST_LIBRARIES = {"genai": "onnxruntime-genai", "node": "@huggingface/tokenizers"}  # the tokenizer each host reads with
+
+
+def _tokenizer_host_lines(hosts, width: int = 80) -> list[str]:
+    """How each host read the tokenizer at export, one wrapped paragraph each (fits `width` columns)."""
+    import textwrap
+
+    if not hosts:
+        return ["tokenizer under other hosts: not checked (exported before the check)"]
+    lines = ["tokenizer under other hosts (against HF tokenizers at export):"]
+    for host, record in sorted(hosts.items()):
+        head = f"  {host}: {record.status}"
+        if record.version:
+            head += f" ({HOST_LIBRARIES.get(host, host)} {record.version}, {record.samples} samples)"
+        text = f"{head}: {record.reason}" if record.reason else head
+        lines += textwrap.wrap(text, width=width, subsequent_indent="      ", break_on_hyphens=False)
+    return lines
 
 
 @main.command()

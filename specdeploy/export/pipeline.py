@@ -21,7 +21,7 @@ from ..bundle import (FORMAT_VERSION, ROLES, FileEntry, Manifest, ModelSpec, Par
                       load_manifest, save_manifest)
 from ..errors import SpecdeployError
 from . import checkpoint as ckpt
-from . import convert, fused, genai
+from . import convert, fused, genai, tokenizer_hosts
 from .special_tokens import check_special_tokens
 from .accept import write_accept_graphs
 from .parity import check_parity
@@ -325,6 +325,7 @@ def _build_bundle(config: ExportConfig, checkpoints: dict, max_context: int, wor
         accept=write_accept_graphs(root, specs["target"]),
     )
     manifest = genai.write_genai_config(manifest, root)
+    manifest = tokenizer_hosts.check_bundle(manifest, root, report)  # every host reads the tokenizer alike, or says not
     save_manifest(manifest, root)
     load_manifest(root)  # what the runtime will read, read back through the same checks (files hashed above)
     return manifest
