@@ -26,7 +26,8 @@ import numpy as np
 
 from .convert import weights_path
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Phi3ForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM")
+GEMMA3 = "Gemma3ForCausalLM"
 MS = "com.microsoft"
 OPSET = 17
 
@@ -46,7 +47,11 @@ def unsupported_reason(model, max_context: int) -> str | None:
 
 
 def _unsupported_layout(model, config, name: str, max_context: int) -> str | None:
-    if getattr(config, "hidden_act", "silu") != "silu":
+    if name == GEMMA3:
+        problem = _unsupported_gemma3(config)
+        if problem is not None:
+            return problem
+    elif getattr(config, "hidden_act", "silu") != "silu":
         return f"activation {config.hidden_act}"
     mlp = model.model.layers[0].mlp
     if getattr(getattr(mlp, "gate_up_proj", None), "bias", None) is not None:
@@ -54,7 +59,7 @@ def _unsupported_layout(model, config, name: str, max_context: int) -> str | Non
     window = getattr(config, "sliding_window", None)
     if name == "Qwen2ForCausalLM" and not getattr(config, "use_sliding_window", False):
         window = None
-    if window is not None and window < max_context:
+    if name != GEMMA3 and window is not None and window < max_context:  # Gemma 3: per layer, see _layer_window
         return f"sliding window {window} < max context {max_context}"
     scaling = getattr(config, "rope_scaling", None) or {}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
@@ -71,13 +76,31 @@ def _unsupported_layout(model, config, name: str, max_context: int) -> str | Non
     return None
 
 
-def _rotary_tables(model, positions: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin [positions, rotary_dim / 2] exactly as the model's rotary module computes them."""
+def _unsupported_gemma3(config) -> str | None:
+    """What transformers' Gemma 3 does that the fused graph does not (None: nothing)."""
+    activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+    if activation != "gelu_pytorch_tanh":
+        return f"activation {activation}"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "bidirectional attention"
+    kinds = set(config.layer_types) - {"sliding_attention", "full_attention"}
+    if kinds:
+        return f"layer types {', '.join(sorted(kinds))}"
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        # transformers' Gemma 3 attention reads the setting but never applies it; the graph follows
+        # the reference rather than guess which of the two a checkpoint was trained with.
+        return "attn_logit_softcapping, which transformers' Gemma 3 does not apply"
+    return None
+
+
+def _rotary_tables(model, positions: int, module=None) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin [positions, rotary_dim / 2] exactly as the model's rotary module (default: its
+    global one, `model.model.rotary_emb`) computes them."""
     import torch
 
     ids = torch.arange(positions, dtype=torch.int64)[None]
     probe = torch.zeros(1, dtype=torch.float32)
-    cos, sin = model.model.rotary_emb(probe, ids)
+    cos, sin = (module or model.model.rotary_emb)(probe, ids)
     half = cos.shape[-1] // 2
     return cos[0, :, :half].float().numpy(), sin[0, :, :half].float().numpy()
 
@@ -169,27 +192,58 @@ def _emit(g: _Graph, model, max_context: int, window: int) -> None:
     """The nodes and weights of the fused graph (see the module docstring) into g, in graph order."""
     config = model.config
     layers = model.model.layers
+    gemma = type(model).__name__ == GEMMA3
     g.inputs, g.outputs = _io_specs(config, layers)
     lengths = _valid_lengths(g)
     cos, sin = _rotary_tables(model, max_context)
     rotary = (g.weight("cos_cache", cos), g.weight("sin_cache", sin))
+    if gemma:  # the sliding layers' own table (rope_local_base_freq, unscaled)
+        cos, sin = _rotary_tables(model, max_context, model.model.rotary_emb_local)
+        local_rotary = (g.weight("cos_cache_local", cos), g.weight("sin_cache_local", sin))
     embed = model.model.embed_tokens.weight
     delta = g.node("Gather", [g.weight("embed_tokens.weight", _np(embed)), "input_ids"], axis=0)[0]
-    norm = _ResidualNorm(g, float(config.rms_norm_eps))
+    if gemma:  # embeddings times sqrt(hidden_size), in the table's dtype as transformers rounds it
+        scale = model.model.embed_tokens.embed_scale.to(embed.dtype)
+        delta = g.node("Mul", [delta, g.weight("embed_scale", _np(scale).reshape(1))])[0]
+    # Gemma's RMSNorm multiplies by (1 + weight): the 1 is folded into the stored weight.
+    norm = _ResidualNorm(g, float(config.rms_norm_eps), offset=1.0 if gemma else 0.0)
     for i, layer in enumerate(layers):
         normed = norm(delta, layer.input_layernorm, f"layers.{i}.input_layernorm")
-        context = _attention(g, i, layer.self_attn, normed, lengths, rotary, config, window)
+        sliding = gemma and config.layer_types[i] == "sliding_attention"
+        context = _attention(g, i, layer.self_attn, normed, lengths, local_rotary if sliding else rotary, config,
+                             _layer_window(config.sliding_window if sliding else None, window))
         delta = g.linear(context, f"layers.{i}.o_proj", layer.self_attn.o_proj)
-        normed = norm(delta, layer.post_attention_layernorm, f"layers.{i}.post_attention_layernorm")
-        delta = _mlp(g, i, layer.mlp, normed)
+        if gemma:  # normed before it joins the residual stream, then the MLP's own norm
+            delta = norm.plain(delta, layer.post_attention_layernorm, f"layers.{i}.post_attention_layernorm")
+            normed = norm(delta, layer.pre_feedforward_layernorm, f"layers.{i}.pre_feedforward_layernorm")
+            delta = norm.plain(_mlp(g, i, layer.mlp, normed, gelu_tanh=True), layer.post_feedforward_layernorm,
+                               f"layers.{i}.post_feedforward_layernorm")
+        else:
+            normed = norm(delta, layer.post_attention_layernorm, f"layers.{i}.post_attention_layernorm")
+            delta = _mlp(g, i, layer.mlp, normed)
     final = norm(delta, model.model.norm, "norm")
     head = model.lm_head
+    softcap = getattr(config, "final_logit_softcapping", None) if gemma else None
+    logits = "logits_uncapped" if softcap else "logits"
     if head.weight.data_ptr() == embed.data_ptr():
         # Tied: read the embedding table transposed instead of storing it twice.
-        g.node("FusedMatMul", [final, "embed_tokens.weight"], ["logits"], domain=MS, transB=1, alpha=1.0)
+        g.node("FusedMatMul", [final, "embed_tokens.weight"], [logits], domain=MS, transB=1, alpha=1.0)
     else:
-        g.nodes.append(g.helper.make_node("MatMul", [final, g.weight("lm_head.weight", _np(head.weight).T)], ["logits"],
+        g.nodes.append(g.helper.make_node("MatMul", [final, g.weight("lm_head.weight", _np(head.weight).T)], [logits],
                                           name="lm_head"))
+    if softcap:  # softcap * tanh(logits / softcap)
+        cap = g.weight("final_logit_softcapping", np.array([softcap], dtype=np.float32))
+        g.node("Mul", [g.node("Tanh", [g.node("Div", [logits, cap])[0]])[0], cap], ["logits"])
+
+
+def _layer_window(sliding_window: int | None, draft_window: int) -> int:
+    """GroupQueryAttention's local_window_size for a layer whose queries attend to their last
+    `sliding_window` positions, itself included (transformers' sliding_window; None: all), within
+    the draft's window if it has one (-1: none). GroupQueryAttention's local_window_size means the
+    same, W positions itself included, whether they come in one pass or over steps (measured:
+    tests/test_fused_gemma.py)."""
+    limits = [w for w in (sliding_window, draft_window if draft_window > 0 else None) if w is not None]
+    return min(limits) if limits else -1
 
 
 def _io_specs(config, layers) -> tuple[list, list]:
@@ -228,13 +282,16 @@ class _ResidualNorm:
     """RMS norms that carry the residual stream: the first is SimplifiedLayerNormalization, every later
     one SkipSimplifiedLayerNormalization, which adds its input to the running sum before normalizing."""
 
-    def __init__(self, g: _Graph, eps: float):
-        self.g, self.eps = g, eps
+    def __init__(self, g: _Graph, eps: float, offset: float = 0.0):
+        self.g, self.eps, self.offset = g, eps, offset
         self.residual: str | None = None
+
+    def _weight(self, module, name: str) -> str:
+        return self.g.weight(f"{name}.weight", _np(module.weight) + np.float32(self.offset))
 
     def __call__(self, x: str, module, name: str) -> str:
         g = self.g
-        weight = g.weight(f"{name}.weight", _np(module.weight))
+        weight = self._weight(module, name)
         if self.residual is None:
             self.residual = x
             return g.node("SimplifiedLayerNormalization", [x, weight], epsilon=self.eps, axis=-1, stash_type=1)[0]
@@ -242,11 +299,24 @@ class _ResidualNorm:
                                           epsilon=self.eps)
         return out
 
+    def plain(self, x: str, module, name: str) -> str:
+        """An RMS norm off the residual stream (Gemma's post-attention and post-feedforward norms)."""
+        return self.g.node("SimplifiedLayerNormalization", [x, self._weight(module, name)], epsilon=self.eps, axis=-1,
+                           stash_type=1)[0]
+
 
 def _attention(g: _Graph, i: int, attn, normed: str, lengths: tuple[str, str], rotary: tuple[str, str], config,
                window: int) -> str:
-    """One fused qkv MatMul (+ bias), then GroupQueryAttention on layer i's KV buffers; its output before o_proj."""
-    if hasattr(attn, "qkv_proj"):
+    """One fused qkv MatMul (+ bias), then GroupQueryAttention on layer i's KV buffers; its output before o_proj.
+
+    window: GroupQueryAttention's local_window_size (see _layer_window). With q/k norms (Gemma 3) q, k
+    and v are three MatMuls, q and k normed over each head before GroupQueryAttention rotates them."""
+    if hasattr(attn, "q_norm"):
+        q, k, v = (g.linear(normed, f"layers.{i}.{name}", getattr(attn, name)) for name in ("q_proj", "k_proj", "v_proj"))
+        eps = float(config.rms_norm_eps)
+        qkv = [_head_norm(g, q, attn.q_norm, f"layers.{i}.q_norm", attn.head_dim, attn.q_proj.out_features, eps),
+               _head_norm(g, k, attn.k_norm, f"layers.{i}.k_norm", attn.head_dim, attn.k_proj.out_features, eps), v]
+    elif hasattr(attn, "qkv_proj"):
         qkv = g.linear(normed, f"layers.{i}.qkv_proj", attn.qkv_proj)
     else:
         weight = np.concatenate([_np(p.weight).T for p in (attn.q_proj, attn.k_proj, attn.v_proj)], axis=1)
@@ -254,18 +324,31 @@ def _attention(g: _Graph, i: int, attn, normed: str, lengths: tuple[str, str], r
         if attn.q_proj.bias is not None:
             bias = np.concatenate([_np(p.bias) for p in (attn.q_proj, attn.k_proj, attn.v_proj)])
             qkv = g.node("Add", [qkv, g.weight(f"layers.{i}.qkv_proj.bias", bias)])[0]
+    if isinstance(qkv, str):  # packed: GroupQueryAttention splits it
+        qkv = [qkv, "", ""]
     heads = config.num_attention_heads
     return g.node(
         "GroupQueryAttention",
-        [qkv, "", "", f"past_key_values.{i}.key", f"past_key_values.{i}.value", *lengths, *rotary],
+        [*qkv, f"past_key_values.{i}.key", f"past_key_values.{i}.value", *lengths, *rotary],
         [f"/layers.{i}/attn/out", f"present.{i}.key", f"present.{i}.value"],
         domain=MS, num_heads=heads, kv_num_heads=getattr(config, "num_key_value_heads", None) or heads,
         scale=float(attn.scaling), do_rotary=1, rotary_interleaved=0, local_window_size=window,
     )[0]
 
 
-def _mlp(g: _Graph, i: int, mlp, normed: str) -> str:
-    """down(SiLU(gate(x)) * up(x)) of layer i (Phi-3 stores gate and up as one matrix)."""
+def _head_norm(g: _Graph, x: str, module, name: str, head_dim: int, width: int, eps: float) -> str:
+    """Gemma's RMS norm (weight + 1) over each head of x [batch, seq, width = heads * head_dim], as
+    onnxruntime-genai emits it: Reshape [batch, seq * heads, head_dim] -> SimplifiedLayerNormalization
+    -> Reshape back."""
+    split = g.node("Reshape", [x, g.weight(f"{name}.split_shape", np.array([0, -1, head_dim], dtype=np.int64))])[0]
+    weight = g.weight(f"{name}.weight", _np(module.weight) + np.float32(1.0))
+    normed = g.node("SimplifiedLayerNormalization", [split, weight], epsilon=eps, axis=-1, stash_type=1)[0]
+    return g.node("Reshape", [normed, g.weight(f"{name}.join_shape", np.array([0, -1, width], dtype=np.int64))])[0]
+
+
+def _mlp(g: _Graph, i: int, mlp, normed: str, gelu_tanh: bool = False) -> str:
+    """down(SiLU(gate(x)) * up(x)) of layer i (Phi-3 stores gate and up as one matrix); gelu_tanh
+    (Gemma 3's gelu_pytorch_tanh) in place of SiLU."""
     if hasattr(mlp, "gate_up_proj"):
         weight = _np(mlp.gate_up_proj.weight)
         half = weight.shape[0] // 2
@@ -274,5 +357,8 @@ def _mlp(g: _Graph, i: int, mlp, normed: str) -> str:
     else:
         gate = g.linear(normed, f"layers.{i}.gate_proj", mlp.gate_proj)
         up = g.linear(normed, f"layers.{i}.up_proj", mlp.up_proj)
-    silu = g.node("Mul", [gate, g.node("Sigmoid", [gate])[0]])[0]  # ONNX Runtime fuses this into QuickGelu
-    return g.linear(g.node("Mul", [silu, up])[0], f"layers.{i}.down_proj", mlp.down_proj)
+    if gelu_tanh:
+        act = g.node("FastGelu", [gate], domain=MS)[0]  # 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
+    else:
+        act = g.node("Mul", [gate, g.node("Sigmoid", [gate])[0]])[0]  # SiLU; ONNX Runtime fuses this into QuickGelu
+    return g.linear(g.node("Mul", [act, up])[0], f"layers.{i}.down_proj", mlp.down_proj)

@@ -35,8 +35,12 @@ MAX_DRAFT_TOKENS = 4  # K, as `specdeploy run` drafts by default
 # Transformers model type -> genai's model.type, for the types whose greedy tokens under onnxruntime-genai
 # are checked against `specdeploy run`: the fused family and GPT-2 (optimum's graph). genai's "gpt2" is
 # the older graph with one combined past per layer; optimum's GPT-2 keeps keys and values apart, which is
-# genai's generic "decoder". genai knows more types; others are not claimed.
-GENAI_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "phi3": "phi3", "gpt2": "decoder"}
+# genai's generic "decoder". genai knows more types; others are not claimed. Gemma 3's fused graph keeps
+# every layer's cache at the full context and masks the sliding layers itself (GroupQueryAttention's
+# local_window_size), so its config has no `sliding_window` block: genai's builder writes one for its
+# own graph, whose sliding layers keep window-sized caches, and genai then sizes those caches to the window.
+GENAI_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "phi3": "phi3", "gpt2": "decoder",
+                     "gemma3_text": "gemma3_text"}
 
 # Every model's session options; intra-op threads are left to ONNX Runtime (one per physical core).
 # No CPU arena, as the Python runtime (see SessionConfig).
