@@ -59,8 +59,10 @@ def main(debug) -> None:
 
 
 @main.command()
-@click.option("--target", default=None, help="Target checkpoint folder (Hugging Face format). Default: the demo pair.")
-@click.option("--draft", default=None, help="Draft checkpoint folder (same tokenizer as the target).")
+@click.option("--target", default=None,
+              help="Target checkpoint: a Hugging Face folder or a .gguf file (dequantized to fp32). Default: the demo pair.")
+@click.option("--draft", default=None,
+              help="Draft checkpoint: a Hugging Face folder or a .gguf file (same tokenizer as the target).")
 @click.option("--out", default=None, type=click.Path(), help="Bundle folder to create. Default: the default bundle.")
 @click.option("--dtype", default="fp32", show_default=True, help="fp32 | fp16")
 @click.option("--quantize", default="none", show_default=True, help="none | int8 | int4 (weight-only MatMulNBits), both models")
