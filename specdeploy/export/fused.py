@@ -1,4 +1,4 @@
-"""The fused graph for the Llama family: GroupQueryAttention over a KV cache written in place.
+"""The fused graph for the Llama family and Gemma 3: GroupQueryAttention over a KV cache written in place.
 
 optimum's graph returns `present = Concat(past, new)`: every step copies the whole cache (so a step
 slows down as the context grows), and its 600 nodes cost more than the arithmetic of a small model. This module emits, from the same PyTorch weights, the graph
@@ -13,6 +13,22 @@ rotary module, so rope scaling comes along) and, when a present output is bound 
 its past input, writes the new keys and values into that buffer: the cache is one preallocated
 [1, kv_heads, max_context, head_dim] tensor per layer, and rollback is a length change. The valid
 length comes from `attention_mask` (ones over past + new), as in onnxruntime-genai.
+
+Gemma 3 (Gemma3ForCausalLM), as onnxruntime-genai's builder emits it for the CPU:
+
+    Gather -> Mul(sqrt(hidden)) -> [SimplifiedLayerNorm -> MatMul(q), MatMul(k), MatMul(v)
+               -> Reshape -> SimplifiedLayerNorm(q_norm, k_norm, per head) -> Reshape -> GroupQueryAttention
+               -> MatMul(o) -> SimplifiedLayerNorm(post_attention) -> SkipSimplifiedLayerNorm(pre_feedforward)
+               -> MatMul(gate), MatMul(up) -> FastGelu * up -> MatMul(down)
+               -> SimplifiedLayerNorm(post_feedforward)] x L
+           -> SkipSimplifiedLayerNorm -> FusedMatMul(embedding table, transposed) [-> softcap]
+
+Gemma's norms multiply by (1 + weight): the 1 is folded into each stored weight. GroupQueryAttention
+takes q, k and v apart (the q/k norms sit before its rotary), query_pre_attn_scalar ** -0.5 as its
+scale, and the sliding layers (config.layer_types) their window as local_window_size and their own
+rotary table (rope_local_base_freq); the global layers keep rope_theta and rope_scaling. Every layer's
+cache is full length; a sliding layer only reads its window of it. The tied head reads the embedding
+table (stored once); final_logit_softcapping, when set, is softcap * tanh(logits / softcap).
 
 Which checkpoints qualify is decided by `unsupported_reason`; the rest go through optimum. Either
 way the parity check against PyTorch decides whether the bundle is written.
