@@ -70,6 +70,7 @@ class BenchConfig:
     draft_confidence: float = 0.0
     repeat: int = 1
     seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()  # ends a run as EOS does (a chat template's end of turn, with --chat)
 
 
 @dataclass
@@ -204,7 +205,8 @@ def run_bench(generator: Generator, config: BenchConfig, progress=None) -> dict:
     """Interleaved target-only / speculative runs over every prompt, after a warm-up; returns a JSON-ready dict."""
     progress = progress or (lambda message: None)
     options = dict(max_new_tokens=config.max_new_tokens, temperature=config.temperature, top_k=config.top_k,
-                   top_p=config.top_p, min_p=config.min_p, repetition_penalty=config.repetition_penalty)
+                   top_p=config.top_p, min_p=config.min_p, repetition_penalty=config.repetition_penalty,
+                   stop_token_ids=config.stop_token_ids)
     spec_options = dict(options, draft_confidence=config.draft_confidence)
     greedy = config.temperature == 0.0
     first = config.prompts[0]

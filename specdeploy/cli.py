@@ -247,7 +247,14 @@ def verify(bundle) -> None:
 
 @main.command()
 @click.argument("bundle", type=click.Path(), required=False)
-@click.option("--prompt", required=True, type=TEXT, help="Prompt text (UTF-8); '-' reads standard input.")
+@click.option("--prompt", default=None, type=TEXT, help="Prompt text (UTF-8), as it is; '-' reads standard input.")
+@click.option("--chat", default=None, type=TEXT,
+              help="A user message, rendered by the bundle's chat template; the reply ends at its end of turn. "
+                   "'-' reads standard input.")
+@click.option("--system", default=None, type=TEXT, help="A system message before --chat's or --messages' messages.")
+@click.option("--messages", "messages_file", type=click.Path(), default=None,
+              help='A JSON file: a list of {"role", "content"} messages for the chat template (roles: system, '
+                   'user, assistant, tool).')
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
 @SAMPLING_OPTIONS
 @click.option("--num-draft-tokens", "-k", type=int, default=DEFAULTS.num_draft_tokens, show_default=True)
@@ -258,16 +265,16 @@ def verify(bundle) -> None:
 @VERIFY_OPTION
 @click.option("--stream/--no-stream", default=True, show_default=True, help="Print text as it is accepted.")
 @click.option("--json", "as_json", is_flag=True, help='Print one JSON object {"text", "token_ids", "stats"}.')
-def run(bundle, prompt, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, num_draft_tokens,
-        draft_confidence, no_speculative, stop, device, drafter, verify, stream, as_json) -> None:
-    """Generate from a prompt with speculative decoding (BUNDLE defaults to the demo bundle).
+def run(bundle, prompt, chat, system, messages_file, max_new_tokens, temperature, top_k, top_p, min_p,
+        repetition_penalty, seed, num_draft_tokens, draft_confidence, no_speculative, stop, device, drafter, verify,
+        stream, as_json) -> None:
+    """Generate from a prompt (--prompt) or a conversation (--chat, --messages) with speculative decoding
+    (BUNDLE defaults to the demo bundle).
 
     Ctrl-C stops generation: the text so far and the stats are printed, and the exit code is 130."""
-    from .cli_support import read_stdin_text
     from .runtime import load
 
-    if prompt == "-":
-        prompt = read_stdin_text()
+    request = _run_request(prompt, chat, system, messages_file)
     _return_freed_memory()
     generator = load(resolve_bundle(bundle), device=device, drafter=drafter, verify=verify)
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -276,9 +283,9 @@ def run(bundle, prompt, max_new_tokens, temperature, top_k, top_p, min_p, repeti
     interrupted = False
     try:
         if as_json or not stream:
-            generator.generate(prompt, **options)
+            generator.generate(**request, **options)
         else:
-            _stream(generator.stream(prompt, **options))
+            _stream(generator.stream(**request, **options))
     except KeyboardInterrupt:
         interrupted = True
         if generator.last_output is None:  # before the first token: nothing to show
@@ -293,6 +300,30 @@ def run(bundle, prompt, max_new_tokens, temperature, top_k, top_p, min_p, repeti
         click.echo(f"note: {output.stats.note}", err=True)
     if interrupted:
         sys.exit(EXIT_INTERRUPTED)
+
+
+def _run_request(prompt, chat, system, messages_file) -> dict:
+    """`run`'s input as generate's keyword: {"prompt": text} or {"messages": [...]}."""
+    from .cli_support import read_stdin_text
+    from .runtime.chat import read_messages
+
+    given = [name for name, value in (("--prompt", prompt), ("--chat", chat), ("--messages", messages_file))
+             if value is not None]
+    if len(given) != 1:
+        raise SpecdeployError("pass one of --prompt, --chat or --messages" + (f" (got {' and '.join(given)})" if given else ""))
+    if prompt is not None:
+        if system is not None:
+            raise SpecdeployError("--system goes with --chat or --messages (--prompt is sent as it is)")
+        return {"prompt": read_stdin_text() if prompt == "-" else prompt}
+    if chat is not None:
+        messages = [{"role": "user", "content": read_stdin_text() if chat == "-" else chat}]
+    else:
+        messages = read_messages(messages_file)
+    if system is not None:
+        if messages[0]["role"] == "system":
+            raise SpecdeployError(f"--system and the system message of {messages_file}: keep one")
+        messages = [{"role": "system", "content": system}, *messages]
+    return {"messages": messages}
 
 
 def _stream(pieces) -> None:
@@ -340,13 +371,15 @@ def _parse_draft_tokens(value: str) -> tuple[int, ...] | None:
 @click.option("--num-draft-tokens", "-k", default="4", show_default=True, help="K, a list (2,4,8) or auto.")
 @SAMPLING_OPTIONS
 @click.option("--repeat", type=int, default=1, show_default=True)
+@click.option("--chat", is_flag=True,
+              help="Send each prompt as a user message through the bundle's chat template (replies end at its end of turn).")
 @DEVICE_OPTION
 @DRAFTER_OPTION
 @VERIFY_OPTION
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on the last line of stdout.")
 @click.option("--plot", type=click.Path(), default=None, help="Draw speedup vs k and acceptance by position (PNG).")
 def bench(bundle, prompts_file, max_new_tokens, prompt_tokens, num_draft_tokens, temperature, top_k, top_p, min_p,
-          repetition_penalty, draft_confidence, repeat, seed, device, drafter, verify, as_json, plot) -> None:
+          repetition_penalty, draft_confidence, repeat, chat, seed, device, drafter, verify, as_json, plot) -> None:
     """Target-only vs speculative decoding on the same prompts: speed, acceptance, cost model."""
     from rich.console import Console
 
@@ -363,18 +396,23 @@ def bench(bundle, prompts_file, max_new_tokens, prompt_tokens, num_draft_tokens,
     _return_freed_memory()
     generator = load(resolve_bundle(bundle), device=device, drafter=drafter, verify=verify)
     lengths = _parse_prompt_tokens(prompt_tokens, max_new_tokens, generator.max_context)
+    texts, encode, stop_token_ids = prompts, generator.codec.encode, ()
+    if chat:  # each prompt's ids through the template, rendered before any run
+        encode = lambda text: generator.encode_chat([{"role": "user", "content": text}])  # noqa: E731
+        prompts, stop_token_ids = [tuple(encode(text)) for text in texts], generator.end_of_turn_ids
     console = Console(stderr=True)
     reports = []
     for length in lengths:
-        lengthened = [tuple(ids) for ids in lengthen_prompts(prompts, generator.codec.encode, length)] if length else prompts
+        lengthened = [tuple(ids) for ids in lengthen_prompts(texts, encode, length)] if length else prompts
         config = BenchConfig(prompts=tuple(lengthened), max_new_tokens=max_new_tokens, num_draft_tokens=ks,
                              temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                              repetition_penalty=repetition_penalty, draft_confidence=draft_confidence,
-                             repeat=repeat, seed=seed)
+                             repeat=repeat, seed=seed, stop_token_ids=stop_token_ids)
         with console.status("bench") as status:
             report = run_bench(generator, config, progress=lambda message: status.update(f"{length or ''} {message}"))
         report["drafter"] = drafter
         report["prompt_tokens"] = length
+        report["chat"] = chat
         reports.append(report)
     report = reports[0] if len(reports) == 1 else context_sweep(reports)
     from .bench_output import plot_report, print_bench, print_context_sweep

@@ -268,3 +268,23 @@ def test_a_seed_outside_64_bits_is_refused_before_generation(agreeing_bundle, se
     with pytest.raises(specdeploy.SpecdeployError, match="seed must be"):
         generator.generate("def f():", max_new_tokens=2, seed=seed)
     assert generator.generate("def f():", max_new_tokens=2, seed=2**64 - 1).stats.new_tokens == 2
+
+
+def test_warm_up_leaves_the_output_and_the_caches_as_a_cold_load(agreeing_bundle):
+    """load's warm-up runs passes of every kind, then leaves nothing behind: empty caches, no output, and
+    the same tokens and pass counts as a generator loaded without it."""
+    cold = specdeploy.load(agreeing_bundle, warm_up=False)
+    warm = specdeploy.load(agreeing_bundle)
+    assert cold.target.calls == cold.drafter.engine.calls == 0
+    assert warm.target.calls > 0 and warm.drafter.engine.calls > 0
+    for generator in (cold, warm):
+        assert generator.target_cache.length == 0 and generator.target_cache.tokens == []
+        assert generator.drafter.model_drafter.cache.length == 0 and generator.drafter.model_drafter.cache.tokens == []
+        assert generator.last_output is None
+    for options in (dict(temperature=0), dict(temperature=0.8, seed=3), dict(speculative=False)):
+        expected = cold.generate("def f(x):", max_new_tokens=24, **options)
+        got = warm.generate("def f(x):", max_new_tokens=24, **options)
+        assert got.token_ids == expected.token_ids
+        assert (got.stats.target_calls, got.stats.draft_calls) == (expected.stats.target_calls, expected.stats.draft_calls)
+        cold.reset()
+        warm.reset()

@@ -10,12 +10,13 @@ caches when the next round syncs them to the new context (truncate to the shared
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import numpy as np
 
 from ..errors import SpecdeployError
+from .chat import ChatTemplate, check_messages
 from .drafters import Drafter
 from .engine import OrtEngine
 from .rejection import accept
@@ -25,6 +26,7 @@ from .text import TextCodec, TextStream
 MAX_DRAFT_TOKENS = 32
 SEED_LIMIT = 2**64  # seeds are 64-bit: 0 .. SEED_LIMIT - 1 (the CLI and the server take the same)
 MIN_TEMPERATURE = 1e-6  # below this, logits / temperature can overflow float32
+WARM_UP_PROMPT_TOKENS = 16  # the prefill Generator.warm_up runs: about a short prompt's length
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,9 @@ class GenerationConfig:
     # Stop drafting early once the draft's top probability falls below this (0: always draft k).
     draft_confidence: float = 0.0
     stop: tuple[str, ...] = ()  # generation ends before the first of these strings
+    # Generation also ends after any of these tokens, as after the bundle's EOS ids (a chat template's
+    # end of turn: generate(messages=...) adds it).
+    stop_token_ids: tuple[int, ...] = ()
 
     def validate(self) -> None:
         if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < float("inf")):
@@ -61,6 +66,8 @@ class GenerationConfig:
             raise SpecdeployError(f"num_draft_tokens must be in 1..{MAX_DRAFT_TOKENS} (got {self.num_draft_tokens})")
         if self.seed is not None and (type(self.seed) is not int or not 0 <= self.seed < SEED_LIMIT):
             raise SpecdeployError(f"seed must be None or an integer in 0..2**64 - 1 (got {self.seed!r})")
+        if not all(type(token) is int and token >= 0 for token in self.stop_token_ids):
+            raise SpecdeployError(f"stop_token_ids must be token ids, integers >= 0 (got {self.stop_token_ids!r})")
 
     @property
     def sampling(self) -> SamplingParams:
@@ -121,8 +128,10 @@ class Generator:
     """A target (and a drafter) with their caches; `generate` and `stream` run the loop."""
 
     def __init__(self, target: OrtEngine, drafter: Drafter | None, codec: TextCodec, max_context: int,
-                 eos_token_ids: tuple[int, ...], manifest=None):
+                 eos_token_ids: tuple[int, ...], manifest=None, chat_template: ChatTemplate | None = None):
         self.manifest = manifest  # the bundle's Manifest, when loaded from one
+        self.chat_template = chat_template  # the tokenizer's, for generate(messages=...); None: it has none
+        self._end_of_turn_ids: tuple[int, ...] | None = None  # found on first use (see end_of_turn_ids)
         self.last_output: GenerationOutput | None = None  # set when a generate or stream call ends
         self.target = target
         self.target_cache = target.new_cache(max_context)  # kept between calls: a repeated prefix is reused
@@ -137,18 +146,73 @@ class Generator:
         if self.drafter is not None:
             self.drafter.reset()
 
+    def warm_up(self) -> None:
+        """Run once each kind of pass a first request runs, then forget them (the caches empty, no output kept).
+
+        ONNX Runtime's first run of a session, and of each set of input shapes, costs several times a
+        later one (allocations, memory patterns, threads waking). Warming runs a short prefill, target
+        steps (target-only decoding), draft steps and verify passes of the default k (speculative
+        decoding, greedy and sampled), so a first request runs as fast as the ones after it."""
+        vocab, k = self.target.spec.vocab_size, GenerationConfig.num_draft_tokens
+        new_tokens = 2 * (k + 1)
+        length = max(2, min(WARM_UP_PROMPT_TOKENS, self.max_context - new_tokens - 1))
+        prompt = [(1 + 31 * i) % vocab for i in range(length)]  # any ids: the numbers are thrown away
+        self.generate(prompt, max_new_tokens=2, speculative=False)
+        if self.drafter is not None:
+            self.generate(prompt, max_new_tokens=new_tokens, num_draft_tokens=k)
+            self.generate(prompt, max_new_tokens=k + 1, num_draft_tokens=k, temperature=1.0)
+        self.reset()
+        self.last_output = None
+
     def _config(self, kwargs) -> GenerationConfig:
         stop = kwargs.pop("stop", None)
         if isinstance(stop, str):
             stop = (stop,)
+        stop_token_ids = kwargs.pop("stop_token_ids", None)
         try:
-            config = GenerationConfig(stop=tuple(stop or ()), **kwargs)
+            config = GenerationConfig(stop=tuple(stop or ()), stop_token_ids=tuple(stop_token_ids or ()), **kwargs)
         except TypeError as exc:
             raise SpecdeployError(str(exc)) from None
         config.validate()
         if config.speculative and self.drafter is None:
             raise SpecdeployError("this generator has no drafter; pass speculative=False")
+        vocab = self.codec.spec.vocab_size
+        if any(token >= vocab for token in config.stop_token_ids):
+            raise SpecdeployError(f"stop_token_ids must be in 0..{vocab - 1}")
         return config
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """A conversation's prompt ids: the tokenizer's chat template rendered with add_generation_prompt
+        (as transformers' apply_chat_template renders it), tokenized without added special tokens."""
+        if self.chat_template is None:
+            raise SpecdeployError("this bundle's tokenizer has no chat template (no chat_template.jinja, and "
+                                  "tokenizer_config.json names none): pass a prompt instead of messages")
+        text = self.chat_template.render(check_messages(messages))
+        return self.codec.encode(text, add_special_tokens=False)
+
+    @property
+    def end_of_turn_ids(self) -> tuple[int, ...]:
+        """The chat template's end-of-turn token (() without a template, or when it writes no special token
+        after a reply): generate(messages=...) stops there as at EOS."""
+        if self._end_of_turn_ids is None:
+            ids: tuple[int, ...] = ()
+            tail = self.chat_template.end_of_turn_text() if self.chat_template is not None else ""
+            if tail:
+                special = self.codec.special_token_ids()
+                ids = tuple(t for t in self.codec.encode(tail, add_special_tokens=False) if t in special)[:1]
+            self._end_of_turn_ids = ids
+        return self._end_of_turn_ids
+
+    def _request(self, prompt, messages, kwargs) -> tuple[str | list[int], GenerationConfig]:
+        """The prompt (text or ids) and config of one call: a prompt, or messages through the chat template."""
+        if (prompt is None) == (messages is None):
+            raise SpecdeployError("pass a prompt or messages (one of them)")
+        config = self._config(kwargs)
+        if messages is None:
+            return prompt, config
+        ids = self.encode_chat(messages)
+        extra = tuple(t for t in self.end_of_turn_ids if t not in config.stop_token_ids)
+        return ids, replace(config, stop_token_ids=config.stop_token_ids + extra)
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -164,9 +228,11 @@ class Generator:
             )
         return ids
 
-    def stream(self, prompt: str | list[int], **kwargs) -> Iterator[str]:
+    def stream(self, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,
+               **kwargs) -> Iterator[str]:
         """Yield text pieces as tokens are accepted; same arguments as generate."""
-        run = self._run(prompt, self._config(kwargs), streaming=True)
+        prompt, config = self._request(prompt, messages, kwargs)
+        run = self._run(prompt, config, streaming=True)
         try:
             for item in run:
                 if isinstance(item, str):
@@ -174,9 +240,13 @@ class Generator:
         finally:
             run.close()  # a stream closed early still sets last_output (finish_reason "interrupted")
 
-    def generate(self, prompt: str | list[int], **kwargs) -> GenerationOutput:
-        """Generate from a prompt (text or token ids); see GenerationConfig for the arguments."""
-        for _ in self._run(prompt, self._config(kwargs), streaming=False):
+    def generate(self, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,
+                 **kwargs) -> GenerationOutput:
+        """Generate from a prompt (text or token ids), or from messages ([{"role", "content"}, ...], rendered
+        by the tokenizer's chat template; the reply ends at its end of turn). See GenerationConfig for
+        the other arguments."""
+        prompt, config = self._request(prompt, messages, kwargs)
+        for _ in self._run(prompt, config, streaming=False):
             pass
         return self.last_output
 
@@ -189,12 +259,13 @@ class Generator:
         budget = min(config.max_new_tokens, self.max_context - len(prompt_ids))
         new_tokens: list[int] = []
         finish, stopped_by = "length", None
+        end_ids = self.eos_token_ids.union(config.stop_token_ids) if config.stop_token_ids else self.eos_token_ids
         rounds = self._rounds(prompt_ids, budget, config, stats)
         try:
             for round_tokens in rounds:
                 for token in round_tokens:
                     new_tokens.append(token)
-                    if token in self.eos_token_ids:
+                    if token in end_ids:
                         finish = "eos"
                         break
                     if text is not None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..bundle import load_manifest
 from ..errors import SpecdeployError
+from .chat import load_chat_template
 from .drafters import MAX_NGRAM, HybridDrafter, ModelDrafter, PromptLookupDrafter
 from .engine import OrtEngine, SessionConfig
 from .generate import Generator
@@ -16,7 +17,7 @@ DRAFTERS = ("model", "prompt-lookup", "hybrid")
 
 
 def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verify: bool = False,
-         session: SessionConfig | None = None, lookup_ngram: int = 2) -> Generator:
+         session: SessionConfig | None = None, lookup_ngram: int = 2, warm_up: bool = True) -> Generator:
     """Load a bundle for generation on `device` (cpu | cuda | tensorrt).
 
     drafter: "hybrid" (default: prompt lookup when an n-gram of `lookup_ngram` tokens recurs, of 3
@@ -29,7 +30,10 @@ def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verif
 
     By default ONNX Runtime runs on one process-wide thread pool (fastest when draft and target
     alternate); set SPECDEPLOY_SHARED_THREADS=0, or pass a SessionConfig with shared_threads=False,
-    in a process whose other ONNX Runtime sessions need their own pools."""
+    in a process whose other ONNX Runtime sessions need their own pools.
+
+    warm_up=True (the default) runs each kind of pass once before returning (Generator.warm_up), so
+    that the first request runs as fast as later ones; False returns sooner, the first request slower."""
     bundle = Path(bundle)
     manifest = load_manifest(bundle, verify=verify)
     if drafter not in DRAFTERS:
@@ -53,5 +57,10 @@ def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verif
     else:
         draft = ModelDrafter(engine(manifest.draft), manifest.max_context)
         chosen = draft if drafter == "model" else HybridDrafter(draft, lookup)
-    codec = TextCodec(bundle / manifest.tokenizer.path, manifest.tokenizer)
-    return Generator(target, chosen, codec, manifest.max_context, manifest.target.eos_token_ids, manifest)
+    tokenizer_dir = bundle / manifest.tokenizer.path
+    codec = TextCodec(tokenizer_dir, manifest.tokenizer)
+    generator = Generator(target, chosen, codec, manifest.max_context, manifest.target.eos_token_ids, manifest,
+                          chat_template=load_chat_template(tokenizer_dir))
+    if warm_up:
+        generator.warm_up()
+    return generator

@@ -20,14 +20,27 @@ class TextCodec:
             raise SpecdeployError(f"cannot read {folder / 'tokenizer.json'}: {str(exc).splitlines()[0]}") from None
         self.spec = spec
 
-    def encode(self, text: str) -> list[int]:
-        """Prompt text -> ids, with the tokenizer's own special tokens; an empty prompt is just BOS."""
-        ids = self.tokenizer.encode(text, add_special_tokens=True).ids if text else []
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Prompt text -> ids, with the tokenizer's own special tokens unless add_special_tokens=False (text
+        a chat template wrote holds them already); an empty prompt is just BOS.
+
+        Text that starts with the BOS token's string (a prompt rendered from a template) keeps that
+        BOS only: the tokenizer's post-processor would put a second one in front of it."""
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids if text else []
+        bos = self.spec.bos_token_id
+        if add_special_tokens and bos is not None and ids[:2] == [bos, bos]:
+            bos_text = self.tokenizer.id_to_token(bos)
+            if bos_text and text.startswith(bos_text):
+                ids = ids[1:]
         if not ids:
             if self.spec.bos_token_id is None:
                 raise SpecdeployError("the prompt is empty and the tokenizer has no BOS token to start from")
             ids = [self.spec.bos_token_id]
         return ids
+
+    def special_token_ids(self) -> frozenset[int]:
+        """The ids of the tokenizer's special added tokens (BOS, EOS, a chat template's turn markers)."""
+        return frozenset(i for i, token in self.tokenizer.get_added_tokens_decoder().items() if token.special)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
