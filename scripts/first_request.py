@@ -5,13 +5,15 @@
 Each process loads the bundle (warm_up on or off, the two alternating process by process), then
 runs --requests greedy speculative requests of one built-in prompt (process i takes prompt i, so
 the prompt lengths vary) from an empty cache (Generator.reset between them), and reports the
-first request's wall time, the median of the rest, and their ratio. Prints one JSON line: per setting, the median over processes of each.
+first request's wall time, the median of the rest, and their ratio. Each process sets the
+allocator up as `specdeploy run` does (cli._return_freed_memory) before loading. Prints one JSON line: per setting, the median over processes of each.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -21,19 +23,22 @@ CHILD = """
 import json, sys, time
 import specdeploy
 from specdeploy.bench import builtin_prompts
+from specdeploy.cli import _return_freed_memory
 bundle, warm, requests, max_new, index = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 prompts = builtin_prompts()
 prompt = prompts[index % len(prompts)]
+_return_freed_memory()
 start = time.perf_counter()
 generator = specdeploy.load(bundle, warm_up=warm)
 load_s = time.perf_counter() - start
-times = []
+times, prefills = [], []
 for _ in range(requests):
     generator.reset()
     start = time.perf_counter()
     generator.generate(prompt, max_new_tokens=max_new)
     times.append(time.perf_counter() - start)
-print(json.dumps({"load_s": load_s, "times_s": times}))
+    prefills.append(generator.last_output.stats.prefill_ms)
+print(json.dumps({"load_s": load_s, "times_s": times, "prefill_ms": prefills}))
 """
 
 
@@ -57,7 +62,10 @@ def main() -> None:
         later = [statistics.median(item["times_s"][1:]) * 1000 for item in items]
         report[name] = {"load_ms": statistics.median(item["load_s"] * 1000 for item in items),
                         "first_ms": statistics.median(first), "later_ms": statistics.median(later),
-                        "first_over_later": statistics.median(f / l for f, l in zip(first, later))}
+                        "first_over_later": statistics.median(f / l for f, l in zip(first, later)),
+                        "first_prefill_ms": statistics.median(item["prefill_ms"][0] for item in items),
+                        "later_prefill_ms": statistics.median(statistics.median(item["prefill_ms"][1:]) for item in items)}
+    report["load_average"] = os.getloadavg()[0]
     print(json.dumps(report))
 
 
