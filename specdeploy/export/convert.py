@@ -120,6 +120,9 @@ def describe_io(path: Path, shared_buffer: bool = False) -> tuple[tuple[TensorSp
 
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    # Unpacked, the weights stay mapped from the data file and are never read: a session that only
+    # names its I/O costs no memory beside the PyTorch model (packed, it would copy every MatMul weight).
+    options.add_session_config_entry("session.disable_prepacking", "1")
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
     def spec(arg) -> TensorSpec:
