@@ -80,8 +80,10 @@ def main(debug) -> None:
 @click.option("--trust-remote-code", is_flag=True, help="Allow checkpoints that ship their own model code (auto_map).")
 @click.option("--allow-pickle", is_flag=True,
               help="Load pytorch_model.bin (pickle) weights, which can run code; safetensors are used whenever present.")
+@click.option("--allow-lossy", is_flag=True,
+              help="Keep a quantized or fp16 target whose greedy agreement with fp32 is below 0.95 (recorded in the manifest).")
 def export(target, draft, out, dtype, quantize, draft_quantize, max_context, draft_window, graph, force,
-           trust_remote_code, allow_pickle) -> None:
+           trust_remote_code, allow_pickle, allow_lossy) -> None:
     """Export a draft and a target checkpoint into a validated bundle."""
     from .defaults import default_bundle, demo_checkpoints
 
@@ -94,7 +96,7 @@ def export(target, draft, out, dtype, quantize, draft_quantize, max_context, dra
         default_bundle().parent.mkdir(parents=True, exist_ok=True)
     _export(target, draft, out, dtype=dtype, quantize=quantize, draft_quantize=draft_quantize, max_context=max_context,
             draft_window=draft_window, graph=graph, force=force,
-            trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
+            trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, allow_lossy=allow_lossy)
     click.echo(str(Path(out).resolve()))
 
 

@@ -1,4 +1,4 @@
-"""PyTorch -> ONNX with optimum, then onnxruntime's own tools for fp16 and weight-only quantization."""
+"""PyTorch -> ONNX with optimum, saving with external weights, fp16 with onnxruntime's converter (quantization: quantize.py)."""
 
 from __future__ import annotations
 
@@ -96,22 +96,6 @@ def convert_fp16(path: Path) -> None:
 
     model = onnx.load(path)
     save_model(convert_float_to_float16(model, keep_io_types=False, disable_shape_infer=model.ByteSize() > EXTERNAL_DATA_THRESHOLD), path)
-
-
-def quantize_weights(path: Path, bits: int, block_size: int = 32) -> None:
-    """Weight-only MatMulNBits (int8 or int4 blocks, symmetric) with onnxruntime's quantizer.
-
-    accuracy_level 4: ONNX Runtime multiplies in int8 (activations quantized per block on the fly)
-    with its VNNI/AVX-512 kernels. The default level dequantizes to fp32 first, which makes a
-    quantized step slower than the fp32 one."""
-    import onnx
-    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
-
-    config = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=True, bits=bits, accuracy_level=4)
-    quantizer = MatMulNBitsQuantizer(onnx.load(path), bits=bits, block_size=block_size, is_symmetric=True,
-                                     accuracy_level=4, algo_config=config)
-    quantizer.process()
-    save_model(quantizer.model.model, path)
 
 
 def describe_io(path: Path, shared_buffer: bool = False) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...], KVCacheSpec]:

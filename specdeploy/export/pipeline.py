@@ -23,8 +23,9 @@ from ..errors import SpecdeployError
 from . import checkpoint as ckpt
 from . import convert, fused, genai, tokenizer_hosts
 from .special_tokens import check_special_tokens
+from . import quantize as quantization
 from .accept import write_accept_graphs
-from .parity import check_parity
+from .parity import check_parity, overall_agreement
 
 DTYPES = ("fp32", "fp16")
 GRAPHS = ("auto", "fused", "optimum")
@@ -62,6 +63,9 @@ class ExportConfig:
     # auto: the fused in-place-KV graph where the architecture allows it (fused.unsupported_reason),
     # optimum's graph elsewhere; fused / optimum force one (fused fails where it cannot apply).
     graph: str = "auto"
+    # Keep a rounded (int8 / int4 / fp16) target whose greedy agreement with its fp32 model falls below
+    # the parity threshold; the manifest records the figure and this option.
+    allow_lossy: bool = False
 
 
 # stage name, detail -> None; the CLI draws progress from it, library callers may pass None.
@@ -195,7 +199,7 @@ def _build_model(role: str, quantize: str, model, checkpoint, root: Path, config
         shutil.copytree(model_dir, backup)
     report("optimize", f"{role}: {quantize} weight-only (MatMulNBits)")
     try:
-        convert.quantize_weights(onnx_path, bits=int(quantize[3:]))
+        quantization.quantize_weights(onnx_path, bits=int(quantize[3:]))
         spec = validate(quantize)
         problem = None if spec.parity.passed else f"fails its parity check ({_parity_failure(spec.parity)})"
     except Exception as exc:  # noqa: BLE001 - with a fallback, any failure of the quantized model falls back
@@ -213,7 +217,10 @@ def _build_model(role: str, quantize: str, model, checkpoint, root: Path, config
 def _parity_failure(parity: ParityReport) -> str:
     if parity.check == "max_abs_diff":
         return f"max |diff| {max(parity.prefill_max_abs_diff, parity.verify_max_abs_diff):.2e} > {parity.tolerance:g}"
-    return f"greedy agreement {min(parity.prefill_greedy_agreement, parity.verify_greedy_agreement):.2f} < {parity.tolerance:g}"
+    agreement = overall_agreement(parity.prefill_tokens, parity.prefill_greedy_agreement, parity.verify_tokens,
+                                  parity.verify_greedy_agreement)
+    return (f"greedy agreement with fp32 {agreement:.3f} < {parity.tolerance:g} over "
+            f"{parity.prefill_tokens + parity.verify_tokens} tokens")
 
 
 def _tool_versions() -> dict[str, str]:
@@ -308,8 +315,12 @@ def _build_bundle(config: ExportConfig, checkpoints: dict, max_context: int, wor
         specs[role] = _build_model(role, quantize, model, checkpoint, root, config, max_context, num_parameters, graph,
                                    tokenizer_dirs["target"], report, fallback_to_fp32=chosen_by_auto)
         del model
-        if not specs[role].parity.passed:
-            raise SpecdeployError(f"parity check failed for the {role}: {_parity_failure(specs[role].parity)}; nothing was written")
+        parity = specs[role].parity
+        if not parity.passed and role == "target" and config.allow_lossy and parity.check == "greedy_agreement":
+            report("validate", f"target: {_parity_failure(parity)}; kept (--allow-lossy)")
+        elif not parity.passed:
+            hint = " (--allow-lossy keeps it anyway)" if role == "target" and parity.check == "greedy_agreement" else ""
+            raise SpecdeployError(f"parity check failed for the {role}: {_parity_failure(parity)}{hint}; nothing was written")
     report("write", "tokenizer and manifest")
     manifest = Manifest(
         format_version=FORMAT_VERSION,
@@ -343,6 +354,7 @@ def _export_options(config: ExportConfig, max_context: int) -> dict:
         "task": convert.TASK,
         "trust_remote_code": config.trust_remote_code,
         "allow_pickle": config.allow_pickle,
+        "allow_lossy": config.allow_lossy,
     }
 
 
