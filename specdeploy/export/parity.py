@@ -89,6 +89,8 @@ def check_parity(
     verify_tokens = min(verify_tokens, max(1, spec.max_context // 2))
     if prefill_tokens is None:
         prefill_tokens = parity_length(torch_model.config, spec.max_context, verify_tokens)
+    if spec.attention_window:  # a windowed draft equals full attention only within its window
+        prefill_tokens = min(prefill_tokens, spec.attention_window - verify_tokens)
     prefill_tokens = min(prefill_tokens, spec.max_context - verify_tokens)
     ids = parity_tokens(tokenizer_json, spec.vocab_size, prefill_tokens + verify_tokens)
     with torch.no_grad():
