@@ -299,3 +299,24 @@ def test_bad_messages_in_python(generator, agreeing_bundle):
         specdeploy.load(agreeing_bundle, warm_up=False).generate(messages=[{"role": "user", "content": "x"}])
     with pytest.raises(SpecdeployError, match="stop_token_ids must be in"):
         generator.generate("x", stop_token_ids=[VOCAB])
+
+
+def test_serve_chat_stops_at_end_of_turn(generator, chat_bundle):
+    from test_serve import LiveServer
+
+    from specdeploy.serve.config import ServeConfig
+
+    messages = CONVERSATIONS["system"]
+    reply = generator.generate(messages=messages, max_new_tokens=60, temperature=0)
+    assert reply.stats.finish_reason == "eos"
+    live = LiveServer(ServeConfig(bundle=str(chat_bundle), model_name="chat"))
+    try:
+        client = live.client()
+        response = client.chat.completions.create(model="chat", messages=messages, max_tokens=60, temperature=0)
+        assert response.choices[0].message.content == reply.text
+        assert response.choices[0].finish_reason == "stop"
+        assert response.usage.completion_tokens == len(reply.token_ids)
+        chunks = client.chat.completions.create(model="chat", messages=messages, max_tokens=60, temperature=0, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reply.text
+    finally:
+        live.close()

@@ -154,6 +154,8 @@ async def _generate(service: Service, request: Request, kind: str) -> Response:
     if parsed.chat:
         prompt = _render_chat(service, prompt)
     options = check_options(parsed.options, service.max_context)
+    if parsed.chat:  # a reply ends at the template's end-of-turn token, as generate(messages=...) does
+        options["stop_token_ids"] = service.worker.generator.end_of_turn_ids
     responder = Responder(service.model, parsed.chat, options, parsed.include_usage)
     job = Job(prompt, options, streaming=parsed.stream)
     service.worker.submit(job)
