@@ -219,9 +219,12 @@ def long_bundle(tmp_path_factory, checkpoints):
         folder = pair[role] = root / role
         shutil.copytree(source, folder)
         for name, changes in (("config.json", {"max_position_embeddings": LONG_CONTEXT, "eos_token_id": None}),
-                              ("generation_config.json", {"eos_token_id": None})):
+                              ("generation_config.json", {"eos_token_id": None}),
+                              ("tokenizer_config.json", {"eos_token": None}),
+                              ("special_tokens_map.json", {"eos_token": None})):
             config = json.loads((folder / name).read_text())
-            (folder / name).write_text(json.dumps({**config, **changes}))
+            (folder / name).write_text(json.dumps({key: value for key, value in {**config, **changes}.items()
+                                                   if value is not None or key not in ("eos_token",)}))
     out = root / "bundle"
     export_bundle(ExportConfig(target=str(pair["target"]), draft=str(pair["draft"]), out=str(out),
                                max_context=LONG_CONTEXT))

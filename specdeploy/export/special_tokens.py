@@ -253,7 +253,7 @@ def check_special_tokens(checkpoint, tokenizer_dir: Path, work_dir: Path,
         primary, origin = next(i for i in config_eos if i in generation_eos), "config.json and generation_config.json"
     else:
         primary, origin = (stop[0] if stop else None), None
-    if wrong_eos and origin is None:
+    if wrong_eos and origin is None and stop:  # with no EOS in either config, the tokenizer's is the stop token
         listed = ", ".join(f"{s} {show(v)}" for s, v in wrong_eos)
         theirs = "config.json" if config_eos else "generation_config.json"
         raise SpecdeployError(f"{where}: the special tokens disagree: eos: {listed}, {theirs} eos_token_id "
