@@ -96,7 +96,7 @@ def prompt_ids(bundle: Path, prompt: str, chat: bool) -> list[int]:
     generator = specdeploy.load(bundle, warm_up=False)
     if chat:
         return generator.encode_chat([{"role": "user", "content": prompt}])
-    return generator.codec.tokenizer.encode(prompt, add_special_tokens=False).ids
+    return generator.codec.encode(prompt)  # as `specdeploy run --prompt` encodes it (Gemma's BOS included)
 
 
 def quality(args) -> None:
