@@ -12,11 +12,13 @@ the check is how often the greedy (argmax) token agrees.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 from ..bundle import ModelSpec, ParityReport
 from ..runtime import OrtEngine, SessionConfig, global_pool_active
+from ..runtime.engine import PREFILL_CHUNK
 
 # Natural text makes the greedy check meaningful for trained models (on random ids every model is
 # unsure, and rounding flips near-ties that no user would see): code, prose, a chat, other scripts.
@@ -82,9 +84,11 @@ def check_parity(
     prefill_tokens: int | None = None,
     verify_tokens: int = 5,
 ) -> ParityReport:
-    """Compare the ONNX model with PyTorch; prefill_tokens defaults to parity_length (256 or past the window)."""
-    import torch
+    """Compare the ONNX model with PyTorch; prefill_tokens defaults to parity_length (256 or past the window).
 
+    The prefill runs in chunks of at most PREFILL_CHUNK tokens on one cache, as the runtime prefills,
+    and each chunk's logits are compared with PyTorch's rows and dropped before the next: no array of
+    [prefill, vocab] logits exists (581 x 262,144 fp32 for Gemma 3 is 0.6 GB, three times over)."""
     # A short --max-context caps the check (the fused graph's rotary tables end there).
     verify_tokens = min(verify_tokens, max(1, spec.max_context // 2))
     if prefill_tokens is None:
@@ -93,37 +97,106 @@ def check_parity(
         prefill_tokens = min(prefill_tokens, spec.attention_window - verify_tokens)
     prefill_tokens = min(prefill_tokens, spec.max_context - verify_tokens)
     ids = parity_tokens(tokenizer_json, spec.vocab_size, prefill_tokens + verify_tokens)
-    with torch.no_grad():
-        reference = torch_model(input_ids=torch.from_numpy(ids)[None]).logits[0].float().numpy()  # [P + V, vocab]
+    reference = reference_logits(torch_model, ids)
 
     # Per-session threads leave the process free for optimum's own sessions, unless a runtime in this
     # process already switched ONNX Runtime to the shared pool (then optimum cannot run here either).
-    engine = OrtEngine(onnx_path, spec, SessionConfig(device="cpu", shared_threads=global_pool_active()))
-    prefill_cache = engine.new_cache(prefill_tokens + verify_tokens)
-    prefill_logits = engine.run(ids[:prefill_tokens], prefill_cache)  # [P, vocab]
-    verify_logits = engine.run(ids[prefill_tokens:], prefill_cache)  # [V, vocab]
+    # Each chunk's logits are read before the next pass, so they may land in the engine's scratch buffer.
+    engine = OrtEngine(onnx_path, spec, SessionConfig(device="cpu", shared_threads=global_pool_active()),
+                       scratch_logits=True)
+    cache = engine.new_cache(prefill_tokens + verify_tokens)
+    # Equal chunks, none of a single token (a one-row pass takes other kernels than the runtime's prefill).
+    chunks = np.array_split(np.arange(prefill_tokens), -(-prefill_tokens // PREFILL_CHUNK))
+    prefill = _Agreement()
+    for rows in chunks:
+        start, stop = int(rows[0]), int(rows[-1]) + 1
+        prefill.add(engine.run(ids[start:stop], cache), reference(start, stop))
+    verify = _Agreement()
+    verify.add(engine.run(ids[prefill_tokens:], cache), reference(prefill_tokens, len(ids)))
+    del engine, cache
 
-    def agreement(ours: np.ndarray, theirs: np.ndarray) -> float:
-        return float(np.mean(ours.argmax(-1) == theirs.argmax(-1)))
-
-    prefill_diff = float(np.abs(prefill_logits - reference[:prefill_tokens]).max())
-    verify_diff = float(np.abs(verify_logits - reference[prefill_tokens:]).max())
-    prefill_agree = agreement(prefill_logits, reference[:prefill_tokens])
-    verify_agree = agreement(verify_logits, reference[prefill_tokens:])
     check, tolerance = tolerance_for(spec.dtype, spec.quantize, spec.role)
     if check == "max_abs_diff":
-        passed = max(prefill_diff, verify_diff) <= tolerance
+        passed = max(prefill.max_abs_diff, verify.max_abs_diff) <= tolerance
     else:  # over every position compared: a 5-token verify alone moves in steps of 0.2
-        passed = overall_agreement(prefill_tokens, prefill_agree, verify_tokens, verify_agree) >= tolerance
+        passed = overall_agreement(prefill_tokens, prefill.greedy_agreement, verify_tokens,
+                                   verify.greedy_agreement) >= tolerance
     return ParityReport(
         prefill_tokens=prefill_tokens,
         past_tokens=prefill_tokens,
         verify_tokens=verify_tokens,
-        prefill_max_abs_diff=prefill_diff,
-        verify_max_abs_diff=verify_diff,
-        prefill_greedy_agreement=prefill_agree,
-        verify_greedy_agreement=verify_agree,
+        prefill_max_abs_diff=prefill.max_abs_diff,
+        verify_max_abs_diff=verify.max_abs_diff,
+        prefill_greedy_agreement=prefill.greedy_agreement,
+        verify_greedy_agreement=verify.greedy_agreement,
         check=check,
         tolerance=tolerance,
         passed=bool(passed),
     )
+
+
+class _Agreement:
+    """The largest absolute logit difference and the greedy agreement, gathered chunk by chunk."""
+
+    def __init__(self):
+        self._max_abs_diff = np.float32(0.0)
+        self._matches = self._rows = 0
+
+    def add(self, ours: np.ndarray, theirs: np.ndarray) -> None:  # [rows, vocab] each
+        # np.maximum, not max(): a NaN anywhere must stay in the figure (and fail the check).
+        self._max_abs_diff = np.maximum(self._max_abs_diff, np.abs(ours - theirs).max())
+        self._matches += int(np.count_nonzero(ours.argmax(-1) == theirs.argmax(-1)))
+        self._rows += len(ours)
+
+    @property
+    def max_abs_diff(self) -> float:
+        return float(self._max_abs_diff)
+
+    @property
+    def greedy_agreement(self) -> float:
+        return self._matches / self._rows
+
+
+def reference_logits(torch_model, ids: np.ndarray) -> Callable[[int, int], np.ndarray]:
+    """PyTorch's logits of one no-cache pass over ids ([n]), as rows(start, stop) -> [stop - start, vocab] float32.
+
+    The model runs once up to its output head, whose input (the hidden states, [n, hidden]) is
+    kept; each call applies the head, and Gemma's final logit softcapping, to its rows only. That
+    this gives the model's own logits is checked on the last row, which the model computes in
+    full; a model whose logits come out of the head some other way is run whole instead (all its
+    logits are then held)."""
+    import torch
+
+    input_ids = torch.from_numpy(ids)[None]
+    head = torch_model.get_output_embeddings() if hasattr(torch_model, "get_output_embeddings") else None
+    softcap = getattr(torch_model.config, "final_logit_softcapping", None)
+    if isinstance(head, torch.nn.Module):
+        captured = []
+
+        def keep_last_row(module, args):  # the head sees the hidden states; it computes the last row only
+            if len(args) != 1 or not isinstance(args[0], torch.Tensor) or args[0].shape[:2] != input_ids.shape:
+                return None
+            captured.append(args[0])
+            return (args[0][:, -1:],)
+
+        handle = head.register_forward_pre_hook(keep_last_row)
+        try:
+            with torch.no_grad():
+                last = torch_model(input_ids=input_ids).logits  # [1, 1, vocab] when the hook took the hidden states
+        finally:
+            handle.remove()
+
+        def rows(start: int, stop: int) -> np.ndarray:
+            with torch.no_grad():
+                logits = head(captured[0][:, start:stop])
+                if softcap is not None:  # as Gemma 2 / 3 compute it (Gemma3ForCausalLM.forward)
+                    logits = logits / softcap
+                    logits = torch.tanh(logits)
+                    logits = logits * softcap
+            return logits[0].float().numpy()
+
+        if len(captured) == 1 and last.shape[1] == 1 and np.array_equal(rows(len(ids) - 1, len(ids)), last[0].float().numpy()):
+            return rows
+    with torch.no_grad():
+        logits = torch_model(input_ids=input_ids).logits[0].float().numpy()  # [n, vocab]
+    return lambda start, stop: logits[start:stop]
