@@ -86,8 +86,12 @@ def prepare(args) -> None:
             result = subprocess.run(["/usr/bin/time", "-v", *command], capture_output=True, text=True)
             peak = next((line.split(":")[-1].strip() for line in result.stderr.splitlines()
                          if "Maximum resident set size" in line), "?")
-            print(f"{model} {precision}: export {time.perf_counter() - start:.0f} s, peak RSS {int(peak) / 1e6:.2f} GB"
-                  if peak.isdigit() else result.stderr[-2000:], flush=True)
+            if result.returncode:
+                errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+                print(f"{model} {precision}: export failed: {errors[-1] if errors else result.stderr[-2000:]}", flush=True)
+                continue
+            print(f"{model} {precision}: export {time.perf_counter() - start:.0f} s, peak RSS "
+                  f"{int(peak) / 1e6:.2f} GB" if peak.isdigit() else peak, flush=True)
 
 
 def prompt_ids(bundle: Path, prompt: str, chat: bool) -> list[int]:
