@@ -52,6 +52,16 @@ def _write_tensors(writer, model, arch) -> None:
         writer.add_tensor(f"{names.get_name(base)}.{suffix}", tensor.numpy().astype(np.float32))
 
 
+def _write_shape(writer) -> None:
+    """The hyperparameters both tiny layouts share."""
+    writer.add_context_length(256)
+    writer.add_block_count(LAYERS)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(2 * HIDDEN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+
+
 def write_llama_gguf(path: Path, *, add_bos: bool = False, eos: int = 2, seed: int = 0) -> Path:
     """A Llama layout as llama.cpp writes SmolLM2: a GPT-2 BPE, ChatML, no BOS prepended, EOS <|im_end|>."""
     import gguf
@@ -66,12 +76,7 @@ def write_llama_gguf(path: Path, *, add_bos: bool = False, eos: int = 2, seed: i
     model = tf.LlamaForCausalLM(config)
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name("tiny-llama")
-    writer.add_context_length(256)
-    writer.add_block_count(LAYERS)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(2 * HIDDEN)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
+    _write_shape(writer)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_freq_base(10000.0)
     writer.add_rope_dimension_count(HIDDEN // HEADS)
@@ -108,12 +113,7 @@ def write_gemma3_gguf(path: Path) -> Path:
     model = tf.Gemma3ForCausalLM(config)
     writer = gguf.GGUFWriter(str(path), "gemma3")
     writer.add_name("tiny-gemma3")
-    writer.add_context_length(256)
-    writer.add_block_count(LAYERS)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(2 * HIDDEN)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
+    _write_shape(writer)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(1e-6)
