@@ -181,7 +181,11 @@ def test_hosts_not_installed_are_recorded_as_not_checked(tmp_path, monkeypatch):
 def test_export_records_the_hosts_and_an_old_manifest_still_loads(bundles, tmp_path):
     manifest = load_manifest(bundles("llama"), verify=True)
     assert manifest.tokenizer.hosts["genai"].status == "ok"
-    assert manifest.tokenizer.hosts["node"].status == ("ok" if th.node_version() else "not checked")
+    node = manifest.tokenizer.hosts["node"]
+    if th.node_version() is None:
+        assert node.status == "not checked"
+    else:  # the suite may install the Node host's packages (tests/test_node_host.py) after this bundle was made
+        assert node.status == "ok" or (node.status == "not checked" and "node" in node.reason.lower())
     assert manifest.genai.unsupported is None
     old = shutil.copytree(bundles("llama"), tmp_path / "old")
     save_manifest(dataclasses.replace(manifest, tokenizer=dataclasses.replace(manifest.tokenizer, hosts={})), old)
