@@ -26,7 +26,6 @@ from ..errors import SpecdeployError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 FIELDS = ("bos", "eos", "pad")
-_REPLY = "SPECDEPLOY-ASSISTANT-REPLY"  # the assistant message whose closing tokens the template is asked for
 
 
 @dataclass(frozen=True)
@@ -143,20 +142,11 @@ def _chat_template(folder: Path, tokenizer_config: dict) -> str | None:
 
 
 def end_of_turn_tokens(template: str, special: list[str], bos: str | None, eos: str | None) -> list[str]:
-    """The special tokens the template writes right after an assistant message (before any other text)."""
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    """The special tokens the template writes right after an assistant message (before any other text),
+    rendered by the runtime's own ChatTemplate, as generate(messages=...) will render it."""
+    from ..runtime.chat import ChatTemplate
 
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: "26 Jul 2024"
-    messages = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": _REPLY}]
-    text = env.from_string(template).render(messages=messages, add_generation_prompt=False, bos_token=bos or "",
-                                            eos_token=eos or "", tools=None)
-    after = text[text.index(_REPLY) + len(_REPLY):] if _REPLY in text else ""
+    after = ChatTemplate(template, {"bos_token": bos or "", "eos_token": eos or ""}).end_of_turn_text()
     found = []
     by_length = sorted(set(special), key=len, reverse=True)
     while True:

@@ -180,11 +180,9 @@ def _render_chat(service: Service, messages: list[dict]) -> list[int]:
         raise ApiError(400, f"the model '{service.model}' has no chat template (its tokenizer_config.json names "
                             "none); use /v1/completions", code="no_chat_template")
     try:
-        text = service.chat_template.render(messages)
+        return service.worker.generator.encode_chat(messages)
     except SpecdeployError as exc:
         raise ApiError(400, str(exc), param="messages") from None
-    codec = service.worker.generator.codec
-    return codec.tokenizer.encode(text, add_special_tokens=False).ids or codec.encode("")
 
 
 async def _first_event(job: Job, request: Request):
