@@ -47,6 +47,9 @@ class SessionConfig:
     # ONNX Runtime's CPU arena keeps freed activation memory for reuse; the fused graphs run as
     # fast without it, with a lower peak.
     memory_arena: bool = False
+    # ONNX Runtime repacks MatMul weights into its kernels' layout at load: faster passes, a second
+    # copy of the weights in memory. A session that runs a few passes (export's parity check) skips it.
+    prepack_weights: bool = True
 
 
 def trt_profiles(spec: ModelSpec, max_context: int, max_new: int = 33) -> dict[str, str]:
@@ -142,6 +145,8 @@ def session_options(config: SessionConfig, spec: ModelSpec | None = None):
         options.add_session_config_entry("session.intra_op.allow_spinning", "1" if config.allow_spinning else "0")
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.enable_cpu_mem_arena = config.memory_arena
+    if not config.prepack_weights:
+        options.add_session_config_entry("session.disable_prepacking", "1")
     # ONNX Runtime keeps one memory pattern per distinct set of input shapes, for as long as the
     # session lives. A concatenating KV cache (a new past length every pass), or a GPU pass's mask
     # as wide as the context, makes a new set nearly every pass: the patterns then grow without
