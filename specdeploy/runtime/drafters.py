@@ -2,9 +2,11 @@
 
 The seam (after transformers' candidate generators): `propose(context, k, ...)` returns the draft
 tokens and the probabilities they were drawn from (None when greedy); `prefill(context)` readies a
-drafter for a prompt and `reset()` forgets what it cached. A drafter needs nothing back from the
-verification: a model drafter's cache drops rejected tokens when its next proposal syncs it to the
-new context (`truncate_to_prefix`).
+drafter for a new sequence and `reset()` forgets what it cached. Between two prefills a drafter
+follows one sequence, whose context only grows: a model drafter's cache drops rejected tokens
+when its next proposal compares the few tokens after the context it last saw. A drafter needs
+nothing back from the verification. `for_cache(cache)` makes a drafter of the same kind on
+another draft cache (one per KV slot), and `propose_many` proposes for several sequences at once.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .engine import OrtEngine
+from .engine import PREFILL_CHUNK, OrtEngine
 from .sampling import Sampler
 
 MAX_NGRAM = 3  # the longest n-gram prompt lookup matches
@@ -39,13 +41,17 @@ class Drafter(Protocol):
 
     def reset(self) -> None: ...
 
+    def for_cache(self, cache) -> "Drafter": ...
+
 
 class ModelDrafter:
     """The bundle's draft model, decoding autoregressively on its own KV cache."""
 
-    def __init__(self, engine: OrtEngine, capacity: int):
+    def __init__(self, engine: OrtEngine, capacity: int, cache=None):
         self.engine = engine
-        self.cache = engine.new_cache(capacity)
+        self.capacity = capacity
+        self.cache = cache if cache is not None else engine.new_cache(capacity)
+        self._known = 0  # the cache agrees with the followed context's first _known tokens
         # Made by _prepare for each generate call (its sampler): one [k, vocab] buffer of probability
         # rows reused by every sampled proposal, with its row views [vocab] and leading-row views
         # [i, vocab] made once rather than per token.
@@ -57,12 +63,28 @@ class ModelDrafter:
 
     def prefill(self, context: list[int]) -> None:
         self.engine.prefill(context, self.cache)
+        self._known = len(context)
 
     def reset(self) -> None:
         self.cache.reset()
+        self._known = 0
+
+    def for_cache(self, cache) -> "ModelDrafter":
+        return ModelDrafter(self.engine, self.capacity, cache)
+
+    def pending(self, context: list[int]) -> list[int]:
+        """The tokens of context the cache lacks (at least one): rejected drafts leave it here."""
+        rest = self.cache.truncate_to_prefix(context, min_rest=1, start=self._known)
+        self._known = len(context)  # the next pass runs rest: then the cache holds all of context
+        return rest
 
     def propose(self, context, num_tokens, sampler, rng, min_confidence=0.0):
-        logits = self.engine.logits_after(context, self.cache)  # [vocab]
+        rest = self.pending(context)
+        engine, cache = self.engine, self.cache
+        while len(rest) > PREFILL_CHUNK:
+            engine.run(rest[:PREFILL_CHUNK], cache)
+            rest = rest[PREFILL_CHUNK:]
+        logits = engine.run(rest, cache)[-1]  # [vocab]
         # Every statement of a round runs cold after a pass: what a generate call fixes is set up once.
         if sampler is not self._sampler or self._capacity < num_tokens:
             self._prepare(sampler, logits.shape[-1], num_tokens)
@@ -124,8 +146,7 @@ class PromptLookupDrafter:
 
     The n-grams are indexed as the context grows (n-gram -> where its latest earlier occurrence
     ends), so a round costs a few dictionary operations, not a scan of the context. The index
-    follows one context list as the generate loop extends it; any other list (or one that got
-    shorter) is indexed afresh.
+    follows one sequence from prefill on (its context only grows); prefill starts a new index.
     """
 
     engine = None  # no model to run
@@ -134,17 +155,19 @@ class PromptLookupDrafter:
         self.vocab_size = vocab_size
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
-        self._context: list[int] | None = None  # the list the index follows
         self._indexed = 0  # n-grams ending before this position are in the index
         self._ends: dict[tuple[int, ...], int] = {}
         self._one_hot: np.ndarray | None = None  # [k, vocab] rows reused across rounds (see ModelDrafter._prepare)
         self._hot: list[int] = []  # the tokens set to 1 in it, one per row
 
     def prefill(self, context: list[int]) -> None:
-        self._context = None
+        self.reset()
 
     def reset(self) -> None:
-        self._context = None
+        self._indexed, self._ends = 0, {}
+
+    def for_cache(self, cache) -> "PromptLookupDrafter":
+        return PromptLookupDrafter(self.vocab_size, self.max_ngram, self.min_ngram)
 
     def propose(self, context, num_tokens, sampler, rng, min_confidence=0.0, min_ngram=None):
         """As Drafter.propose; min_ngram (None: the drafter's own, else min_ngram..max_ngram) is the shortest
@@ -173,8 +196,8 @@ class PromptLookupDrafter:
 
     def _index(self, context: list[int]) -> None:
         """Add the n-grams that end at positions up to len(context) - 2 (the last one is what we look up)."""
-        if context is not self._context or len(context) < self._indexed + 1:
-            self._context, self._indexed, self._ends = context, 0, {}
+        if len(context) < self._indexed + 1:  # not the followed sequence: index it afresh
+            self.reset()
         ends = self._ends
         sizes = range(self.min_ngram, self.max_ngram + 1)
         for end in range(self._indexed, len(context) - 1):
@@ -212,9 +235,111 @@ class HybridDrafter:
         self.lookup.reset()
         self.model_drafter.reset()
 
+    def for_cache(self, cache) -> "HybridDrafter":
+        return HybridDrafter(self.model_drafter.for_cache(cache), self.lookup.for_cache(cache), self.sampled_ngram)
+
     def propose(self, context, num_tokens, sampler, rng, min_confidence=0.0):
         min_ngram = None if sampler.greedy else self.sampled_ngram
         tokens, probs = self.lookup.propose(context, num_tokens, sampler, rng, min_ngram=min_ngram)
         if tokens:
             return tokens, probs
         return self.model_drafter.propose(context, num_tokens, sampler, rng, min_confidence)
+
+
+def propose_many(requests: list[tuple]) -> list[tuple[list[int], np.ndarray | None]]:
+    """Drafter.propose for several sequences at once: requests are (drafter, context, num_tokens,
+    sampler, rng, min_confidence), one per sequence, each drafter on its own slot's cache.
+
+    Lookup proposals are made first (a hybrid's model runs only where the lookup finds nothing);
+    the draft model's rows then step together, one batched pass per draft position (run_batch),
+    each row choosing its tokens exactly as ModelDrafter.propose does and stopping on its own."""
+    results: list = [None] * len(requests)
+    model_rows = []
+    for index, (drafter, context, num_tokens, sampler, rng, min_confidence) in enumerate(requests):
+        if isinstance(drafter, HybridDrafter):
+            min_ngram = None if sampler.greedy else drafter.sampled_ngram
+            tokens, probs = drafter.lookup.propose(context, num_tokens, sampler, rng, min_ngram=min_ngram)
+            if tokens:
+                results[index] = (tokens, probs)
+                continue
+            drafter = drafter.model_drafter
+        if isinstance(drafter, ModelDrafter):
+            model_rows.append((index, drafter, context, num_tokens, sampler, rng, min_confidence))
+        else:
+            results[index] = drafter.propose(context, num_tokens, sampler, rng, min_confidence)
+    if len(model_rows) == 1:
+        index, drafter, *arguments = model_rows[0]
+        results[index] = drafter.propose(*arguments)
+    elif model_rows:
+        _propose_model_rows(model_rows, results)
+    return results
+
+
+class _Row:
+    """One sequence's proposal in progress (propose_many)."""
+
+    __slots__ = ("index", "drafter", "num_tokens", "sampler", "min_confidence", "uniforms", "tokens", "logits", "pending")
+
+    def __init__(self, index, drafter, num_tokens, sampler, min_confidence):
+        self.index, self.drafter, self.num_tokens = index, drafter, num_tokens
+        self.sampler, self.min_confidence = sampler, min_confidence
+        self.uniforms: list[float] = []
+        self.tokens: list[int] = []
+        self.logits = None  # [vocab]: the logits its next token is chosen from
+        self.pending: int | None = None  # the token its next pass runs
+
+    def choose(self) -> bool:
+        """Pick the next token from self.logits; False once the row has proposed all it will."""
+        sampler, logits, tokens = self.sampler, self.logits, self.tokens
+        if sampler.greedy:
+            token = sampler.argmax(logits, tokens)
+            tokens.append(token)
+            if len(tokens) == self.num_tokens:
+                return False
+            confidence = self.min_confidence
+            if confidence > 0 and np.exp(logits - logits[token]).sum() * confidence > 1.0:
+                return False
+        else:
+            row = self.drafter._row_views[len(tokens)]
+            token = sampler.sample(logits, self.uniforms[len(tokens)], row, tokens)
+            tokens.append(token)
+            if len(tokens) == self.num_tokens or (self.min_confidence > 0 and row.max() < self.min_confidence):
+                return False
+        self.pending = token
+        return True
+
+
+def _propose_model_rows(model_rows: list[tuple], results: list) -> None:
+    engine = model_rows[0][1].engine
+    rows = []
+    for index, drafter, context, num_tokens, sampler, rng, min_confidence in model_rows:
+        row = _Row(index, drafter, num_tokens, sampler, min_confidence)
+        rest = drafter.pending(context)
+        if len(rest) > 1:  # a catch-up of several tokens runs alone, as ModelDrafter.propose runs it
+            while len(rest) > PREFILL_CHUNK:
+                engine.run(rest[:PREFILL_CHUNK], drafter.cache)
+                rest = rest[PREFILL_CHUNK:]
+            row.logits = engine.run(rest, drafter.cache)[-1].copy()
+        else:
+            row.pending = rest[0]
+        if not sampler.greedy:
+            drafter._prepare(sampler, engine.spec.vocab_size, num_tokens)
+            row.uniforms = rng.random(num_tokens).tolist()  # the round's draws in one call, as propose takes them
+        rows.append(row)
+    stepping = [row for row in rows if row.logits is None]
+    while True:
+        if stepping:
+            logits = engine.run_batch([row.pending for row in stepping], [row.drafter.cache for row in stepping])
+            for row, row_logits in zip(stepping, logits):
+                row.logits = row_logits
+        stepping = []
+        for row in rows:
+            if row.logits is not None:
+                if row.choose():
+                    stepping.append(row)
+                row.logits = None
+        if not stepping:
+            break
+    for row in rows:
+        probs = None if row.sampler.greedy else row.drafter._prefix_views[len(row.tokens)]
+        results[row.index] = (row.tokens, probs)

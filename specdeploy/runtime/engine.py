@@ -18,7 +18,7 @@ import numpy as np
 
 from ..bundle import ModelSpec, check_graph_io
 from ..errors import SpecdeployError
-from .kv_cache import KVCache, SharedKVCache, _ortvalue
+from .kv_cache import KVCache, KVSlots, SharedKVCache, _ortvalue
 
 DEVICES = ("cpu", "cuda", "tensorrt")
 PREFILL_CHUNK = 64  # tokens per prefill pass (see OrtEngine.prefill)
@@ -221,6 +221,9 @@ class OrtEngine:
         # What the binding holds now: the cache whose buffers it binds, the ids and logits OrtValues
         # (if ours), and the cache whose one-token scratch pass was the last pass (see _step).
         self._bound_cache = self._bound_ids = self._bound_logits = self._stepping = None
+        self._batch_logits: dict = {}  # rows -> ([rows, 1, vocab] logits, its OrtValue); see run_batch
+        self._batch_ids_values: dict = {}
+        self._batch_ids = np.zeros((0, 1), dtype=np.int64)  # [rows, 1]
 
     def new_cache(self, capacity: int) -> KVCache | SharedKVCache:
         spec = self.spec
@@ -228,6 +231,76 @@ class OrtEngine:
             raise SpecdeployError(f"a cache of {capacity} positions exceeds the {spec.role}'s max context {spec.max_context}")
         kind = SharedKVCache if self.shared_buffer else KVCache
         return kind(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.cache_dtype, capacity, self._device)
+
+    def new_slots(self, slots: int, capacity: int) -> KVSlots | None:
+        """The caches of `slots` sequences in one buffer per layer, for run_batch (None where this engine
+        cannot batch: optimum's graphs, or a GPU; run_batch then runs one pass per sequence)."""
+        spec = self.spec
+        if capacity > spec.max_context:
+            raise SpecdeployError(f"a cache of {capacity} positions exceeds the {spec.role}'s max context {spec.max_context}")
+        if not self.shared_buffer or self._device != "cpu":
+            return None
+        return KVSlots(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.cache_dtype, capacity, slots)
+
+    def run_batch(self, token_ids: list[int], caches: list) -> np.ndarray:
+        """One token after each of several caches ([n] tokens, n caches); returns their logits [n, vocab].
+
+        Caches that are rows of one KVSlots run in one pass over its first rows (every row up to the
+        highest one given): a row that is not given writes its pending slot (the position at its
+        length, past its valid ones) and keeps its length. A pass of n rows computes each row as a
+        pass of that row alone with two or more tokens would, bit for bit. Anything else runs one
+        pass per cache. The rows are valid until the next pass."""
+        pool = getattr(caches[0], "pool", None)
+        rows = 1 + max(cache.slot_index for cache in caches) if pool is not None else 0
+        batched = (len(caches) > 1 and pool is not None and all(cache.pool is pool for cache in caches)
+                   and len({cache.slot_index for cache in caches}) == len(caches)
+                   and all(cache.length < cache.capacity for cache in pool.caches[:rows]))
+        if not batched:
+            return np.stack([self.run([token], cache)[-1] for token, cache in zip(token_ids, caches)])
+        ids, logits, logits_value = self._batch_buffers(rows)
+        ids[:] = 0
+        for token, cache in zip(token_ids, caches):
+            ids[cache.slot_index, 0] = token
+        lengths = [cache.length for cache in pool.caches[:rows]]
+        pool.mask[:rows] = 0
+        for index, length in enumerate(lengths):
+            pool.mask[index, : length + 1] = 1
+        buffers, mask = pool.prefix(rows)
+        binding = self._binding
+        for name, tensor in zip(self._past_names, buffers):
+            binding.bind_ortvalue_input(name, tensor)
+        for name, tensor in zip(self._present_names, buffers):
+            binding.bind_ortvalue_output(name, tensor)
+        binding.bind_ortvalue_input("attention_mask", mask)
+        binding.bind_ortvalue_input("input_ids", self._batch_ids_values[rows])
+        binding.bind_ortvalue_output("logits", logits_value)
+        self._bound_cache = self._bound_ids = self._bound_logits = self._stepping = None
+        try:
+            self._timed_run()
+        finally:
+            for index, length in enumerate(lengths):  # each row's mask back to its valid length
+                pool.mask[index, length] = 0
+                pool.caches[index]._mask_length = length
+        for token, cache in zip(token_ids, caches):
+            cache.length += 1
+            cache.tokens.append(int(token))
+            cache.mask_to(cache.length)
+        rows_out = logits[[cache.slot_index for cache in caches], 0]  # [n, vocab]
+        return rows_out if self._float32_logits else rows_out.astype(np.float32)
+
+    def _batch_buffers(self, rows: int):
+        """The ids [rows, 1] and logits [rows, 1, vocab] of a batched pass, with their OrtValues (made once per size)."""
+        if rows not in self._batch_logits:
+            if self._batch_ids.shape[0] < rows:
+                self._batch_ids = np.zeros((max(rows, 2 * self._batch_ids.shape[0]), 1), dtype=np.int64)
+                self._batch_ids_values = {}
+                self._batch_logits = {}
+            logits = np.empty((rows, 1, self.spec.vocab_size), dtype=self._logits_dtype)
+            self._batch_logits[rows] = (logits, _ortvalue(logits, "cpu"))
+        if rows not in self._batch_ids_values:
+            self._batch_ids_values[rows] = _ortvalue(self._batch_ids[:rows], "cpu")
+        logits, value = self._batch_logits[rows]
+        return self._batch_ids[:rows, 0:1], logits, value
 
     def run(self, token_ids, cache: KVCache | SharedKVCache) -> np.ndarray:
         """Run token_ids ([n], a list or an array) after the cache's tokens; returns their logits [n, vocab]

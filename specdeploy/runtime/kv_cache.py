@@ -50,12 +50,6 @@ class _Cache:
         self.device = device
         self.length = 0  # valid positions
         self.tokens: list[int] = []
-        # The context list the last truncate_to_prefix followed, and how many leading tokens the
-        # cache shares with it: the generate loop only appends to its context, so the next call
-        # compares only what came after (not the whole context, per model per round). A context
-        # changed in place, rather than appended to, must be passed as a new list.
-        self._synced: list[int] | None = None
-        self._agreed = 0
 
     def truncate(self, length: int) -> None:
         """Roll back to the first `length` positions (the keys and values after them are stale from here on)."""
@@ -63,27 +57,26 @@ class _Cache:
             raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
         del self.tokens[length:]
         self.length = length
-        if self._agreed > length:
-            self._agreed = length
 
-    def truncate_to_prefix(self, context: list[int], min_rest: int = 0) -> list[int]:
+    def truncate_to_prefix(self, context: list[int], min_rest: int = 0, start: int = 0) -> list[int]:
         """Truncate to the longest prefix shared with context, leaving at least min_rest of its tokens
-        out; returns the tokens of context the cache lacks (what the next pass runs)."""
+        out; returns the tokens of context the cache lacks (what the next pass runs). It compares
+        the tokens: for a new prompt on a cache that may hold an earlier one (a reused prefix). A
+        sequence that appends to its context knows how far the two agree: `start`, where the comparison
+        begins (tokens[:start] == context[:start] is the caller's word)."""
         limit = max(0, min(len(self.tokens), len(context) - min_rest))
-        start = min(self._agreed, limit) if context is self._synced else 0  # tokens[:start] == context[:start]
+        start = min(start, limit)
         shared = limit
         if self.tokens[start:limit] != context[start:limit]:
             shared = next(i for i in range(start, limit) if self.tokens[i] != context[i])
         if shared < self.length:
             self.truncate(shared)
-        self._synced, self._agreed = context, shared
         return context[shared:]
 
     def reset(self) -> None:
         """Empty (the next pass starts at position 0)."""
         self.tokens = []
         self.length = 0
-        self._synced, self._agreed = None, 0
 
 
 class KVCache(_Cache):
@@ -142,17 +135,21 @@ class SharedKVCache(_Cache):
     written in place: no binding per pass."""
 
     shared_buffer = True
+    pool: "KVSlots | None" = None  # the KVSlots this cache is a row of, if any
+    slot_index = 0
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: np.dtype, capacity: int,
-                 device: str = "cpu"):
+                 device: str = "cpu", slot: tuple[list[np.ndarray], np.ndarray] | None = None):
+        """slot: (buffers, mask) views of one row of a KVSlots pool ([1, kv_heads, capacity, head_dim] each,
+        and [1, capacity]); None allocates this cache's own."""
         super().__init__(num_layers, capacity, device)
         shape = (1, num_kv_heads, capacity, head_dim)
         self.mask = self.mask_value = None
         if device == "cpu":
             # np.zeros maps untouched pages lazily: memory grows with the context actually used.
-            self._backing = [np.zeros(shape, dtype=dtype) for _ in range(2 * num_layers)]
+            self._backing, self.mask = slot if slot is not None else (
+                [np.zeros(shape, dtype=dtype) for _ in range(2 * num_layers)], np.zeros((1, capacity), dtype=np.int64))
             self.tensors = [_ortvalue(a, device) for a in self._backing]
-            self.mask = np.zeros((1, capacity), dtype=np.int64)  # [1, capacity]
             self._mask_row = self.mask[0]  # [capacity]: a 1-D index is the cheapest write
             self.mask_value = _ortvalue(self.mask, device)
             self._mask_length = 0  # the mask's leading ones
@@ -175,3 +172,34 @@ class SharedKVCache(_Cache):
 
     def past(self) -> list:
         return self.tensors
+
+
+class KVSlots:
+    """The KV caches of many sequences in one buffer per layer, for passes over several at once.
+
+    Keys and values of layer i live in [slots, kv_heads, capacity, head_dim] arrays and the masks
+    in one [slots, capacity] array; `caches[i]` is a SharedKVCache over row i (views: a pass of
+    that sequence alone binds them as any cache). A batched pass binds the first n rows of
+    everything (`prefix(n)`): one token per row, each row written at its own length, as
+    GroupQueryAttention reads per-row lengths from the mask's row sums. CPU only."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: np.dtype, capacity: int,
+                 slots: int):
+        shape = (slots, num_kv_heads, capacity, head_dim)
+        self.num_slots, self.capacity = slots, capacity
+        self.buffers = [np.zeros(shape, dtype=dtype) for _ in range(2 * num_layers)]  # [slots, kv_heads, capacity, head_dim]
+        self.mask = np.zeros((slots, capacity), dtype=np.int64)  # [slots, capacity]
+        self.caches = [SharedKVCache(num_layers, num_kv_heads, head_dim, dtype, capacity, "cpu",
+                                     slot=([b[i : i + 1] for b in self.buffers], self.mask[i : i + 1]))
+                       for i in range(slots)]
+        for index, cache in enumerate(self.caches):
+            cache.pool, cache.slot_index = self, index
+        self._prefixes: dict[int, tuple[list, object]] = {}
+
+    def prefix(self, rows: int) -> tuple[list, object]:
+        """OrtValues over the first `rows` slots: each layer's buffers, and the mask."""
+        values = self._prefixes.get(rows)
+        if values is None:
+            values = self._prefixes[rows] = ([_ortvalue(b[:rows], "cpu") for b in self.buffers],
+                                             _ortvalue(self.mask[:rows], "cpu"))
+        return values

@@ -17,7 +17,8 @@ DRAFTERS = ("model", "prompt-lookup", "hybrid")
 
 
 def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verify: bool = False,
-         session: SessionConfig | None = None, lookup_ngram: int = 2, warm_up: bool = True) -> Generator:
+         session: SessionConfig | None = None, lookup_ngram: int = 2, warm_up: bool = True, max_batch: int = 1,
+         policy: str = "auto") -> Generator:
     """Load a bundle for generation on `device` (cpu | cuda | tensorrt).
 
     drafter: "hybrid" (default: prompt lookup when an n-gram of `lookup_ngram` tokens recurs, of 3
@@ -31,6 +32,10 @@ def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verif
     By default ONNX Runtime runs on one process-wide thread pool (fastest when draft and target
     alternate); set SPECDEPLOY_SHARED_THREADS=0, or pass a SessionConfig with shared_threads=False,
     in a process whose other ONNX Runtime sessions need their own pools.
+
+    max_batch: sequences that decode together (generate_many, a server's requests); above 1 the
+    speculation policy ("auto": speculate where the measured costs say it pays, "always", "never")
+    picks each round's draft length (see scheduler.SpeculationPolicy).
 
     warm_up=True (the default) runs each kind of pass once before returning (Generator.warm_up), so
     that the first request runs as fast as later ones; False returns sooner, the first request slower."""
@@ -60,7 +65,7 @@ def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verif
     tokenizer_dir = bundle / manifest.tokenizer.path
     codec = TextCodec(tokenizer_dir, manifest.tokenizer)
     generator = Generator(target, chosen, codec, manifest.max_context, manifest.target.eos_token_ids, manifest,
-                          chat_template=load_chat_template(tokenizer_dir))
+                          chat_template=load_chat_template(tokenizer_dir), max_batch=max_batch, policy=policy)
     if warm_up:
         generator.warm_up()
     return generator

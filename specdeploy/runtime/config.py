@@ -1,0 +1,111 @@
+"""What a generation is asked to do (GenerationConfig), what it did (GenerationStats) and what it gave (GenerationOutput)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import SpecdeployError
+from .sampling import SamplingParams
+
+MAX_DRAFT_TOKENS = 32
+SEED_LIMIT = 2**64  # seeds are 64-bit: 0 .. SEED_LIMIT - 1 (the CLI and the server take the same)
+MIN_TEMPERATURE = 1e-6  # below this, logits / temperature can overflow float32
+WARM_UP_PROMPT_TOKENS = 16  # the prefill Generator.warm_up runs: about a short prompt's length
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+    min_p: float = 0.0  # 0.0: off; keeps tokens at least min_p times as likely as the most likely one
+    repetition_penalty: float = 1.0  # 1.0: off; HF's: divides positive / multiplies negative logits of context tokens
+    seed: int | None = 0  # seeds the np.random.Generator every draw comes from
+    num_draft_tokens: int = 4  # k: tokens the draft proposes per round
+    speculative: bool = True  # False: target-only decoding, the baseline
+    # Stop drafting early once the draft's top probability falls below this (0: always draft k).
+    draft_confidence: float = 0.0
+    stop: tuple[str, ...] = ()  # generation ends before the first of these strings
+    # Generation also ends after any of these tokens, as after the bundle's EOS ids (a chat template's
+    # end of turn: generate(messages=...) adds it).
+    stop_token_ids: tuple[int, ...] = ()
+    # Generate exactly max_new_tokens: EOS and stop tokens do not end it (vLLM's ignore_eos; stop
+    # strings still do). For benchmarks that fix the output length.
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < float("inf")):
+            raise SpecdeployError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE} (got {self.temperature})")
+        if not 0 < self.top_p <= 1:
+            raise SpecdeployError(f"top_p must be in (0, 1] (got {self.top_p})")
+        if not 0 <= self.min_p <= 1:
+            raise SpecdeployError(f"min_p must be in [0, 1] (got {self.min_p})")
+        if not 0 < self.repetition_penalty < float("inf"):
+            raise SpecdeployError(f"repetition_penalty must be a positive finite number (got {self.repetition_penalty})")
+        if self.top_k < 0:
+            raise SpecdeployError(f"top_k must be >= 0 (got {self.top_k})")
+        if self.max_new_tokens < 0:
+            raise SpecdeployError(f"max_new_tokens must be >= 0 (got {self.max_new_tokens})")
+        if not 0 <= self.draft_confidence < 1:
+            raise SpecdeployError(f"draft_confidence must be in [0, 1) (got {self.draft_confidence})")
+        if not 1 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise SpecdeployError(f"num_draft_tokens must be in 1..{MAX_DRAFT_TOKENS} (got {self.num_draft_tokens})")
+        if self.seed is not None and (type(self.seed) is not int or not 0 <= self.seed < SEED_LIMIT):
+            raise SpecdeployError(f"seed must be None or an integer in 0..2**64 - 1 (got {self.seed!r})")
+        if not all(type(token) is int and token >= 0 for token in self.stop_token_ids):
+            raise SpecdeployError(f"stop_token_ids must be token ids, integers >= 0 (got {self.stop_token_ids!r})")
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=float(self.temperature), top_k=int(self.top_k), top_p=float(self.top_p),
+                              min_p=float(self.min_p), repetition_penalty=float(self.repetition_penalty))
+
+
+@dataclass
+class GenerationStats:
+    """What one generate call did; only the CLI prints it."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    rounds: int = 0  # target passes after the prefill (verify passes when speculative)
+    drafted: int = 0
+    draft_rounds: int = 0  # rounds that verified at least one draft token (the rest ran the target alone)
+    accepted: int = 0
+    accepted_by_position: list[int] = field(default_factory=list)  # [k]: rounds that kept draft position i
+    prefill_ms: float = 0.0
+    draft_calls: int = 0  # draft forward passes during decode
+    target_calls: int = 0
+    draft_ms: float = 0.0  # inside the draft's ONNX Runtime calls, decode only
+    target_ms: float = 0.0  # inside the target's ONNX Runtime calls, decode only
+    other_ms: float = 0.0  # decode time outside both: sampling, acceptance, bookkeeping
+    decode_ms: float = 0.0
+    finish_reason: str = ""  # eos | length (max_new_tokens or the context limit) | stop | interrupted
+    note: str = ""  # why generation ended, in words, when the reason alone does not say (the context limit)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        """Tokens per target pass, the corrected/bonus token included: (accepted + rounds) / rounds."""
+        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """New tokens over decode time (the prefill is reported separately)."""
+        return self.new_tokens / (self.decode_ms / 1000) if self.decode_ms > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        data = {k: v for k, v in self.__dict__.items()}
+        data.update(acceptance_rate=self.acceptance_rate, mean_accepted_tokens=self.mean_accepted_tokens,
+                    tokens_per_s=self.tokens_per_s)
+        return data
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    text: str
+    token_ids: list[int]  # the new tokens only
+    stats: GenerationStats

@@ -1,0 +1,267 @@
+"""The scheduler: many sequences stepped together (continuous batching), each exactly as it would run alone.
+
+One `step` is one iteration:
+  1. waiting sequences take free KV slots (the slot whose caches share the longest prefix with the
+     prompt first), up to the generator's slots;
+  2. every sequence still prefilling runs one chunk (PREFILL_CHUNK tokens), so a long prompt
+     delays the others by one chunk per iteration, not by its whole length;
+  3. every prefilled sequence decodes one round. Target-only rows share one batched target pass
+     ([rows, 1], OrtEngine.run_batch). Speculative rows share batched draft passes (propose_many),
+     then each runs its own verify pass: ONNX Runtime's CPU GroupQueryAttention refuses a batch
+     of several rows with several tokens each over a past, and a row's verify pass is what it
+     would be alone. Acceptance is per row;
+  4. finished sequences leave; their slots keep their caches for a later prompt's prefix.
+
+Whether a round speculates, and with how many draft tokens, is the policy's choice
+(SpeculationPolicy): at a large batch a verify pass per row can cost more than it saves, where
+one batched target pass serves every row. The choice changes speed, never a greedy output;
+a sampled output is an exact sample either way, and the same seed gives the same output for the
+same sequence of choices (always, run alone).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from .drafters import propose_many
+from .rejection import accept
+from .sequence import Sequence, Slot
+
+POLICIES = ("auto", "always", "never")
+
+
+class SpeculationPolicy:
+    """How many draft tokens the rows of a round may propose (0: target-only), from measured costs.
+
+    The rule (after SmartSpec, Liu et al. 2024, "Optimizing Speculative Decoding for Serving Large
+    Language Models Using Goodput"): for a batch of B rows whose acceptance rates are a_i, a
+    round of k draft tokens emits sum_i (1 - a_i^(k+1)) / (1 - a_i) tokens in about
+    B * verify_ms[k + 1] + k * draft_ms[B] (a verify pass per row, k batched draft steps), and a
+    target-only round emits B tokens in target_ms[B] (one batched pass). The k in 0..K with the
+    most tokens per millisecond wins. Costs come from `calibrate` (passes timed at load) and are
+    refreshed as rounds run; a row's acceptance is its own running mean, starting from the
+    scheduler's. "always" speculates with each request's k, "never" never does."""
+
+    def __init__(self, mode: str = "auto"):
+        if mode not in POLICIES:
+            raise ValueError(f"unknown speculation policy '{mode}' (choose from {', '.join(POLICIES)})")
+        self.mode = mode
+        self.target_ms: dict[int, float] = {}  # rows -> one batched target step
+        self.draft_ms: dict[int, float] = {}  # rows -> one batched draft step
+        self.verify_ms: dict[int, float] = {}  # tokens -> one verify pass of one row
+        self.acceptance = 0.6  # the running mean over every round, a new row's starting estimate
+
+    def draft_limit(self, rows: list[Sequence], max_k: int) -> int:
+        if self.mode != "auto" or max_k == 0:
+            return max_k if self.mode != "never" else 0
+        count = len(rows)
+        target = _nearest(self.target_ms, count)
+        if target is None:
+            return max_k
+        best_k, best_rate = 0, count / target
+        for k in range(1, max_k + 1):
+            verify, draft = _nearest(self.verify_ms, k + 1), _nearest(self.draft_ms, count)
+            if verify is None or draft is None:
+                return max_k
+            tokens = sum(_expected_tokens(_acceptance(row, self.acceptance), k) for row in rows)
+            rate = tokens / (count * verify + k * draft)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k
+
+    def observe(self, table: dict[int, float], size: int, ms: float) -> None:
+        """Fold a timed pass into the cost table (a running mean that follows the machine's load)."""
+        old = table.get(size)
+        table[size] = ms if old is None else 0.8 * old + 0.2 * ms
+
+    def observe_round(self, num_drafted: int, num_accepted: int) -> None:
+        if num_drafted:
+            self.acceptance = 0.95 * self.acceptance + 0.05 * (num_accepted / num_drafted)
+
+
+def _nearest(table: dict[int, float], size: int) -> float | None:
+    if not table:
+        return None
+    if size in table:
+        return table[size]
+    key = min(table, key=lambda known: (abs(known - size), -known))
+    return table[key] * size / key if key < size else table[key]
+
+
+def _acceptance(row: Sequence, prior: float) -> float:
+    drafted, ended_at = row.stats.drafted, row.ended_at
+    accepted = sum(count * accepted for accepted, count in enumerate(ended_at))
+    # A row's own rate once it has drafted a few tokens; the scheduler's before.
+    return (accepted + 8 * prior) / (drafted + 8)
+
+
+def _expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens a round of k drafts emits when each draft is kept with probability `acceptance`
+    (Leviathan et al. 2023): 1 + a + ... + a^k."""
+    if acceptance >= 1.0:
+        return k + 1.0
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+class Scheduler:
+    """Steps every live sequence of one generator each iteration; see the module docstring.
+
+    One thread drives a scheduler (the generate loop, or a server's worker). `submit` and `cancel`
+    take effect between iterations."""
+
+    def __init__(self, target, slots: list[Slot], policy: SpeculationPolicy | None = None):
+        self.target = target
+        self.slots = slots
+        self.free: list[Slot] = list(slots)
+        self.policy = policy or SpeculationPolicy("always" if len(slots) == 1 else "auto")
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    @property
+    def active(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def submit(self, sequence: Sequence) -> None:
+        self.waiting.append(sequence)
+
+    def cancel(self, sequence: Sequence, reason: str = "cancelled") -> None:
+        """End a sequence now (before its next round); its slot frees at the end of the next step."""
+        if sequence in self.waiting:
+            self.waiting.remove(sequence)
+        sequence.finish(reason)
+        self._retire()
+
+    def step(self) -> list[Sequence]:
+        """One iteration; returns the sequences that ended in it."""
+        self._admit()
+        for sequence in [s for s in self.running if not s.prefilled]:
+            self._guarded(sequence, sequence.prefill_step, self.target)
+        decoding = [s for s in self.running if s.prefilled and not s.finished]
+        if decoding:
+            self._decode(decoding)
+        return self._retire()
+
+    def _admit(self) -> None:
+        while self.waiting and self.free:
+            sequence = self.waiting.popleft()
+            if sequence.finished:
+                continue
+            slot = max(self.free, key=lambda s: (_shared_prefix(s.target_cache.tokens, sequence.context), -s.index))
+            self.free.remove(slot)
+            sequence.bind(slot)
+            self.running.append(sequence)
+
+    def _retire(self) -> list[Sequence]:
+        done = [s for s in self.running if s.finished]
+        if done:
+            self.running = [s for s in self.running if not s.finished]
+            self.free.extend(s.slot for s in done)
+            self.free.sort(key=lambda slot: slot.index)
+        return done
+
+    def _guarded(self, sequence: Sequence, work, *arguments):
+        """Run one sequence's work; an error fails that sequence only (Ctrl-C goes on up)."""
+        try:
+            return work(*arguments)
+        except Exception as exc:  # noqa: BLE001 - reported to the sequence's owner, the loop goes on
+            sequence.fail(exc)
+            return None
+
+    def _decode(self, rows: list[Sequence]) -> None:
+        for row in rows:
+            row.sampler.sync(row.context)  # the repetition penalty's context (nothing to do without one)
+        max_k = max(row.num_draft_tokens() for row in rows)
+        speculative = [row for row in rows if row.num_draft_tokens() > 0]
+        limit = self.policy.draft_limit(speculative, max_k) if speculative else 0
+        drafting = [row for row in speculative if row.num_draft_tokens(limit) > 0]
+        plain = [row for row in rows if row not in drafting]
+        if drafting:
+            plain += self._speculative_round(drafting, limit)
+        if plain:
+            self._target_round(plain)
+
+    def _target_round(self, rows: list[Sequence]) -> None:
+        """One token per row from one batched target pass."""
+        target, tokens, caches, ready = self.target, [], [], []
+        for row in rows:
+            pending = self._guarded(row, row.pending_tokens)
+            if pending is None:
+                continue
+            if len(pending) > 1:  # a catch-up (not after a round of this loop): its own pass first
+                if self._guarded(row, target.run, pending[:-1], row.slot.target_cache) is None:
+                    continue
+            tokens.append(pending[-1])
+            caches.append(row.slot.target_cache)
+            ready.append(row)
+        if not ready:
+            return
+        seconds, calls = target.seconds, target.calls
+        try:
+            logits = target.run_batch(tokens, caches)  # [rows, vocab]
+        except Exception as exc:  # noqa: BLE001 - a failed batched pass fails its rows
+            for row in ready:
+                row.fail(exc)
+            return
+        spent = (target.seconds - seconds) * 1000
+        self.policy.observe(self.policy.target_ms, len(ready), spent)
+        for row, row_logits in zip(ready, logits):
+            row.stats.target_ms += spent
+            row.stats.target_calls += target.calls - calls
+            token = self._guarded(row, row.sample_target, row_logits)
+            if token is None:
+                continue
+            row.record_round(0, 0)
+            self._guarded(row, row.emit, [token])
+
+    def _speculative_round(self, rows: list[Sequence], limit: int) -> list[Sequence]:
+        """Draft for every row together, verify each; returns the rows that proposed nothing."""
+        draft = rows[0].drafter.engine
+        requests = []
+        for row in rows:
+            requests.append((row.drafter, row.context, row.num_draft_tokens(limit), row.sampler, row.rng,
+                             row.config.draft_confidence))
+        seconds, calls = (draft.seconds, draft.calls) if draft is not None else (0.0, 0)
+        try:
+            proposals = propose_many(requests)
+        except Exception as exc:  # noqa: BLE001 - a failed batched draft fails its rows
+            for row in rows:
+                row.fail(exc)
+            return []
+        if draft is not None and draft.calls > calls:
+            spent = (draft.seconds - seconds) * 1000
+            steps = max(len(p[0]) for p in proposals)
+            self.policy.observe(self.policy.draft_ms, len(rows), spent / max(1, steps))
+            for row in rows:
+                row.stats.draft_ms += spent
+                row.stats.draft_calls += draft.calls - calls
+        without = []
+        for row, (drafts, draft_probs) in zip(rows, proposals):
+            if not drafts:
+                without.append(row)
+                continue
+            self._guarded(row, self._verify, row, drafts, draft_probs)
+        return without
+
+    def _verify(self, row: Sequence, drafts: list[int], draft_probs: np.ndarray | None) -> None:
+        target = self.target
+        seconds, calls = target.seconds, target.calls
+        pending = row.pending_tokens()  # [context[-1]]: the cache holds the rest
+        logits = target.run(pending + drafts, row.slot.target_cache)[-(len(drafts) + 1) :]  # [k + 1, vocab]
+        spent = (target.seconds - seconds) * 1000
+        row.stats.target_ms += spent
+        row.stats.target_calls += target.calls - calls
+        self.policy.observe(self.policy.verify_ms, len(drafts) + 1, spent)
+        num_accepted, token = accept(row.sampler, drafts, draft_probs, logits, row.rng, row.target_probs)
+        row.record_round(len(drafts), num_accepted)
+        self.policy.observe_round(len(drafts), num_accepted)
+        row.emit(drafts[:num_accepted] + [token])
+
+
+def _shared_prefix(tokens: list[int], context: list[int]) -> int:
+    limit = min(len(tokens), len(context) - 1)
+    for index in range(limit):
+        if tokens[index] != context[index]:
+            return index
+    return limit

@@ -1,0 +1,190 @@
+"""A sequence: everything one generation owns, so that a scheduler can step many of them together.
+
+Its context (the prompt and every emitted token), its KV slot (the target's cache and its own
+drafter, whose cache is the draft's row of the same slot), its sampler and random generator, its
+text stream and stop rules, its stats and why it finished. Nothing about a generation lives
+anywhere else: a Generator runs one sequence, the scheduler many, through the same object.
+
+Invariant between rounds: the target's cache holds a prefix of context[:-1] (all of it once
+prefilled); the last token is pending, and the next pass runs it first.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import GenerationConfig, GenerationOutput, GenerationStats
+from .engine import PREFILL_CHUNK
+from .sampling import BlockGenerator, Sampler
+from .text import TextCodec, TextStream
+
+
+@dataclass
+class Slot:
+    """One row of a generator's caches: the target's cache and the drafter that owns the draft's row."""
+
+    index: int
+    target_cache: object  # SharedKVCache | KVCache
+    drafter: object | None  # a Drafter bound to this slot's draft cache (None: target-only)
+
+
+class Sequence:
+    """One generation from prompt ids to a finish reason; see the module docstring."""
+
+    def __init__(self, prompt_ids: list[int], config: GenerationConfig, codec: TextCodec,
+                 eos_token_ids: frozenset[int], max_context: int, vocab_size: int, streaming: bool = False):
+        self.prompt_ids = list(prompt_ids)
+        self.config = config
+        self.slot: Slot | None = None  # given by the scheduler when the sequence starts (bind)
+        self.error: BaseException | None = None  # what failed it (finish reason "error")
+        self.codec = codec
+        self.context = list(prompt_ids)
+        self.new_tokens: list[int] = []
+        self.budget = min(config.max_new_tokens, max_context - len(prompt_ids))
+        self.max_context = max_context
+        self.stats = GenerationStats(prompt_tokens=len(prompt_ids),
+                                     accepted_by_position=[0] * (config.num_draft_tokens if config.speculative else 0))
+        self.sampler = Sampler(config.sampling, vocab_size)  # every row of this sequence is processed through it
+        self.rng = BlockGenerator(config.seed)  # default_rng(seed)'s numbers
+        self.target_probs = None if self.sampler.greedy else np.empty((config.num_draft_tokens + 1, vocab_size),
+                                                                     dtype=np.float32)  # [k + 1, vocab]
+        self.drafter = None
+        end_ids = frozenset() if config.ignore_eos else eos_token_ids.union(config.stop_token_ids)
+        self.end_ids = end_ids
+        # Text is decoded token by token only when someone reads it that way (streaming or stop strings).
+        self.text = TextStream(codec, config.stop) if streaming or config.stop else None
+        self.streaming = streaming
+        self.pieces: list[str] = []  # text that is ready and nobody has taken yet (see take_pieces)
+        self.finish_reason: str | None = None
+        self.ended_at = [0] * (config.num_draft_tokens + 1)  # [i]: rounds that accepted exactly i draft tokens
+        self._prefill_rest: list[int] | None = None  # target tokens still to prefill (None: not started)
+        self._draft_prefilled = False
+        self._decode_start: float | None = None
+        self._known = 0  # the target's cache agrees with context[:_known] (where its next pass may start comparing)
+
+    def bind(self, slot: Slot) -> None:
+        """Start on a KV slot (its caches may hold an earlier sequence's tokens: a shared prefix is kept)."""
+        self.slot = slot
+        self.drafter = slot.drafter if self.config.speculative else None
+        self._draft_prefilled = self.drafter is None
+
+    # -- prefill ---------------------------------------------------------------------------------------
+
+    @property
+    def prefilled(self) -> bool:
+        return self._prefill_rest is not None and not self._prefill_rest and self._draft_prefilled
+
+    def prefill_step(self, target) -> None:
+        """One chunk of prefill (PREFILL_CHUNK tokens of the target), or the drafter's once the target's
+        is done. The cache may already hold a prefix of the prompt (an earlier request on this slot)."""
+        start = time.perf_counter()
+        cache = self.slot.target_cache
+        if self._prefill_rest is None:
+            self._prefill_rest = cache.truncate_to_prefix(self.context[:-1])
+        if self._prefill_rest:
+            chunk, self._prefill_rest = self._prefill_rest[:PREFILL_CHUNK], self._prefill_rest[PREFILL_CHUNK:]
+            target.run(chunk, cache)
+        elif not self._draft_prefilled:
+            self.drafter.prefill(self.context[:-1])
+            self._draft_prefilled = True
+        self.stats.prefill_ms += (time.perf_counter() - start) * 1000
+        if self.prefilled:
+            self._decode_start = time.perf_counter()
+            if self.budget <= 0:
+                self.finish("length")
+
+    # -- decoding --------------------------------------------------------------------------------------
+
+    def num_draft_tokens(self, limit: int | None = None) -> int:
+        """How many tokens the drafter may propose this round: k (or limit), within the budget and the context."""
+        if self.drafter is None:
+            return 0
+        k = self.config.num_draft_tokens if limit is None else min(limit, self.config.num_draft_tokens)
+        room = self.max_context - len(self.context)  # the verify pass adds k + 1 positions to len(context) - 1
+        return max(0, min(k, self.budget - len(self.new_tokens) - 1, room))
+
+    def pending_tokens(self) -> list[int]:
+        """The context tokens the target's cache lacks (at least the last one), after dropping what a
+        rejection left in it. The cache holds a prefix of the context up to the last round's verify
+        pass: only the tokens after the previous context can disagree."""
+        return self.slot.target_cache.truncate_to_prefix(self.context, min_rest=1, start=self._known)
+
+    def sample_target(self, logits: np.ndarray) -> int:
+        """The next token from the target's logits [vocab] at this sequence's settings (target-only rounds)."""
+        sampler = self.sampler
+        if sampler.greedy:
+            return sampler.argmax(logits)
+        return sampler.sample(logits, self.rng.random(), self.target_probs[0])
+
+    def record_round(self, num_drafted: int, num_accepted: int) -> None:
+        self.stats.rounds += 1
+        if num_drafted:
+            self.stats.drafted += num_drafted
+            self.ended_at[num_accepted] += 1
+
+    def emit(self, tokens: list[int]) -> None:
+        """Append one round's tokens; ends the sequence at an end token, a stop string or the budget."""
+        self._known = len(self.context)  # the last pass ran every token up to here (the pending ones included)
+        text = self.text
+        for token in tokens:
+            if self.finish_reason is not None:
+                break
+            self.new_tokens.append(token)
+            self.context.append(token)
+            if token in self.end_ids:
+                self.finish("eos")
+                break
+            if text is not None:
+                piece = text.push(token)
+                if piece and self.streaming:
+                    self.pieces.append(piece)
+                if text.stopped:
+                    self.finish("stop")
+                    break
+        if self.finish_reason is None and len(self.new_tokens) >= self.budget:
+            self.finish("length")
+
+    def fail(self, error: BaseException) -> None:
+        """End the sequence because a pass or its bookkeeping raised (finish reason "error")."""
+        self.error = error
+        self.finish("error")
+
+    def finish(self, reason: str) -> None:
+        """End the sequence (eos | length | stop | interrupted | cancelled | error); its stats are settled here."""
+        if self.finish_reason is not None:
+            return
+        self.finish_reason = reason
+        stats = self.stats
+        if self.text is not None:
+            piece = self.text.finish()
+            if piece and self.streaming and reason not in ("interrupted", "cancelled", "error"):
+                self.pieces.append(piece)
+        stats.new_tokens = len(self.new_tokens)
+        stats.finish_reason = "interrupted" if reason == "cancelled" else reason
+        if self._decode_start is not None:
+            stats.decode_ms = (time.perf_counter() - self._decode_start) * 1000
+        stats.draft_rounds = sum(self.ended_at)
+        stats.accepted = sum(count * accepted for accepted, count in enumerate(self.ended_at))
+        if self.config.speculative:
+            k = self.config.num_draft_tokens
+            stats.accepted_by_position = [sum(self.ended_at[position + 1 :]) for position in range(k)]
+        stats.other_ms = max(0.0, stats.decode_ms - stats.target_ms - stats.draft_ms)
+        if reason == "length" and self.budget < self.config.max_new_tokens:
+            stats.note = (f"stopped at the bundle's max context of {self.max_context} tokens "
+                          f"(prompt {len(self.prompt_ids)} + {self.budget} new)")
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def take_pieces(self) -> list[str]:
+        """The text pieces that became ready since the last call (streaming sequences)."""
+        pieces, self.pieces = self.pieces, []
+        return pieces
+
+    def output(self) -> GenerationOutput:
+        text = self.text.text if self.text is not None else self.codec.decode(self.new_tokens)
+        return GenerationOutput(text=text, token_ids=list(self.new_tokens), stats=self.stats)

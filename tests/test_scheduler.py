@@ -1,0 +1,206 @@
+"""The scheduler: sequences decoded together give what each gives alone, whatever joins, leaves or fails."""
+
+import numpy as np
+import pytest
+from scipy import stats as scipy_stats
+
+import specdeploy
+from specdeploy.errors import SpecdeployError
+from specdeploy.runtime.engine import PREFILL_CHUNK
+from specdeploy.runtime.sampling import SamplingParams
+from specdeploy.runtime.scheduler import SpeculationPolicy
+from specdeploy.testing import exact_continuation_probs
+
+PROMPTS = ["def f(x):", "import os\n", "class A:\n    def __init__(self):", "x = [", "for i in range(10):\n    "]
+
+
+@pytest.fixture(scope="module")
+def alone(agreeing_bundle):
+    return specdeploy.load(agreeing_bundle)
+
+
+def batched(bundle, policy, drafter="hybrid", max_batch=3):
+    return specdeploy.load(bundle, max_batch=max_batch, policy=policy, drafter=drafter)
+
+
+def test_batched_passes_are_bit_equal_to_single_ones(agreeing_bundle):
+    generator = batched(agreeing_bundle, "never", max_batch=4)
+    target, slots = generator.target, generator.slots
+    prompts = [generator.codec.encode(p) for p in PROMPTS[:3]]
+    expected = []
+    for prompt in prompts:
+        cache = target.new_cache(generator.max_context)
+        target.prefill(prompt, cache)
+        expected.append([target.run([5], cache)[-1].copy(), target.run([9], cache)[-1].copy()])
+    caches = [slots[i].target_cache for i in (0, 2, 3)]  # a gap: slot 1 is idle and must stay untouched
+    slots[1].target_cache.reset()
+    target.prefill([3, 4, 5], slots[1].target_cache)
+    for prompt, cache in zip(prompts, caches):
+        target.prefill(prompt, cache)
+    first = target.run_batch([5, 5, 5], caches)
+    second = target.run_batch([9, 9, 9], caches)
+    for row, (one, two) in enumerate(expected):
+        assert np.array_equal(first[row], one) and np.array_equal(second[row], two)
+        assert caches[row].length == len(prompts[row]) + 2
+    assert slots[1].target_cache.length == 3 and slots[1].target_cache.tokens == [3, 4, 5]
+
+
+@pytest.mark.parametrize("policy", ["always", "never", "auto"])
+@pytest.mark.parametrize("drafter", ["model", "hybrid"])
+def test_greedy_batched_equals_alone(agreeing_bundle, alone, policy, drafter):
+    generator = batched(agreeing_bundle, policy, drafter)
+    expected = [alone.generate(p, max_new_tokens=30, speculative=False).token_ids for p in PROMPTS]
+    outputs = generator.generate_many(PROMPTS, max_new_tokens=30)  # 5 prompts on 3 slots: some wait
+    assert [o.token_ids for o in outputs] == expected
+    plain = generator.generate_many(PROMPTS, max_new_tokens=30, speculative=False)
+    assert [o.token_ids for o in plain] == expected
+
+
+def test_sampled_batched_equals_alone_with_the_same_choices(self_draft_bundle):
+    """With an fp32 draft, batched draft passes are bit-equal to single ones: the same seed and the
+    same draft lengths give the same sample, token for token."""
+    alone = specdeploy.load(self_draft_bundle, drafter="model")
+    for policy, speculative in (("always", True), ("never", False)):
+        generator = batched(self_draft_bundle, policy, drafter="model")
+        settings = dict(max_new_tokens=24, temperature=0.8, top_p=0.95, speculative=speculative)
+        seeds = [11, 12, 13, 14]
+        expected = [alone.generate(PROMPTS[i], seed=seed, **settings).token_ids for i, seed in enumerate(seeds)]
+        outputs = generator.generate_many(PROMPTS[:4], seeds=seeds, **settings)
+        assert [o.token_ids for o in outputs] == expected, policy
+
+
+def test_a_sequence_joining_mid_flight(agreeing_bundle, alone):
+    generator = batched(agreeing_bundle, "always")
+    scheduler = generator.scheduler
+    first = generator._sequence(PROMPTS[0], generator._config(dict(max_new_tokens=40)), streaming=True)
+    scheduler.submit(first)
+    for _ in range(3):
+        scheduler.step()
+    assert first.new_tokens and not first.finished
+    late = generator._sequence(PROMPTS[1], generator._config(dict(max_new_tokens=40)), streaming=True)
+    scheduler.submit(late)
+    while scheduler.active:
+        scheduler.step()
+    assert first.new_tokens == alone.generate(PROMPTS[0], max_new_tokens=40).token_ids
+    assert late.new_tokens == alone.generate(PROMPTS[1], max_new_tokens=40).token_ids
+    assert first.output().text == alone.generate(PROMPTS[0], max_new_tokens=40).text
+    assert "".join(first.take_pieces()) == first.output().text  # nobody took them: they wait, whole
+    assert first.take_pieces() == []
+
+
+@pytest.mark.parametrize("order", range(4))
+def test_every_forced_interleaving_gives_the_same_outputs(agreeing_bundle, alone, order):
+    """Sequences join at different iterations (a seeded schedule), with different k and settings."""
+    rng = np.random.default_rng(order)
+    generator = batched(agreeing_bundle, "auto", max_batch=2)
+    scheduler = generator.scheduler
+    requests = [(PROMPTS[i], dict(max_new_tokens=int(rng.integers(5, 30)), num_draft_tokens=int(rng.integers(1, 6)),
+                                  speculative=bool(rng.integers(0, 2))))
+                for i in rng.permutation(len(PROMPTS))]
+    sequences, pending = [], list(requests)
+    while pending or scheduler.active:
+        if pending and rng.random() < 0.5:
+            prompt, settings = pending.pop(0)
+            sequence = generator._sequence(prompt, generator._config(dict(settings)), streaming=False)
+            scheduler.submit(sequence)
+            sequences.append((sequence, prompt, settings))
+        if scheduler.active:
+            scheduler.step()
+    for sequence, prompt, settings in sequences:
+        expected = alone.generate(prompt, **{**settings, "speculative": False})
+        assert sequence.new_tokens == expected.token_ids, settings
+
+
+def test_cancelled_mid_prefill(long_bundle, checkpoints):
+    generator = specdeploy.load(long_bundle, max_batch=2)
+    scheduler = generator.scheduler
+    long_prompt = list(range(2, 2 + 3 * PREFILL_CHUNK + 5))
+    config = generator._config(dict(max_new_tokens=8))
+    victim = generator._sequence(long_prompt, config, streaming=True)
+    other = generator._sequence("def f(x):", config, streaming=True)
+    scheduler.submit(victim)
+    scheduler.submit(other)
+    scheduler.step()  # one chunk of the long prompt; the short one is prefilled and decoding
+    assert not victim.prefilled and victim.slot.target_cache.length == PREFILL_CHUNK
+    scheduler.cancel(victim)
+    assert victim.finished and victim.output().stats.finish_reason == "interrupted" and victim.new_tokens == []
+    while scheduler.active:
+        scheduler.step()
+    assert other.output().token_ids == specdeploy.load(long_bundle).generate("def f(x):", max_new_tokens=8).token_ids
+    assert len(scheduler.free) == 2  # both slots back
+
+
+def test_an_error_fails_its_sequence_only(agreeing_bundle, alone, monkeypatch):
+    generator = batched(agreeing_bundle, "never")
+    scheduler = generator.scheduler
+    config = generator._config(dict(max_new_tokens=12, speculative=False))
+    doomed, fine = (generator._sequence(p, config, streaming=False) for p in PROMPTS[:2])
+    calls = {"n": 0}
+    original = type(doomed).sample_target
+
+    def flaky(self, logits):
+        if self is doomed:
+            calls["n"] += 1
+            raise RuntimeError("bookkeeping broke")
+        return original(self, logits)
+
+    monkeypatch.setattr(type(doomed), "sample_target", flaky)
+    scheduler.submit(doomed)
+    scheduler.submit(fine)
+    while scheduler.active:
+        scheduler.step()
+    assert doomed.finish_reason == "error" and isinstance(doomed.error, RuntimeError) and calls["n"] == 1
+    assert fine.new_tokens == alone.generate(PROMPTS[1], max_new_tokens=12, speculative=False).token_ids
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError):  # generate raises what failed its sequence
+        monkeypatch.setattr(type(doomed), "sample_target", lambda self, logits: (_ for _ in ()).throw(RuntimeError("x")))
+        generator.generate(PROMPTS[0], max_new_tokens=4, speculative=False)
+    monkeypatch.undo()
+    assert generator.generate(PROMPTS[0], max_new_tokens=4, speculative=False).token_ids  # and the loop goes on
+
+
+def test_sampled_batched_is_distributed_as_the_target(agreeing_bundle):
+    """Chi-square over the first two tokens of sequences sampled in batches, under the auto policy."""
+    generator = batched(agreeing_bundle, "auto", max_batch=4)
+    settings = dict(temperature=0.8, top_k=50)
+    prompt_ids = generator.codec.encode(PROMPTS[0])
+    exact = exact_continuation_probs(generator, prompt_ids, SamplingParams(**settings), 2)
+    generator.reset()
+    trials = 2000
+    outputs = generator.generate_many([prompt_ids] * trials, seeds=list(range(trials)), max_new_tokens=2, **settings)
+    counts: dict[tuple[int, ...], int] = {}
+    for output in outputs:
+        key = tuple(output.token_ids[:2])
+        counts[key] = counts.get(key, 0) + 1
+    keys = sorted(exact, key=exact.get, reverse=True)
+    common = [key for key in keys if exact[key] * trials >= 5]
+    observed = [counts.get(key, 0) for key in common] + [trials - sum(counts.get(key, 0) for key in common)]
+    expected = [exact[key] * trials for key in common] + [trials * (1 - sum(exact[key] for key in common))]
+    assert scipy_stats.chisquare(observed, expected).pvalue > 1e-3
+
+
+def test_the_policy_speculates_where_it_pays():
+    policy = SpeculationPolicy("auto")
+    policy.target_ms.update({1: 10.0, 8: 14.0})
+    policy.verify_ms.update({k + 1: 10.0 + 1.5 * k for k in range(1, 5)})
+    policy.draft_ms.update({1: 1.5, 8: 2.5})
+
+    class Row:  # acceptance 0.8 so far
+        def __init__(self):
+            self.stats = type("S", (), {"drafted": 100})()
+            self.ended_at = [0, 0, 0, 0, 20]  # 20 rounds x 4 accepted = 80 of 100
+
+    assert policy.draft_limit([Row()], 4) > 0  # alone: a verify pass yields ~3.4 tokens for ~1.5 steps
+    assert policy.draft_limit([Row() for _ in range(8)], 4) == 0  # 8 verify passes lose to one batched step
+    assert SpeculationPolicy("always").draft_limit([Row() for _ in range(8)], 4) == 4
+    assert SpeculationPolicy("never").draft_limit([Row()], 4) == 0
+    with pytest.raises(ValueError):
+        SpeculationPolicy("sometimes")
+
+
+def test_bad_batch_settings(agreeing_bundle):
+    with pytest.raises(SpecdeployError, match="max_batch"):
+        specdeploy.load(agreeing_bundle, max_batch=0)
+    generator = batched(agreeing_bundle, "always", max_batch=2)
+    with pytest.raises(SpecdeployError, match="one seed per prompt"):
+        generator.generate_many(PROMPTS[:2], seeds=[1])
