@@ -8,6 +8,7 @@ from ..errors import SpecdeployError
 from .sampling import SamplingParams
 
 MAX_DRAFT_TOKENS = 32
+MAX_LOGPROBS = 20  # alternatives per position, as OpenAI's top_logprobs allows
 SEED_LIMIT = 2**64  # seeds are 64-bit: 0 .. SEED_LIMIT - 1 (the CLI and the server take the same)
 MIN_TEMPERATURE = 1e-6  # below this, logits / temperature can overflow float32
 WARM_UP_PROMPT_TOKENS = 16  # the prefill Generator.warm_up runs: about a short prompt's length
@@ -33,6 +34,10 @@ class GenerationConfig:
     # Generate exactly max_new_tokens: EOS and stop tokens do not end it (vLLM's ignore_eos; stop
     # strings still do). For benchmarks that fix the output length.
     ignore_eos: bool = False
+    # The target's log-probability of each new token (log-softmax of its raw logits, before any
+    # sampling setting), with the `logprobs` most likely alternatives at each position (None: off;
+    # 0: the chosen token's only). Every emitted token has its row in a verify or target pass.
+    logprobs: int | None = None
 
     def validate(self) -> None:
         if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < float("inf")):
@@ -53,6 +58,8 @@ class GenerationConfig:
             raise SpecdeployError(f"num_draft_tokens must be in 1..{MAX_DRAFT_TOKENS} (got {self.num_draft_tokens})")
         if self.seed is not None and (type(self.seed) is not int or not 0 <= self.seed < SEED_LIMIT):
             raise SpecdeployError(f"seed must be None or an integer in 0..2**64 - 1 (got {self.seed!r})")
+        if self.logprobs is not None and (type(self.logprobs) is not int or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise SpecdeployError(f"logprobs must be None or an integer in 0..{MAX_LOGPROBS} (got {self.logprobs!r})")
         if not all(type(token) is int and token >= 0 for token in self.stop_token_ids):
             raise SpecdeployError(f"stop_token_ids must be token ids, integers >= 0 (got {self.stop_token_ids!r})")
 
@@ -105,7 +112,15 @@ class GenerationStats:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float  # the target's log-probability of token_id at its position
+    top: tuple[tuple[int, float], ...] = ()  # the most likely tokens there, (id, logprob), most likely first
+
+
+@dataclass(frozen=True)
 class GenerationOutput:
     text: str
     token_ids: list[int]  # the new tokens only
     stats: GenerationStats
+    logprobs: list[TokenLogprob] | None = None  # one per new token when GenerationConfig.logprobs is set

@@ -20,7 +20,7 @@ from typing import Iterator
 from ..errors import SpecdeployError
 from .chat import ChatTemplate, check_messages
 from .config import (MAX_DRAFT_TOKENS, MIN_TEMPERATURE, SEED_LIMIT, GenerationConfig, GenerationOutput,
-                     GenerationStats)
+                     GenerationStats, TokenLogprob)
 from .drafters import Drafter
 from .engine import OrtEngine
 from .scheduler import Scheduler, SpeculationPolicy
@@ -28,7 +28,7 @@ from .sequence import Sequence, Slot
 from .text import TextCodec
 
 __all__ = ["MAX_DRAFT_TOKENS", "MIN_TEMPERATURE", "SEED_LIMIT", "GenerationConfig", "GenerationOutput",
-           "GenerationStats", "Generator", "Stream"]
+           "GenerationStats", "Generator", "Stream", "TokenLogprob"]
 
 WARM_UP_PROMPT_TOKENS = 16  # the prefill Generator.warm_up runs: about a short prompt's length
 CALIBRATION_PASSES = 3  # timed passes per shape when a batching generator measures its costs

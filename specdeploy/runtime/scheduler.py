@@ -213,7 +213,7 @@ class Scheduler:
             if token is None:
                 continue
             row.record_round(0, 0)
-            self._guarded(row, row.emit, [token])
+            self._guarded(row, row.emit, [token], row_logits[None])
 
     def _speculative_round(self, rows: list[Sequence], limit: int) -> list[Sequence]:
         """Draft for every row together, verify each; returns the rows that proposed nothing."""
@@ -256,7 +256,7 @@ class Scheduler:
         num_accepted, token = accept(row.sampler, drafts, draft_probs, logits, row.rng, row.target_probs)
         row.record_round(len(drafts), num_accepted)
         self.policy.observe_round(len(drafts), num_accepted)
-        row.emit(drafts[:num_accepted] + [token])
+        row.emit(drafts[:num_accepted] + [token], logits)
 
 
 def _shared_prefix(tokens: list[int], context: list[int]) -> int:

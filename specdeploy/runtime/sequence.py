@@ -16,10 +16,23 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import GenerationConfig, GenerationOutput, GenerationStats
+from .config import GenerationConfig, GenerationOutput, GenerationStats, TokenLogprob
 from .engine import PREFILL_CHUNK
 from .sampling import BlockGenerator, Sampler
 from .text import TextCodec, TextStream
+
+
+def token_logprobs(logits: np.ndarray, token_ids: list[int], top: int) -> list[TokenLogprob]:
+    """The log-softmax of each row of logits [n, vocab] at token_ids [n], with the `top` most likely
+    tokens of each row (ties to the lower id), computed in float64."""
+    rows = logits.astype(np.float64)
+    shifted = rows - rows.max(axis=1, keepdims=True)
+    logprobs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))  # [n, vocab]
+    result = []
+    for row, token in zip(logprobs, token_ids):
+        best = np.argsort(-row, kind="stable")[:top] if top else ()
+        result.append(TokenLogprob(int(token), float(row[token]), tuple((int(i), float(row[i])) for i in best)))
+    return result
 
 
 @dataclass
@@ -57,6 +70,7 @@ class Sequence:
         # Text is decoded token by token only when someone reads it that way (streaming or stop strings).
         self.text = TextStream(codec, config.stop) if streaming or config.stop else None
         self.streaming = streaming
+        self.logprobs: list[TokenLogprob] | None = [] if config.logprobs is not None else None
         self.pieces: list[str] = []  # text that is ready and nobody has taken yet (see take_pieces)
         self.finish_reason: str | None = None
         self.ended_at = [0] * (config.num_draft_tokens + 1)  # [i]: rounds that accepted exactly i draft tokens
@@ -125,8 +139,11 @@ class Sequence:
             self.stats.drafted += num_drafted
             self.ended_at[num_accepted] += 1
 
-    def emit(self, tokens: list[int]) -> None:
-        """Append one round's tokens; ends the sequence at an end token, a stop string or the budget."""
+    def emit(self, tokens: list[int], logits: np.ndarray | None = None) -> None:
+        """Append one round's tokens; ends the sequence at an end token, a stop string or the budget.
+        logits [len(tokens), vocab]: the target's rows they came from (read for logprobs only)."""
+        if self.logprobs is not None and logits is not None:
+            self.logprobs += token_logprobs(logits[: len(tokens)], tokens, self.config.logprobs)
         self._known = len(self.context)  # the last pass ran every token up to here (the pending ones included)
         text = self.text
         for token in tokens:
@@ -187,4 +204,5 @@ class Sequence:
 
     def output(self) -> GenerationOutput:
         text = self.text.text if self.text is not None else self.codec.decode(self.new_tokens)
-        return GenerationOutput(text=text, token_ids=list(self.new_tokens), stats=self.stats)
+        logprobs = self.logprobs[: len(self.new_tokens)] if self.logprobs is not None else None
+        return GenerationOutput(text=text, token_ids=list(self.new_tokens), stats=self.stats, logprobs=logprobs)

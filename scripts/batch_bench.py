@@ -1,0 +1,78 @@
+#!/usr/bin/env python3
+"""Batched decoding against one-at-a-time, in one process: aggregate tok/s of generate_many at each batch size.
+
+    python scripts/batch_bench.py BUNDLE --batch 1,2,4,8 --tokens 128 --rounds 2 [--setting "t0.8=temperature=0.8"]
+
+For each batch size B and setting: B code prompts (specdeploy/data/code_prompts.json, cycled)
+decoded by `generate_many` on a generator with max_batch B under each speculation policy
+(auto, always, never), and the same prompts one after another with `generate` (speculative,
+then target-only) on a max_batch 1 generator. Aggregate tok/s = all new tokens / wall time,
+prefill included; EOS does not end a sequence (ignore_eos), so every system emits B x tokens.
+Rounds repeat the whole grid in the same order; the table gives each cell's median and its
+ratio to the sequential speculative figure of the same B and setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import specdeploy
+
+PROMPTS = json.loads((Path(specdeploy.__file__).parent / "data" / "code_prompts.json").read_text())
+
+
+def settings_arg(text: str) -> tuple[str, dict]:
+    name, _, rest = text.partition("=")
+    values = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        values[key] = float(value) if "." in value else int(value)
+    return name, values
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("bundle")
+    parser.add_argument("--batch", default="1,2,4,8")
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--setting", action="append", type=settings_arg, default=[])
+    parser.add_argument("--json", dest="json_out", default=None, help="also write the medians here")
+    args = parser.parse_args()
+    sizes = [int(b) for b in args.batch.split(",")]
+    settings = args.setting or [("greedy", {})]
+    prompts = [p if isinstance(p, str) else p["prompt"] for p in PROMPTS]
+    single = specdeploy.load(args.bundle)
+    batched = {size: {policy: specdeploy.load(args.bundle, max_batch=size, policy=policy)
+                      for policy in ("auto", "always", "never")} for size in sizes if size > 1}
+    results: dict[tuple, list[float]] = {}
+    for _ in range(args.rounds):
+        for size in sizes:
+            batch = [prompts[i % len(prompts)] for i in range(size)]
+            for name, values in settings:
+                common = dict(max_new_tokens=args.tokens, ignore_eos=True, **values)
+                for label, speculative in (("sequential speculative", True), ("sequential target-only", False)):
+                    start = time.perf_counter()
+                    tokens = sum(len(single.generate(p, speculative=speculative, **common).token_ids) for p in batch)
+                    results.setdefault((size, name, label), []).append(tokens / (time.perf_counter() - start))
+                for policy, generator in batched.get(size, {}).items():
+                    start = time.perf_counter()
+                    outputs = generator.generate_many(batch, **common)
+                    tokens = sum(len(o.token_ids) for o in outputs)
+                    results.setdefault((size, name, f"batched {policy}"), []).append(tokens / (time.perf_counter() - start))
+    print(f"{'B':>3} {'setting':<10} {'system':<24} {'tok/s':>8} {'vs seq spec':>12}")
+    medians = {key: statistics.median(values) for key, values in results.items()}
+    for (size, name, label), value in medians.items():
+        base = medians[(size, name, "sequential speculative")]
+        print(f"{size:>3} {name:<10} {label:<24} {value:8.1f} {value / base:12.2f}")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps([{"batch": s, "setting": n, "system": l, "tokens_per_s": v}
+                                                   for (s, n, l), v in medians.items()], indent=1))
+
+
+if __name__ == "__main__":
+    main()
