@@ -1,9 +1,13 @@
-# Two commands for a fresh clone: `make demo` and `make test`. Everything lands inside the clone.
+# Two commands for a fresh clone: `make demo` and `make test`. The environment lands in the clone
+# (.venv/); the demo bundle goes where `specdeploy` puts it from any shell: $SPECDEPLOY_HOME/demo-bundle,
+# default ~/.cache/specdeploy/demo-bundle (`make demo SPECDEPLOY_HOME=DIR` moves it for both).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 BIN := $(VENV)/bin
-# specdeploy's default bundle location (the demo bundle is exported there on first use).
-export SPECDEPLOY_HOME ?= $(CURDIR)/.specdeploy
+# The index torch is installed from, first and by version (a bare requirement may pull a multi-GB
+# CUDA build). Empty: pip's configured index. `make install TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu`
+# gets the CPU build where that index would give the CUDA one. The runtime alone needs no torch.
+TORCH_INDEX_URL ?=
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
@@ -15,17 +19,18 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
-# torch is pinned first and by version: a bare requirement may pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e '.[export,test,bench,serve,hosts]'
 	touch $@
 
 install: $(VENV)/.installed
 
+# The prompt goes through stdin: a command substitution would strip its trailing newline.
 demo: $(VENV)/.installed
 	$(BIN)/specdeploy export --force
-	$(BIN)/specdeploy run --prompt "$$(printf '$(DEMO_PROMPT)')" --max-new-tokens 96
+	printf '$(DEMO_PROMPT)' | $(BIN)/specdeploy run --prompt - --max-new-tokens 96
+	@echo "specdeploy is in $(BIN)/: '. $(BIN)/activate' puts it on this shell's PATH" >&2
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest tests
@@ -53,5 +58,6 @@ $(BUILD)/specdeploy-host: examples/cpp/host.cpp examples/cpp/oga.h
 		-L$(GENAI_DIR) -lonnxruntime-genai -L$(BUILD)/lib -Wl,--no-as-needed -l:libonnxruntime.so.1 \
 		-Wl,-rpath,$(GENAI_DIR) -Wl,-rpath,'$$ORIGIN/lib'
 
+# The demo bundle is left where specdeploy keeps it (see the top); .specdeploy/ is where older Makefiles put it.
 clean:
-	rm -rf $(VENV) $(SPECDEPLOY_HOME) .pytest_cache
+	rm -rf $(VENV) $(BUILD) .pytest_cache .specdeploy

@@ -1,4 +1,9 @@
-"""Where things live when the user names nothing: the embedded demo pair and the default bundle."""
+"""Where things live when the user names nothing: the embedded demo pair and the default bundle.
+
+One rule for every command and for the Makefile: the default bundle is $SPECDEPLOY_HOME/demo-bundle,
+$SPECDEPLOY_HOME defaulting to ~/.cache/specdeploy, so `make demo` and `specdeploy run` in any shell
+find the same bundle.
+"""
 
 from __future__ import annotations
 
