@@ -81,27 +81,82 @@ def print_context_sweep(rows: list[dict]) -> None:
     (Console() if sys.stdout.isatty() else Console(width=130)).print(table)
 
 
+def machine_description() -> str:
+    """'AMD EPYC 7B13, 2 CPUs': the CPU model (Linux's /proc/cpuinfo, else platform's) and the CPUs this process sees."""
+    import os
+    import platform
+
+    model = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
+            model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "")
+    except OSError:
+        pass
+    model = model or platform.processor() or platform.machine() or "unknown CPU"
+    count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{model}, {count} CPUs"
+
+
+def plot_title(report: dict) -> str:
+    """Two lines: what was run (bundle, setting, workload) and where and when."""
+    from pathlib import Path
+
+    context = f" ({report['prompt_tokens']}-token prompts)" if report.get("prompt_tokens") else ""
+    first = (f"{Path(report.get('bundle', 'bundle')).name}: {sampling_label(report)}, drafter {report.get('drafter', '?')}, "
+             f"{report['prompts']} prompts{context} x {report['max_new_tokens']} new tokens, repeat {report['repeat']}")
+    return f"{first}\n{report.get('date', '')[:10]}, {report.get('machine', '')}".rstrip(", \n")
+
+
 def plot_report(report: dict, path: str) -> None:
+    """Draw the report (draw_report) into a PNG at `path`."""
+    figure = draw_report(report)  # imports matplotlib, or says which extra to install
+    import matplotlib.pyplot as plt
+
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def draw_report(report: dict):
+    """Speedup against k (measured beside the Leviathan bound, y from 0, target-only at 1) and the fraction
+    of rounds that kept each draft position (0 to 1), one group of bars per k, so one k reads as well as many."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import numpy as np
     except ImportError:
         raise SpecdeployError("--plot needs matplotlib (pip install 'specdeploy[bench]')") from None
     rows = report["by_num_draft_tokens"]
-    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    left.plot([r["num_draft_tokens"] for r in rows], [r["speedup"] for r in rows], "o-", label="measured")
-    left.plot([r["num_draft_tokens"] for r in rows], [r["leviathan_bound"] for r in rows], "s--", label="bound")
-    left.set_xlabel("draft tokens k")
-    left.set_ylabel("speedup over target-only")
-    left.legend()
-    for r in rows:
-        rounds = r["speculative"]["rounds"]
-        right.plot(range(1, len(r["accepted_by_position"]) + 1), [a / max(rounds, 1) for a in r["accepted_by_position"]], "o-",
-                   label=f"k={r['num_draft_tokens']}")
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.6))
+    slots = np.arange(len(rows))
+    width = 0.38
+    measured = left.bar(slots - width / 2, [r["speedup"] for r in rows], width, label="measured")
+    bound = left.bar(slots + width / 2, [r["leviathan_bound"] for r in rows], width, label="Leviathan bound", alpha=0.55)
+    left.bar_label(measured, fmt="%.2f", fontsize=8)
+    left.bar_label(bound, fmt="%.2f", fontsize=8)
+    left.axhline(1.0, color="gray", linestyle="--", linewidth=1, label="target-only")
+    left.set_xticks(slots, [f"k = {r['num_draft_tokens']}" for r in rows])
+    left.set_xlim(-0.7 if len(rows) > 1 else -1.2, len(rows) - 0.3 if len(rows) > 1 else 1.2)
+    left.set_ylim(0, 1.15 * max(1.0, *(max(r["speedup"], r["leviathan_bound"]) for r in rows)))
+    left.set_ylabel("speedup over target-only (decode tok/s)")
+    left.set_title("speedup", fontsize=10)
+    left.legend(loc="lower right", fontsize=8)
+    longest = max(len(r["accepted_by_position"]) for r in rows)
+    positions = np.arange(1, longest + 1)
+    bar_width = 0.8 / len(rows)
+    for index, r in enumerate(rows):
+        rounds = max(r["speculative"]["rounds"], 1)
+        kept = [a / rounds for a in r["accepted_by_position"]]
+        offset = (index - (len(rows) - 1) / 2) * bar_width
+        right.bar(positions[: len(kept)] + offset, kept, bar_width, label=f"k = {r['num_draft_tokens']}")
+    right.set_xticks(positions)
+    right.set_xlim(0.5, longest + 0.5)
+    right.set_ylim(0, 1)
     right.set_xlabel("draft position")
-    right.set_ylabel("fraction of rounds accepted")
-    right.legend()
+    right.set_ylabel("fraction of rounds that kept it")
+    right.set_title("acceptance by draft position", fontsize=10)
+    right.legend(fontsize=8)
+    figure.suptitle(plot_title(report), fontsize=9)
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    return figure

@@ -9,11 +9,14 @@ from pathlib import Path
 
 import click
 
-from .cli_support import EXIT_INTERRUPTED, ErrorMappingGroup, Utf8Text
+from .cli_support import (DEBUG_HELP, EXIT_INTERRUPTED, ErrorMappingGroup, Utf8Text, end_text, format_stats, note_debug,
+                          parse_draft_tokens, parse_prompt_tokens, require_export_extra, return_freed_memory, run_request,
+                          stream_text)
 from .errors import SpecdeployError
 from .runtime.generate import SEED_LIMIT, GenerationConfig  # the package imports the runtime already
 
-BAR = "\u2500"
+_return_freed_memory = return_freed_memory  # scripts/first_request.py sets the allocator up as `run` does
+
 SEED = click.IntRange(0, SEED_LIMIT - 1)
 TEXT = Utf8Text()
 DEFAULTS = GenerationConfig  # the defaults of the options below are its fields'
@@ -51,11 +54,14 @@ VERIFY_OPTION = click.option("--verify", is_flag=True, help="Re-hash every bundl
 
 @click.group(cls=ErrorMappingGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="specdeploy")
-@click.option("--debug", is_flag=True, help="Show the Python traceback of an error instead of one line.")
-def main(debug) -> None:
+@click.option("--debug", is_flag=True, expose_value=False, is_eager=True, callback=note_debug, help=DEBUG_HELP)
+def main() -> None:
     """Speculative decoding bundles for ONNX Runtime: export a draft/target pair, then run it.
 
-    Every error is one 'error: ...' line on stderr and exit code 2 (Ctrl-C: 130)."""
+    Without BUNDLE, every command uses the demo bundle ($SPECDEPLOY_HOME/demo-bundle, default
+    ~/.cache/specdeploy/demo-bundle), exported from the embedded demo pair on first use.
+    stdout carries only what was asked for (generated text, JSON, a path); progress, stats and
+    errors go to stderr. Every error is one 'error: ...' line and exit code 2 (Ctrl-C: 130)."""
 
 
 @main.command()
@@ -108,6 +114,7 @@ def _export(target: str, draft: str, out: str, **options) -> None:
     """Run the export stage with a progress display and the parity figures at the end (stderr)."""
     import signal
 
+    require_export_extra("exporting")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     signal.signal(signal.SIGTERM, _interrupt)  # a terminated export cleans up like Ctrl-C
     from rich.console import Console
@@ -134,22 +141,6 @@ def _export(target: str, draft: str, out: str, **options) -> None:
         )
 
 
-def _return_freed_memory() -> None:
-    """Have glibc give large freed blocks back to the system instead of keeping them in the heap.
-
-    glibc raises its mmap threshold each time a large block is freed, so after the prefill's
-    logits and activations are freed their memory stays resident. A fixed 128 KiB threshold
-    (M_MMAP_THRESHOLD) keeps blocks that large in their own mappings, returned on free: measured
-    -8 MB peak RSS for a run at the full 2,048-token context. The CLI owns its process; the
-    library leaves the allocator alone."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)
-    except (OSError, AttributeError):  # not glibc
-        pass
-
-
 def resolve_bundle(bundle: str | None) -> str:
     """The named bundle, or the default one, exported from the demo pair on first use."""
     if bundle is not None:
@@ -158,6 +149,8 @@ def resolve_bundle(bundle: str | None) -> str:
 
     path = default_bundle()
     if not (path / "specdeploy.json").is_file():
+        require_export_extra(f"no bundle named, and the demo bundle {path} is not exported yet; exporting it",
+                             otherwise=", or name a bundle")
         click.echo(f"no bundle named; exporting the embedded demo pair to {path} (first use only)", err=True)
         path.parent.mkdir(parents=True, exist_ok=True)
         # Under the export's lock: a concurrent first use that got there first leaves its bundle to reuse.
@@ -166,90 +159,50 @@ def resolve_bundle(bundle: str | None) -> str:
 
 
 @main.command()
-@click.argument("bundle", type=click.Path())
+@click.argument("bundle", type=click.Path(), required=False)
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 @click.option("--verify", is_flag=True, help="Also re-hash every file and compare it with the manifest.")
 def inspect(bundle, as_json, verify) -> None:
-    """Summarize a bundle's manifest."""
-    from rich.console import Console
-    from rich.table import Table
-
+    """Summarize a bundle's manifest (BUNDLE defaults to the demo bundle); 80 columns wide."""
     from .bundle import load_manifest
+    from .inspect_output import inspect_lines
+    from .runtime.chat import load_chat_template
 
+    bundle = resolve_bundle(bundle)
     manifest = load_manifest(bundle, verify=verify)
     if as_json:
         click.echo(json.dumps(manifest.to_dict(), indent=2))
         return
-    console = Console()
-    console.print(f"[bold]{bundle}[/bold]  format {manifest.format_version}, specdeploy {manifest.specdeploy_version}, "
-                  f"created {manifest.created}, max context {manifest.max_context}")
-    table = Table(show_edge=False)
-    for column in ("", "target", "draft"):
-        table.add_column(column)
-    t, d = manifest.target, manifest.draft
-
-    def row(name, getter):
-        table.add_row(name, str(getter(t)), str(getter(d)))
-
-    row("architecture", lambda s: s.architecture)
-    row("parameters", lambda s: f"{s.num_parameters / 1e6:.1f}M")
-    row("layers x kv heads x head dim", lambda s: f"{s.num_layers} x {s.num_kv_heads} x {s.head_dim}")
-    row("vocab", lambda s: s.vocab_size)
-    row("dtype / quantize", lambda s: f"{s.dtype} / {s.quantize}")
-    row("graph / KV cache", lambda s: f"{s.graph} / {'shared buffer' if s.kv_cache.shared_buffer else 'concat'}"
-        + (f", window {s.attention_window}" if s.attention_window else ""))
-    row("files", lambda s: ", ".join(f"{f.path} ({f.size / 1e6:.1f} MB)" for f in s.files))
-    row("inputs", lambda s: f"{len(s.inputs)} ({', '.join(s.input_names[:3])}, ...)")
-    row("parity prefill max|diff|", lambda s: f"{s.parity.prefill_max_abs_diff:.2e}")
-    row("parity verify max|diff|", lambda s: f"{s.parity.verify_max_abs_diff:.2e}")
-    row("parity greedy agreement", lambda s: f"{s.parity.prefill_greedy_agreement:.2f} / {s.parity.verify_greedy_agreement:.2f}")
-    row("parity check", lambda s: f"{s.parity.check} {'<=' if s.parity.check == 'max_abs_diff' else '>='} "
-                                  f"{s.parity.tolerance:g}: {'pass' if s.parity.passed else 'FAIL'}")
-    row("source", lambda s: s.source)
-    console.print(table)
-    tok = manifest.tokenizer
-    console.print(f"tokenizer: {tok.vocab_size} tokens, bos {tok.bos_token_id}, eos {list(tok.eos_token_ids)}, pad {tok.pad_token_id}")
-    for line in _tokenizer_host_lines(tok.hosts):
-        console.print(line, markup=False, highlight=False, soft_wrap=True)
-
-
-HOST_LIBRARIES = {"genai": "onnxruntime-genai", "node": "@huggingface/tokenizers"}  # the tokenizer each host reads with
-
-
-def _tokenizer_host_lines(hosts, width: int = 80) -> list[str]:
-    """How each host read the tokenizer at export, one wrapped paragraph each (fits `width` columns)."""
-    import textwrap
-
-    if not hosts:
-        return ["tokenizer under other hosts: not checked (exported before the check)"]
-    lines = ["tokenizer under other hosts (against HF tokenizers at export):"]
-    for host, record in sorted(hosts.items()):
-        head = f"  {host}: {record.status}"
-        if record.version:
-            head += f" ({HOST_LIBRARIES.get(host, host)} {record.version}, {record.samples} samples)"
-        text = f"{head}: {record.reason}" if record.reason else head
-        lines += textwrap.wrap(text, width=width, subsequent_indent="      ", break_on_hyphens=False)
-    return lines
+    template = load_chat_template(Path(bundle) / manifest.tokenizer.path)
+    end_of_turn = template.end_of_turn_text().strip() if template is not None else ""
+    chat = None if template is None else (f"yes; a reply ends at {end_of_turn!r}" if end_of_turn else "yes")
+    click.echo("\n".join(inspect_lines(bundle, manifest, chat)))
 
 
 @main.command()
-@click.argument("bundle", type=click.Path())
+@click.argument("bundle", type=click.Path(), required=False)
 def verify(bundle) -> None:
-    """Re-hash every file of a bundle against its manifest; name each damaged one (exit 2 if any)."""
+    """Re-hash every file of a bundle against its manifest; name each damaged one (exit 2 if any).
+
+    BUNDLE defaults to the demo bundle."""
     import time
 
     from .bundle import listed_files, load_manifest
+    from .inspect_output import format_size
 
+    bundle = resolve_bundle(bundle)
     start = time.perf_counter()
     manifest = load_manifest(bundle, verify=True)
     entries = listed_files(manifest)
     size = sum(entry.size for entry in entries)
-    click.echo(f"ok: {len(entries)} files, {size / 1e6:.1f} MB, match their sha256 ({time.perf_counter() - start:.2f} s)")
+    click.echo(f"ok: {len(entries)} files, {format_size(size)}, match their sha256 ({time.perf_counter() - start:.2f} s)")
 
 
 @main.command()
 @click.argument("bundle", type=click.Path(), required=False)
 @click.option("--prompt", default=None, type=TEXT, help="Prompt text (UTF-8), as it is; '-' reads standard input.")
+@click.option("--prompt-file", default=None, type=click.Path(),
+              help="Read the prompt from this UTF-8 file, byte for byte (a trailing newline is kept).")
 @click.option("--chat", default=None, type=TEXT,
               help="A user message, rendered by the bundle's chat template; the reply ends at its end of turn. "
                    "'-' reads standard input.")
@@ -267,27 +220,29 @@ def verify(bundle) -> None:
 @VERIFY_OPTION
 @click.option("--stream/--no-stream", default=True, show_default=True, help="Print text as it is accepted.")
 @click.option("--json", "as_json", is_flag=True, help='Print one JSON object {"text", "token_ids", "stats"}.')
-def run(bundle, prompt, chat, system, messages_file, max_new_tokens, temperature, top_k, top_p, min_p,
+def run(bundle, prompt, prompt_file, chat, system, messages_file, max_new_tokens, temperature, top_k, top_p, min_p,
         repetition_penalty, seed, num_draft_tokens, draft_confidence, no_speculative, stop, device, drafter, verify,
         stream, as_json) -> None:
-    """Generate from a prompt (--prompt) or a conversation (--chat, --messages) with speculative decoding
-    (BUNDLE defaults to the demo bundle).
+    """Generate from a prompt (--prompt, --prompt-file) or a conversation (--chat, --messages) with
+    speculative decoding (BUNDLE defaults to the demo bundle).
 
+    stdout gets exactly the generated text (or --json's one JSON line), nothing else: no newline the
+    model did not write, except after text shown on a terminal. The stats line goes to stderr.
     Ctrl-C stops generation: the text so far and the stats are printed, and the exit code is 130."""
     from .runtime import load
 
-    request = _run_request(prompt, chat, system, messages_file)
-    _return_freed_memory()
+    request = run_request(prompt, prompt_file, chat, system, messages_file)
+    return_freed_memory()
     generator = load(resolve_bundle(bundle), device=device, drafter=drafter, verify=verify)
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                    repetition_penalty=repetition_penalty, seed=seed, num_draft_tokens=num_draft_tokens, draft_confidence=draft_confidence,
                    speculative=not no_speculative, stop=stop)
-    interrupted = False
+    interrupted, shown = False, []
     try:
         if as_json or not stream:
             generator.generate(**request, **options)
         else:
-            _stream(generator.stream(**request, **options))
+            stream_text(generator.stream(**request, **options), shown)
     except KeyboardInterrupt:
         interrupted = True
         if generator.last_output is None:  # before the first token: nothing to show
@@ -295,8 +250,10 @@ def run(bundle, prompt, chat, system, messages_file, max_new_tokens, temperature
     output = generator.last_output
     if as_json:
         click.echo(json.dumps({"text": output.text, "token_ids": output.token_ids, "stats": output.stats.to_dict()}))
-    elif not stream:
-        click.echo(output.text)
+    else:
+        if not stream:
+            click.echo(output.text, nl=False)
+        end_text("".join(shown) if stream else output.text)
     click.echo(format_stats(output.stats), err=True)
     if output.stats.note:
         click.echo(f"note: {output.stats.note}", err=True)
@@ -304,68 +261,56 @@ def run(bundle, prompt, chat, system, messages_file, max_new_tokens, temperature
         sys.exit(EXIT_INTERRUPTED)
 
 
-def _run_request(prompt, chat, system, messages_file) -> dict:
-    """`run`'s input as generate's keyword: {"prompt": text} or {"messages": [...]}."""
-    from .cli_support import read_stdin_text
-    from .runtime.chat import read_messages
+@main.command()
+@click.argument("bundle", type=click.Path(), required=False)
+@click.option("--system", default=None, type=TEXT, help="The system message the conversation starts with.")
+@click.option("--max-new-tokens", type=int, default=256, show_default=True, help="Tokens per reply at most.")
+@SAMPLING_OPTIONS
+@click.option("--num-draft-tokens", "-k", type=int, default=DEFAULTS.num_draft_tokens, show_default=True)
+@click.option("--no-speculative", is_flag=True, help="Target-only decoding (the baseline).")
+@click.option("--stop", multiple=True, type=TEXT, help="End a reply before this string (repeatable).")
+@DEVICE_OPTION
+@DRAFTER_OPTION
+@VERIFY_OPTION
+@click.option("--stats", is_flag=True, help="Print the stats line (stderr) after each reply.")
+def chat(bundle, system, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed,
+         num_draft_tokens, draft_confidence, no_speculative, stop, device, drafter, verify, stats) -> None:
+    """Chat with a bundle on its tokenizer's chat template, the reply streaming as it decodes
+    (BUNDLE defaults to the demo bundle).
 
-    given = [name for name, value in (("--prompt", prompt), ("--chat", chat), ("--messages", messages_file))
-             if value is not None]
-    if len(given) != 1:
-        raise SpecdeployError("pass one of --prompt, --chat or --messages" + (f" (got {' and '.join(given)})" if given else ""))
-    if prompt is not None:
-        if system is not None:
-            raise SpecdeployError("--system goes with --chat or --messages (--prompt is sent as it is)")
-        return {"prompt": read_stdin_text() if prompt == "-" else prompt}
-    if chat is not None:
-        messages = [{"role": "user", "content": read_stdin_text() if chat == "-" else chat}]
-    else:
-        messages = read_messages(messages_file)
-    if system is not None:
-        if messages[0]["role"] == "system":
-            raise SpecdeployError(f"--system and the system message of {messages_file}: keep one")
-        messages = [{"role": "system", "content": system}, *messages]
-    return {"messages": messages}
+    One line is one message (end a line with \\ to continue it on the next). /reset forgets the
+    conversation, /system TEXT sets the system message, /exit or Ctrl-D ends the session; Ctrl-C
+    stops an answer, not the session. The history is kept within the context: the oldest turns
+    are dropped when it is full (a note on stderr says so). Reply i samples with --seed + i."""
+    from .chat_cli import ChatConfig, read_lines, run_chat
+    from .runtime import load
 
+    generation = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                  min_p=min_p, repetition_penalty=repetition_penalty, seed=seed,
+                                  num_draft_tokens=num_draft_tokens, draft_confidence=draft_confidence,
+                                  speculative=not no_speculative, stop=stop)
+    generation.validate()
+    return_freed_memory()
+    bundle = resolve_bundle(bundle)
+    generator = load(bundle, device=device, drafter=drafter, verify=verify)
+    if generator.chat_template is None:
+        raise SpecdeployError(f"{bundle} has no chat template (its tokenizer has no chat_template.jinja and "
+                              "tokenizer_config.json names none): use run --prompt")
+    interactive = sys.stdin.isatty()
+    if interactive:
+        import readline  # noqa: F401 - line editing and history for input()
 
-def _stream(pieces) -> None:
-    """Print pieces as they come; Ctrl-C between pieces closes the stream (so it records what came out)."""
-    try:
-        for piece in pieces:
-            click.echo(piece, nl=False)
-            sys.stdout.flush()
-    except KeyboardInterrupt:
-        pieces.close()
-        raise
-    finally:
-        click.echo()
-
-
-def format_stats(stats) -> str:
-    line = (f"{stats.new_tokens} tokens in {stats.decode_ms:.0f} ms ({stats.tokens_per_s:.1f} tok/s, prefill "
-            f"{stats.prefill_ms:.0f} ms)")
-    if stats.drafted:
-        line += (f", acceptance {stats.acceptance_rate:.2f}, {stats.mean_accepted_tokens:.2f} tokens/round over "
-                 f"{stats.rounds} rounds, by position {stats.accepted_by_position}")
-    return line + f"; draft {stats.draft_ms:.0f} ms, target {stats.target_ms:.0f} ms, other {stats.other_ms:.0f} ms [{stats.finish_reason}]"
-
-
-def _parse_draft_tokens(value: str) -> tuple[int, ...] | None:
-    if value == "auto":
-        return None
-    try:
-        ks = tuple(int(v) for v in value.split(","))
-    except ValueError:
-        raise SpecdeployError(f"--num-draft-tokens '{value}': expected K, a list like 2,4,8, or auto") from None
-    if not all(1 <= k <= 32 for k in ks):
-        raise SpecdeployError("--num-draft-tokens: each k must be in 1..32")
-    return ks
+        click.echo(f"chat with {bundle}: one line per message; /reset, /system TEXT, /exit or Ctrl-D; Ctrl-C "
+                   "stops an answer", err=True)
+    run_chat(generator, ChatConfig(generation=generation, system=system, stats=stats), read_lines(interactive=interactive))
 
 
 @main.command()
 @click.argument("bundle", type=click.Path(), required=False)
 @click.option("--prompts", "prompts_file", type=click.Path(), default=None,
               help="JSON list of prompts, or JSONL with a 'prompt' field (default: 10 built-in code prompts).")
+@click.option("--prompt-file", default=None, type=click.Path(),
+              help="One prompt: this UTF-8 file's text, byte for byte (instead of --prompts).")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
 @click.option("--prompt-tokens", default=None,
               help="Lengthen every prompt to this many tokens (decode speed at a long context); a list like "
@@ -380,24 +325,31 @@ def _parse_draft_tokens(value: str) -> tuple[int, ...] | None:
 @VERIFY_OPTION
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on the last line of stdout.")
 @click.option("--plot", type=click.Path(), default=None, help="Draw speedup vs k and acceptance by position (PNG).")
-def bench(bundle, prompts_file, max_new_tokens, prompt_tokens, num_draft_tokens, temperature, top_k, top_p, min_p,
+def bench(bundle, prompts_file, prompt_file, max_new_tokens, prompt_tokens, num_draft_tokens, temperature, top_k, top_p, min_p,
           repetition_penalty, draft_confidence, repeat, chat, seed, device, drafter, verify, as_json, plot) -> None:
     """Target-only vs speculative decoding on the same prompts: speed, acceptance, cost model."""
     from rich.console import Console
 
     from .bench import BenchConfig, builtin_prompts, context_sweep, lengthen_prompts, run_bench
-    from .cli_support import check_output_file, read_prompts_file
+    from .bench_output import machine_description
+    from .cli_support import check_output_file, read_prompts_file, read_text_file
     from .runtime import load
 
     if repeat < 1 or max_new_tokens < 1:
         raise SpecdeployError("--repeat and --max-new-tokens must be at least 1")
-    ks = _parse_draft_tokens(num_draft_tokens)
+    ks = parse_draft_tokens(num_draft_tokens)
     if plot:
         check_output_file(plot, "--plot")  # before the benchmark, not after it
-    prompts = read_prompts_file(prompts_file) if prompts_file else builtin_prompts()
-    _return_freed_memory()
-    generator = load(resolve_bundle(bundle), device=device, drafter=drafter, verify=verify)
-    lengths = _parse_prompt_tokens(prompt_tokens, max_new_tokens, generator.max_context)
+    if prompts_file and prompt_file:
+        raise SpecdeployError("pass --prompts or --prompt-file, not both")
+    if prompt_file:
+        prompts = [read_text_file(prompt_file, "--prompt-file")]
+    else:
+        prompts = read_prompts_file(prompts_file) if prompts_file else builtin_prompts()
+    return_freed_memory()
+    bundle = resolve_bundle(bundle)
+    generator = load(bundle, device=device, drafter=drafter, verify=verify)
+    lengths = parse_prompt_tokens(prompt_tokens, max_new_tokens, generator.max_context)
     texts, encode, stop_token_ids = prompts, generator.codec.encode, ()
     if chat:  # each prompt's ids through the template, rendered before any run
         encode = lambda text: generator.encode_chat([{"role": "user", "content": text}])  # noqa: E731
@@ -417,10 +369,15 @@ def bench(bundle, prompts_file, max_new_tokens, prompt_tokens, num_draft_tokens,
         report["chat"] = chat
         reports.append(report)
     report = reports[0] if len(reports) == 1 else context_sweep(reports)
+    from datetime import datetime
+
     from .bench_output import plot_report, print_bench, print_context_sweep
 
+    report.update(bundle=str(Path(bundle).resolve()), date=datetime.now().astimezone().isoformat(timespec="seconds"),
+                  machine=machine_description())
     if plot:
         plot_report(report, plot)
+        click.echo(f"plot: {Path(plot).expanduser().resolve()}", err=True)
     if as_json:
         click.echo(json.dumps(report))
     else:
@@ -428,22 +385,6 @@ def bench(bundle, prompts_file, max_new_tokens, prompt_tokens, num_draft_tokens,
             print_bench(each)
         if "context_sweep" in report:
             print_context_sweep(report["context_sweep"])
-
-
-def _parse_prompt_tokens(value: str | None, max_new_tokens: int, max_context: int) -> tuple[int | None, ...]:
-    if value is None:
-        return (None,)
-    try:
-        lengths = tuple(int(v) for v in value.split(","))
-    except ValueError:
-        raise SpecdeployError(f"--prompt-tokens '{value}': expected N or a list like 128,1920") from None
-    for length in lengths:
-        if length < 1:
-            raise SpecdeployError("--prompt-tokens: each length must be at least 1")
-        if length + max_new_tokens > max_context:
-            raise SpecdeployError(f"--prompt-tokens {length} + --max-new-tokens {max_new_tokens} exceed the bundle's "
-                                  f"max context {max_context}")
-    return lengths
 
 
 @main.command()
@@ -470,7 +411,7 @@ def serve(bundle, host, port, max_queue, num_draft_tokens, drafter, device, api_
     except ImportError as exc:
         raise SpecdeployError(f"serving needs the serve extra (pip install 'specdeploy[serve]'): {exc}") from None
 
-    _return_freed_memory()
+    return_freed_memory()
     config = ServeConfig(bundle=resolve_bundle(bundle), host=host, port=port, max_queue=max_queue,
                          num_draft_tokens=num_draft_tokens, drafter=drafter, device=device, api_key=api_key,
                          max_body_bytes=max_body_bytes, drain_timeout_s=drain_timeout, model_name=model_name)

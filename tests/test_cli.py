@@ -104,3 +104,62 @@ def test_run_without_a_bundle_exports_the_demo_pair_once(tmp_path):
     second = run_default("--prompt", "def add(a, b):\n", "--max-new-tokens", "16", "--json")
     assert second.returncode == 0 and "exporting" not in second.stderr
     assert json.loads(second.stdout)["token_ids"] == json.loads(first.stdout)["token_ids"]
+
+
+def test_stdout_is_exactly_the_generated_text(agreeing_bundle):
+    """No newline the model did not write (stdout is a pipe here), streamed or not; the same text as --json's."""
+    expected = json.loads(run(str(agreeing_bundle), "--prompt", "def f(x):", "--max-new-tokens", "16", "--json").stdout)
+    assert not expected["text"].endswith("\n")  # so a trailing newline would be one the CLI added
+    for flags in ([], ["--no-stream"]):
+        result = run(str(agreeing_bundle), "--prompt", "def f(x):", "--max-new-tokens", "16", *flags)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout == expected["text"]
+    refused = run(str(agreeing_bundle), "--prompt", "x", "--temperature", "-1")
+    assert refused.returncode == 2 and refused.stdout == "" and refused.stderr.startswith("error: ")
+
+
+def test_prompt_file_is_read_byte_for_byte(agreeing_bundle, tmp_path, monkeypatch):
+    import specdeploy
+    import specdeploy.bench
+    from click.testing import CliRunner
+
+    from specdeploy.cli import main
+
+    text = "def f(x):\r\n    return x\n"  # a CRLF and a trailing newline, both kept
+    (tmp_path / "prompt.txt").write_bytes(text.encode())
+    result = run(str(agreeing_bundle), "--prompt-file", str(tmp_path / "prompt.txt"), "--max-new-tokens", "8", "--json")
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(result.stdout)
+    generator = specdeploy.load(agreeing_bundle)
+    assert payload["stats"]["prompt_tokens"] == len(generator.codec.encode(text))
+    assert payload["token_ids"] == generator.generate(text, max_new_tokens=8).token_ids
+
+    benched = []
+    real = specdeploy.bench.run_bench
+    monkeypatch.setattr(specdeploy.bench, "run_bench", lambda gen, config, **kw: benched.append(config) or real(gen, config, **kw))
+    bench = CliRunner().invoke(main, ["bench", str(agreeing_bundle), "--prompt-file", str(tmp_path / "prompt.txt"),
+                                      "--max-new-tokens", "4", "-k", "2", "--json"])
+    assert bench.exit_code == 0, bench.output
+    assert [config.prompts for config in benched] == [(text,)]
+
+
+def test_debug_is_accepted_after_the_subcommand(agreeing_bundle):
+    ok = run(str(agreeing_bundle), "--prompt", "x", "--max-new-tokens", "2", "--debug")
+    assert ok.returncode == 0, ok.stderr
+    failed = run(str(agreeing_bundle), "--prompt", "x", "--temperature", "-1", "--debug")
+    assert failed.returncode != 0 and "Traceback" in failed.stderr and failed.stdout == ""
+    prompt = run(str(agreeing_bundle), "--prompt", "--debug", "--max-new-tokens", "2", "--json")  # a value, not the flag
+    assert prompt.returncode == 0 and json.loads(prompt.stdout)["stats"]["prompt_tokens"] > 0
+
+
+def test_a_runtime_only_install_names_the_extra_it_lacks(tmp_path):
+    """No bundle named, none exported yet, and no transformers: one error line with the pip command."""
+    code = ("import sys; sys.modules['transformers'] = None; from specdeploy.cli import main; "
+            "main(['run', '--prompt', 'x'])")
+    env = {**os.environ, "SPECDEPLOY_HOME": str(tmp_path / "home")}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert result.returncode == 2 and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: no bundle named"), result.stderr
+    assert "pip install 'specdeploy[export]'" in lines[0] and "transformers" in lines[0]
+    assert not (tmp_path / "home" / "demo-bundle").exists()

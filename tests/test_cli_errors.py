@@ -5,11 +5,15 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
+from specdeploy.bench_output import draw_report
 from specdeploy.cli import main
+from specdeploy.errors import SpecdeployError
+from specdeploy.inspect_output import format_size
 
 
 def invoke(*args, input=None):
@@ -28,6 +32,13 @@ def assert_one_line(code, stderr, message):
 @pytest.fixture(scope="module")
 def bundle(agreeing_bundle):
     return str(agreeing_bundle)
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path, monkeypatch):
+    """A default bundle location of the test's own: nothing here reads or writes the user's."""
+    monkeypatch.setenv("SPECDEPLOY_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
 
 
 @pytest.fixture
@@ -166,3 +177,100 @@ def test_bare_command_shows_help_and_an_existing_non_bundle_is_named(tmp_path):
     # without --force too: the message says it is not a bundle, not "pass --force"
     assert_one_line(*invoke("export", "--out", str(tmp_path))[::2], "is not a specdeploy bundle")
     assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("command", ["run", "bench"])
+def test_bad_prompt_files(bundle, files, command):
+    for name, message in (("missing.txt", "--prompt-file {}: no such file"), (".", "--prompt-file {}: not a file"),
+                          ("latin1.json", "--prompt-file {} is not valid UTF-8: byte 0xe9 at offset 5")):
+        path = str(files / name)
+        code, stdout, stderr = invoke(command, bundle, "--prompt-file", path)
+        assert_one_line(code, stderr, message.format(path))
+        assert stdout == ""
+    (files / "prompt.txt").write_text("x")
+    assert_one_line(*invoke("run", bundle, "--prompt-file", str(files / "prompt.txt"), "--prompt", "y")[::2],
+                    "(got --prompt and --prompt-file)")
+    assert_one_line(*invoke("run", bundle, "--prompt-file", str(files / "prompt.txt"), "--system", "s")[::2],
+                    "--system goes with --chat or --messages (--prompt-file is sent as it is)")
+    assert_one_line(*invoke("bench", bundle, "--prompt-file", str(files / "prompt.txt"), "--prompts",
+                            str(files / "list.json"))[::2], "pass --prompts or --prompt-file, not both")
+
+
+def test_debug_anywhere_re_raises(bundle):
+    for args in (["--debug", "run", bundle, "--prompt", "x", "--top-p", "0"],
+                 ["run", bundle, "--prompt", "x", "--top-p", "0", "--debug"]):
+        result = CliRunner().invoke(main, args)
+        assert isinstance(result.exception, SpecdeployError) and "top_p" in str(result.exception)
+    assert_one_line(*invoke("run", bundle, "--prompt", "x", "--top-p", "0")[::2], "top_p")  # and without it, one line
+
+
+def test_inspect_fits_80_columns_with_sizes_in_their_units(bundle):
+    from specdeploy.bundle import load_manifest
+
+    code, stdout, stderr = invoke("inspect", bundle)
+    assert code == 0, stderr
+    manifest = load_manifest(bundle)
+    paths = (bundle, manifest.target.source, manifest.draft.source)  # printed whole, never cut
+    for line in stdout.splitlines():
+        assert len(line) <= 80 or any(path in line for path in paths), line
+    assert f"  target: {manifest.target.source}" in stdout.splitlines()
+    onnx = next(entry for entry in manifest.target.files if entry.path.endswith("model.onnx"))
+    line = next(line for line in stdout.splitlines() if line.strip().startswith(onnx.path + " "))
+    assert "0.0 MB" not in line and line.split()[-2:] == format_size(onnx.size).split()
+    assert "chat template: none" in stdout
+
+
+def test_format_size():
+    assert [format_size(n) for n in (0, 999, 18_600, 34_700_000, 1_760_000_000)] == \
+        ["0 B", "999 B", "18.6 kB", "34.7 MB", "1.76 GB"]
+
+
+def test_inspect_and_verify_default_to_the_demo_bundle(bundle, home):
+    import shutil
+
+    shutil.copytree(bundle, home / "demo-bundle")  # as if exported on first use
+    code, stdout, stderr = invoke("inspect")
+    assert code == 0, stderr
+    assert stdout.startswith(f"bundle: {home / 'demo-bundle'}\n") and "exporting" not in stderr
+    code, stdout, stderr = invoke("verify")
+    assert code == 0 and stdout.startswith("ok: ") and "match their sha256" in stdout
+
+
+def report_with(ks):
+    rows = [{"num_draft_tokens": k, "speedup": 1.4 + 0.1 * k, "leviathan_bound": 1.6 + 0.1 * k,
+             "accepted_by_position": [8 - i for i in range(k)], "speculative": {"rounds": 10}} for k in ks]
+    return {"by_num_draft_tokens": rows, "temperature": 0.8, "top_k": 50, "top_p": 1.0, "min_p": 0.0,
+            "repetition_penalty": 1.0, "prompts": 10, "max_new_tokens": 128, "repeat": 1, "drafter": "hybrid",
+            "prompt_tokens": None, "bundle": "/somewhere/my-bundle", "date": "2026-12-01T14:50:00+00:00",
+            "machine": "Some CPU, 2 CPUs"}
+
+
+@pytest.mark.parametrize("ks", [(4,), (2, 4, 8)])
+def test_the_plot_is_titled_starts_at_zero_and_has_whole_draft_positions(ks):
+    import matplotlib.pyplot as plt
+
+    figure = draw_report(report_with(ks))
+    speedup, acceptance = figure.axes
+    title = figure._suptitle.get_text()
+    for part in ("my-bundle", "temperature 0.8, top-k 50", "drafter hybrid", "2026-12-01", "Some CPU, 2 CPUs"):
+        assert part in title
+    assert speedup.get_ylim()[0] == 0 and acceptance.get_ylim() == (0, 1)
+    assert [t.get_text() for t in speedup.get_xticklabels()] == [f"k = {k}" for k in ks]
+    assert list(acceptance.get_xticks()) == list(range(1, max(ks) + 1))
+    assert len(speedup.patches) == 2 * len(ks)  # measured and bound: one bar each per k
+    plt.close(figure)
+
+
+def test_bench_plot_says_where_it_saved_it(bundle, tmp_path):
+    plot = tmp_path / "k.png"
+    code, stdout, stderr = invoke("bench", bundle, "--max-new-tokens", "4", "-k", "2", "--json", "--plot", str(plot),
+                                  "--prompts", str(_one_prompt(tmp_path)))
+    assert code == 0, stderr
+    assert f"plot: {plot.resolve()}" in stderr.splitlines() and plot.stat().st_size > 0
+    report = json.loads(stdout)
+    assert report["bundle"] == str(Path(bundle).resolve()) and report["machine"] and report["date"][:4].isdigit()
+
+
+def _one_prompt(tmp_path):
+    (tmp_path / "one.json").write_text('["def f(x):"]')
+    return tmp_path / "one.json"

@@ -1,0 +1,162 @@
+"""`specdeploy chat`: replies equal the Python API's on the same conversation, commands, the history
+kept within the context, Ctrl-C, and the demo pair's chat template. Driven through click's runner."""
+
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+import specdeploy
+from specdeploy.chat_cli import ChatConfig, Conversation, run_chat
+from specdeploy.cli import main
+from specdeploy.defaults import DEMO_DIR
+from specdeploy.runtime.generate import GenerationConfig, GenerationOutput, GenerationStats
+
+DEMO_TEMPLATE = (DEMO_DIR / "target" / "chat_template.jinja").read_text()
+
+
+@pytest.fixture(scope="module")
+def bundle(agreeing_bundle, tmp_path_factory):
+    """The agreeing bundle (<s>, </s>) given the demo pair's template: a turn ends at EOS."""
+    copy = tmp_path_factory.mktemp("chat-cli") / "bundle"
+    shutil.copytree(agreeing_bundle, copy)
+    (copy / "tokenizer" / "chat_template.jinja").write_text(DEMO_TEMPLATE)
+    return str(copy)
+
+
+def chat(bundle, *args, input=""):
+    result = CliRunner().invoke(main, ["chat", bundle, *args], input=input)
+    return result.exit_code, result.stdout, result.stderr
+
+
+def shown(replies):
+    """stdout for these replies: each followed by a newline unless it ends with one."""
+    return "".join(reply if reply.endswith("\n") else reply + "\n" for reply in replies if reply)
+
+
+def test_replies_equal_generate_on_the_whole_conversation(bundle):
+    code, stdout, stderr = chat(bundle, "--max-new-tokens", "12", "--stats", input="def f(x):\nreturn it\n")
+    assert code == 0, stderr
+    generator = specdeploy.load(bundle)  # the same calls in the same order: the same cache reuse
+    first = generator.generate(messages=[{"role": "user", "content": "def f(x):"}], max_new_tokens=12).text
+    second = generator.generate(messages=[{"role": "user", "content": "def f(x):"}, {"role": "assistant", "content": first},
+                                          {"role": "user", "content": "return it"}], max_new_tokens=12).text
+    assert stdout == shown([first, second])
+    assert sum("tok/s" in line for line in stderr.splitlines()) == 2  # --stats: one line per reply
+
+
+def test_commands_system_reset_exit_and_the_seed_per_reply(bundle):
+    lines = "/system Be brief.\nhi\n/reset\nhi\n/frob\n/exit\nnot read\n"
+    code, stdout, stderr = chat(bundle, "--max-new-tokens", "10", "--temperature", "0.8", "--seed", "5", input=lines)
+    assert code == 0, stderr
+    generator = specdeploy.load(bundle)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    replies = [generator.generate(messages=messages, max_new_tokens=10, temperature=0.8, seed=seed).text
+               for seed in (5, 6)]  # reply i samples with seed + i; /reset keeps the system message
+    assert stdout == shown(replies)
+    assert "(system message set)" in stderr and "(conversation cleared; system message kept)" in stderr
+    assert "unknown command /frob" in stderr
+
+
+def test_continued_lines_slash_escape_and_end_of_input(bundle):
+    code, stdout, stderr = chat(bundle, "--max-new-tokens", "8", input="def f(x):\\\n    return\n//x\n")
+    assert code == 0, stderr  # end of input ends the session like /exit
+    generator = specdeploy.load(bundle)
+    first = generator.generate(messages=[{"role": "user", "content": "def f(x):\n    return"}], max_new_tokens=8).text
+    second = generator.generate(messages=[{"role": "user", "content": "def f(x):\n    return"},
+                                          {"role": "assistant", "content": first}, {"role": "user", "content": "/x"}],
+                                max_new_tokens=8).text
+    assert stdout == shown([first, second])
+
+
+def test_a_full_context_drops_the_oldest_turns_and_says_so(bundle):
+    message = "\\\n".join(["x = 1"] * 25) + "\n"  # one message of 25 lines, about 100 tokens of the bundle's 256
+    code, stdout, stderr = chat(bundle, "--max-new-tokens", "40", input=message * 4)
+    assert code == 0, stderr
+    assert "note: dropped the oldest" in stderr and "256-token context" in stderr
+    assert "error" not in stderr
+
+
+def test_a_message_too_long_for_the_context_is_refused_and_the_session_goes_on(bundle):
+    code, stdout, stderr = chat(bundle, "--max-new-tokens", "6", input="x = 1 " * 300 + "\nhi\n")
+    assert code == 0, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "the context holds 256" in errors[0]
+    generator = specdeploy.load(bundle)
+    assert stdout == shown([generator.generate(messages=[{"role": "user", "content": "hi"}], max_new_tokens=6).text])
+
+
+def test_bad_options_and_a_bundle_without_a_template_are_one_error_line(bundle, agreeing_bundle):
+    for args, message in ((["--temperature", "-1"], "temperature"), (["--seed", "-1"], "'--seed'")):
+        code, stdout, stderr = chat(bundle, *args, input="hi\n")
+        assert code == 2 and stdout == "" and stderr.startswith("error: ") and message in stderr
+        assert len(stderr.strip().splitlines()) == 1
+    code, stdout, stderr = chat(str(agreeing_bundle), input="hi\n")
+    assert code == 2 and stdout == "" and "has no chat template" in stderr and len(stderr.strip().splitlines()) == 1
+
+
+def test_fit_keeps_the_system_message_and_drops_whole_turns():
+    conversation = Conversation("sys")
+    conversation.turns = [("a" * 30, "b" * 30), ("c" * 30, "d" * 30), ("e" * 10, "f" * 10)]
+
+    def encode(messages):  # one token per character
+        return [0] * sum(len(m["content"]) for m in messages)
+
+    messages, dropped = conversation.fit("q" * 10, encode, max_context=100, reply_tokens=20)
+    assert dropped == 2 and conversation.turns == [("e" * 10, "f" * 10)]
+    assert [m["content"] for m in messages] == ["sys", "e" * 10, "f" * 10, "q" * 10]
+    # a reply budget beyond half the context reserves half: history is not dropped for it
+    conversation.turns = [("e" * 10, "f" * 10)]
+    assert conversation.fit("q" * 10, encode, max_context=100, reply_tokens=1000)[1] == 0
+
+
+class ScriptedGenerator:
+    """A generator whose first reply is interrupted (Ctrl-C) after two pieces; later replies finish."""
+
+    max_context = 1000
+
+    def __init__(self):
+        self.calls = []
+        self.last_output = None
+
+    def encode_chat(self, messages):
+        return [0] * len(messages)
+
+    def stream(self, messages, **options):
+        self.calls.append(messages)
+        yield "par"
+        yield "tial"
+        if len(self.calls) == 1:
+            self.last_output = GenerationOutput("partial", [1, 2], GenerationStats(finish_reason="interrupted"))
+            raise KeyboardInterrupt
+        self.last_output = GenerationOutput("partial", [1, 2], GenerationStats(finish_reason="eos"))
+
+
+def test_ctrl_c_stops_the_answer_not_the_session(capsys):
+    generator = ScriptedGenerator()
+    inputs = iter(["first", KeyboardInterrupt, "second", None])
+
+    def read():
+        item = next(inputs)
+        if item is KeyboardInterrupt:
+            raise KeyboardInterrupt  # at the prompt: a fresh prompt
+        return item
+
+    run_chat(generator, ChatConfig(generation=GenerationConfig(max_new_tokens=4), stats=True), read)
+    out = capsys.readouterr()
+    assert out.out == "partial\npartial\n"
+    assert "(interrupted)" in out.err and "Ctrl-D or /exit quits" in out.err
+    assert generator.calls[1][:2] == [{"role": "user", "content": "first"}, {"role": "assistant", "content": "partial"}]
+    assert "[interrupted]" in out.err and "[eos]" in out.err
+
+
+def test_the_demo_pairs_template_ends_a_turn_at_eos():
+    from specdeploy.export.special_tokens import end_of_turn_tokens
+    from specdeploy.runtime.chat import load_chat_template
+
+    for role in ("target", "draft"):
+        assert (DEMO_DIR / role / "chat_template.jinja").read_text() == DEMO_TEMPLATE
+    template = load_chat_template(DEMO_DIR / "target")
+    text = template.render([{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}])
+    assert text == "<|im_start|>system\nS</s>\n<|im_start|>user\nhi</s>\n<|im_start|>assistant\n"
+    assert end_of_turn_tokens(DEMO_TEMPLATE, ["<s>", "</s>"], "<s>", "</s>") == ["</s>"]  # EOS: nothing to add
