@@ -204,3 +204,20 @@ def test_bad_batch_settings(agreeing_bundle):
     generator = batched(agreeing_bundle, "always", max_batch=2)
     with pytest.raises(SpecdeployError, match="one seed per prompt"):
         generator.generate_many(PROMPTS[:2], seeds=[1])
+
+
+def test_sequences_with_one_prompt_prefill_it_once(agreeing_bundle, alone):
+    generator = batched(agreeing_bundle, "always", max_batch=4)
+    prompt = generator.codec.encode("class A:\n    def __init__(self):\n" * 6)  # > one prefill chunk
+    assert len(prompt) > PREFILL_CHUNK
+    generator.reset()
+    target_calls = generator.target.calls
+    outputs = generator.generate_many([prompt] * 4, seeds=[1, 2, 3, 4], max_new_tokens=1, speculative=False,
+                                      temperature=0.8)
+    chunks = -(-(len(prompt) - 1) // PREFILL_CHUNK)
+    assert generator.target.calls - target_calls == chunks + 1  # one prefill, then one batched step of 4 rows
+    for seed, output in zip((1, 2, 3, 4), outputs):
+        assert output.token_ids == alone.generate(prompt, seed=seed, max_new_tokens=1, speculative=False,
+                                                  temperature=0.8).token_ids
+    greedy = generator.generate_many([prompt] * 3, max_new_tokens=20)
+    assert all(o.token_ids == alone.generate(prompt, max_new_tokens=20, speculative=False).token_ids for o in greedy)

@@ -173,6 +173,16 @@ class SharedKVCache(_Cache):
     def past(self) -> list:
         return self.tensors
 
+    def copy_prefix(self, source: "SharedKVCache", length: int) -> None:
+        """Hold source's first `length` positions (keys, values and tokens), as if this cache had run
+        them: sequences with one prompt prefill it once. CPU buffers only."""
+        if not (self.device == source.device == "cpu") or length > source.length:
+            raise ValueError("copy_prefix needs two CPU caches and a length the source holds")
+        for mine, theirs in zip(self._backing, source._backing):
+            mine[:, :, :length] = theirs[:, :, :length]
+        self.tokens = source.tokens[:length]
+        self.length = length
+
 
 class KVSlots:
     """The KV caches of many sequences in one buffer per layer, for passes over several at once.

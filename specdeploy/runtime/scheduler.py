@@ -27,7 +27,7 @@ import numpy as np
 
 from .drafters import propose_many
 from .rejection import accept
-from .sequence import Sequence, Slot
+from .sequence import Sequence, Slot, shared_prefix
 
 POLICIES = ("auto", "always", "never")
 
@@ -136,19 +136,42 @@ class Scheduler:
     def step(self) -> list[Sequence]:
         """One iteration; returns the sequences that ended in it."""
         self._admit()
-        for sequence in [s for s in self.running if not s.prefilled]:
-            self._guarded(sequence, sequence.prefill_step, self.target)
+        prefilling = [s for s in self.running if not s.prefilled]
+        # Sequences with one prompt prefill it once: the first runs it, the others wait, then copy its cache.
+        for sequence in prefilling:
+            donor = None
+            if not sequence.target_started:
+                prompt = sequence.context[:-1]
+                if any(other.target_prefilling and other.context[:-1] == prompt for other in prefilling):
+                    continue
+                donor = self._donor(sequence)
+            self._guarded(sequence, sequence.prefill_step, self.target, donor)
         decoding = [s for s in self.running if s.prefilled and not s.finished]
         if decoding:
             self._decode(decoding)
         return self._retire()
+
+    def _donor(self, sequence: Sequence):
+        """Another slot's target cache that holds more of this sequence's prompt than its own (or None)."""
+        own = shared_prefix(sequence.slot.target_cache.tokens, sequence.context)
+        best, best_length = None, own
+        for slot in self.slots:
+            cache = slot.target_cache
+            if slot is sequence.slot or not getattr(cache, "shared_buffer", False) or cache.device != "cpu":
+                continue
+            if any(s.slot is slot and (s.target_prefilling or not s.target_started) for s in self.running):
+                continue  # still being written
+            length = shared_prefix(cache.tokens, sequence.context)
+            if length > best_length:
+                best, best_length = cache, length
+        return best
 
     def _admit(self) -> None:
         while self.waiting and self.free:
             sequence = self.waiting.popleft()
             if sequence.finished:
                 continue
-            slot = max(self.free, key=lambda s: (_shared_prefix(s.target_cache.tokens, sequence.context), -s.index))
+            slot = max(self.free, key=lambda s: (shared_prefix(s.target_cache.tokens, sequence.context), -s.index))
             self.free.remove(slot)
             sequence.bind(slot)
             self.running.append(sequence)
@@ -258,10 +281,3 @@ class Scheduler:
         self.policy.observe_round(len(drafts), num_accepted)
         row.emit(drafts[:num_accepted] + [token], logits)
 
-
-def _shared_prefix(tokens: list[int], context: list[int]) -> int:
-    limit = min(len(tokens), len(context) - 1)
-    for index in range(limit):
-        if tokens[index] != context[index]:
-            return index
-    return limit

@@ -35,6 +35,15 @@ def token_logprobs(logits: np.ndarray, token_ids: list[int], top: int) -> list[T
     return result
 
 
+def shared_prefix(tokens: list[int], context: list[int]) -> int:
+    """How many leading tokens a cache's tokens share with context[:-1] (the part a prefill runs)."""
+    limit = min(len(tokens), len(context) - 1)
+    for index in range(limit):
+        if tokens[index] != context[index]:
+            return index
+    return limit
+
+
 @dataclass
 class Slot:
     """One row of a generator's caches: the target's cache and the drafter that owns the draft's row."""
@@ -88,16 +97,32 @@ class Sequence:
     # -- prefill ---------------------------------------------------------------------------------------
 
     @property
+    def target_started(self) -> bool:
+        return self._prefill_rest is not None
+
+    @property
+    def target_prefilling(self) -> bool:
+        """The target's prefill has started and has chunks left."""
+        return bool(self._prefill_rest)
+
+    @property
     def prefilled(self) -> bool:
         return self._prefill_rest is not None and not self._prefill_rest and self._draft_prefilled
 
-    def prefill_step(self, target) -> None:
+    def prefill_step(self, target, donor=None) -> None:
         """One chunk of prefill (PREFILL_CHUNK tokens of the target), or the drafter's once the target's
-        is done. The cache may already hold a prefix of the prompt (an earlier request on this slot)."""
+        is done. The cache may already hold a prefix of the prompt (an earlier request on this slot),
+        and a donor (another slot's target cache that holds more of it) gives its positions first."""
         start = time.perf_counter()
         cache = self.slot.target_cache
         if self._prefill_rest is None:
             self._prefill_rest = cache.truncate_to_prefix(self.context[:-1])
+            if donor is not None and getattr(cache, "shared_buffer", False):
+                shared = len(self.context) - 1 - len(self._prefill_rest)
+                donated = shared_prefix(donor.tokens, self.context)
+                if donated > shared:
+                    cache.copy_prefix(donor, donated)
+                    self._prefill_rest = self.context[donated:-1]
         if self._prefill_rest:
             chunk, self._prefill_rest = self._prefill_rest[:PREFILL_CHUNK], self._prefill_rest[PREFILL_CHUNK:]
             target.run(chunk, cache)
