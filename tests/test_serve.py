@@ -1,8 +1,10 @@
 """`specdeploy serve` against live servers on 127.0.0.1 (ephemeral ports): the OpenAI client and plain HTTP.
 
 Servers run uvicorn in a thread of this process on the tiny test bundles. Where a test needs the
-model busy for a while (a full queue, a disconnect, a drain), the real generator is wrapped so it
-pauses after each text piece: the output is the model's own, only slower.
+model busy (a full queue, a disconnect, a shutdown), the real generator is wrapped so that each
+text piece waits at a gate the test opens (GatedModel): the output is the model's own, and the
+test decides when each piece comes. Tests wait on those gates and on the server's counters, never
+on the clock; the deadlines in wait_for only turn a hang into a failure.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -40,8 +43,34 @@ PROMPT = "def add(a, b):\n    return"
 MESSAGES = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
 
 
+class PacedStream:
+    """A Generator.stream's Stream whose every piece first calls `before_piece()` (which may wait, or raise)."""
+
+    def __init__(self, stream, before_piece):
+        self.stream, self.before_piece = stream, before_piece
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        piece = next(self.stream)
+        self.before_piece()
+        return piece
+
+    def close(self) -> None:
+        self.stream.close()
+
+    @property
+    def sequence(self):
+        return self.stream.sequence
+
+    @property
+    def output(self):
+        return self.stream.output
+
+
 class SlowModel:
-    """The real generator, pausing after each text piece: a model slow enough to queue behind."""
+    """The real generator, pausing before each text piece (for servers in another process, which a gate cannot reach)."""
 
     def __init__(self, generator, pause_s: float):
         self.generator, self.pause_s = generator, pause_s
@@ -50,13 +79,64 @@ class SlowModel:
         return getattr(self.generator, name)
 
     def stream(self, prompt, **options):
-        pieces = self.generator.stream(prompt, **options)
-        try:
-            for piece in pieces:
-                time.sleep(self.pause_s)
-                yield piece
-        finally:
-            pieces.close()
+        return PacedStream(self.generator.stream(prompt, **options), lambda: time.sleep(self.pause_s))
+
+
+class GatedModel:
+    """The real generator, each of whose text pieces waits at a gate until the test lets it through.
+
+    allow(n) lets n more pieces through, open() all of them; held is how many streams wait at the
+    gate now, passed how many pieces went through, streams how many generations began. fail(fault)
+    makes the waiting stream raise `fault` instead of yielding its piece."""
+
+    def __init__(self, generator):
+        self.generator = generator
+        self.condition = threading.Condition()
+        self.allowed, self.opened, self.held, self.passed, self.streams = 0, False, 0, 0, 0
+        self.fault: BaseException | None = None
+
+    def __getattr__(self, name):
+        return getattr(self.generator, name)
+
+    def allow(self, pieces: int = 1) -> None:
+        with self.condition:
+            self.allowed += pieces
+            self.condition.notify_all()
+
+    def open(self) -> None:
+        with self.condition:
+            self.opened = True
+            self.condition.notify_all()
+
+    def fail(self, fault: BaseException) -> None:
+        with self.condition:
+            self.fault = fault
+            self.condition.notify_all()
+
+    def wait(self, condition, what: str) -> None:
+        """Wait until condition(self) holds (checked whenever the gate's state changes)."""
+        with self.condition:
+            assert self.condition.wait_for(lambda: condition(self), timeout=30), f"timed out waiting for {what}"
+
+    def stream(self, prompt, **options):
+        stream = self.generator.stream(prompt, **options)
+        with self.condition:
+            self.streams += 1
+        return PacedStream(stream, self._gate)
+
+    def _gate(self) -> None:
+        with self.condition:
+            self.held += 1
+            self.condition.notify_all()
+            self.condition.wait_for(lambda: self.opened or self.allowed or self.fault is not None, timeout=60)
+            self.held -= 1
+            fault, self.fault = self.fault, None
+            if fault is None and not self.opened and self.allowed:
+                self.allowed -= 1
+            self.passed += fault is None
+            self.condition.notify_all()
+        if fault is not None:
+            raise fault
 
 
 class LiveServer:
@@ -129,12 +209,14 @@ def keyed_server(agreeing_bundle):
     live.close()
 
 
-@pytest.fixture(scope="module")
-def slow_server(agreeing_bundle):
-    """One request may wait behind the running one; each text piece takes 20 ms."""
-    live = LiveServer(ServeConfig(bundle=str(agreeing_bundle), max_queue=1),
-                      load=lambda: SlowModel(specdeploy.load(agreeing_bundle), pause_s=0.02))
+@pytest.fixture
+def gated_server(agreeing_bundle):
+    """One request may wait behind the running one; every text piece waits for the test (server.model)."""
+    model = GatedModel(specdeploy.load(agreeing_bundle))
+    live = LiveServer(ServeConfig(bundle=str(agreeing_bundle), max_queue=1), load=lambda: model)
+    live.model = model
     yield live
+    model.open()
     live.close()
 
 
@@ -211,6 +293,97 @@ def test_chat_renders_the_template_as_transformers_does(server, chat_bundle):
         client.chat.completions.create(model="tiny", messages=[{"role": "tool", "content": "x"}])
 
 
+def sse_chunks(url: str, body: dict) -> list[dict]:
+    """A stream's chunks, parsed, up to (not including) [DONE]."""
+    with httpx.stream("POST", url, json=body, timeout=30) as response:
+        assert response.status_code == 200, response.read()
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[len("data: "):]) for line in lines[:-1]]
+
+
+CONTINUOUS_USAGE = {"include_usage": True, "continuous_usage_stats": True}
+
+
+def content_of(chunk: dict) -> str:
+    choice = chunk["choices"][0]
+    return choice["text"] if "text" in choice else choice["delta"].get("content") or ""
+
+
+def test_continuous_usage_stats_put_usage_on_the_chunks(server):
+    for path, request in (("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions", {"messages": MESSAGES})):
+        chunks = sse_chunks(server.url + path, {**request, "max_tokens": 24, "temperature": 0, "stream": True,
+                                                "stream_options": CONTINUOUS_USAGE})
+        final = chunks[-1]
+        assert final["choices"] == [] and final["usage"]["completion_tokens"] >= 1
+        finishing = chunks[-2]
+        assert finishing["choices"][0]["finish_reason"] and finishing["usage"] == final["usage"]
+        known = [chunk["usage"] for chunk in chunks if chunk["usage"] is not None]
+        prompt_tokens = final["usage"]["prompt_tokens"]
+        assert all(u["prompt_tokens"] == prompt_tokens and u["total_tokens"] == prompt_tokens + u["completion_tokens"]
+                   for u in known), path
+        if path.endswith("chat/completions"):  # the role chunk: nothing generated yet
+            assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+            assert chunks[0]["usage"]["completion_tokens"] == 0
+    # As vLLM: continuous_usage_stats alone (without include_usage) adds nothing.
+    chunks = sse_chunks(server.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "stream": True,
+                                                         "stream_options": {"continuous_usage_stats": True}})
+    assert all("usage" not in chunk for chunk in chunks)
+
+
+def test_continuous_usage_counts_the_tokens_behind_each_chunk(server, chat_bundle):
+    generator = specdeploy.load(chat_bundle)
+    ids = generator.generate(PROMPT, max_new_tokens=24, temperature=0).token_ids
+    chunks = sse_chunks(server.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 24, "temperature": 0,
+                                                         "stream": True, "stream_options": CONTINUOUS_USAGE})
+    text, counts = "", []
+    for chunk in chunks[:-2]:  # the text chunks (then the finishing one and the usage chunk)
+        text += content_of(chunk)
+        count = chunk["usage"]["completion_tokens"]
+        assert generator.codec.decode(ids[:count]).startswith(text)  # the text so far came from that many tokens
+        counts.append(count)
+    # Counts never fall; the pieces of one round share the round's count.
+    assert counts and counts == sorted(counts) and 1 <= counts[0] and counts[-1] <= len(ids)
+    assert chunks[-1]["usage"]["completion_tokens"] == len(ids)
+
+
+@pytest.fixture(scope="module")
+def eos_server(chat_bundle):
+    """The chat bundle, its generator told that a token of PROMPT's greedy completion (its third new one,
+    or the first new token after it) is an EOS: a completion of PROMPT ends early."""
+    generator = specdeploy.load(chat_bundle)
+    ids = generator.generate(PROMPT, max_new_tokens=24, temperature=0).token_ids
+    position = next(i for i, token in enumerate(ids) if i >= 2 and token not in ids[:i])
+    generator.eos_token_ids = generator.eos_token_ids | {ids[position]}
+    live = LiveServer(ServeConfig(bundle=str(chat_bundle)), load=lambda: generator)
+    live.eos_position = position
+    yield live
+    live.close()
+
+
+def test_ignore_eos_generates_exactly_max_tokens(eos_server):
+    client = eos_server.client()
+    stopped = client.completions.create(model="x", prompt=PROMPT, max_tokens=30, temperature=0)
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage.completion_tokens == eos_server.eos_position + 1
+    ignoring = client.completions.create(model="x", prompt=PROMPT, max_tokens=30, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert ignoring.choices[0].finish_reason == "length" and ignoring.usage.completion_tokens == 30
+    assert ignoring.choices[0].text.startswith(stopped.choices[0].text)
+    chunks = sse_chunks(eos_server.url + "/v1/completions", {
+        "prompt": PROMPT, "max_tokens": 30, "temperature": 0, "stream": True, "ignore_eos": True,
+        "stream_options": {"include_usage": True}})
+    assert "".join(content_of(c) for c in chunks if c["choices"]) == ignoring.choices[0].text
+    assert chunks[-1]["usage"]["completion_tokens"] == 30
+    # Chat: the end of turn does not end the reply either.
+    reply = client.chat.completions.create(model="x", messages=MESSAGES, max_tokens=30, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 30
+    # The next request that does not ask for it stops at EOS again.
+    again = client.completions.create(model="x", prompt=PROMPT, max_tokens=30, temperature=0)
+    assert again.usage.completion_tokens == eos_server.eos_position + 1
+
+
 def test_chat_without_a_template_is_a_400(keyed_server):
     with pytest.raises(openai.BadRequestError, match="no chat template") as caught:
         keyed_server.client("secret").chat.completions.create(model="x", messages=MESSAGES)
@@ -253,6 +426,8 @@ def test_models_health_metrics_and_unknown_routes(server):
     ({"prompt": PROMPT, "num_draft_tokens": 99}, "num_draft_tokens"),
     ({"prompt": PROMPT, "seed": -1}, "seed"),
     ({"prompt": PROMPT, "stop": [1]}, "stop"),
+    ({"prompt": PROMPT, "ignore_eos": 1}, "ignore_eos"),
+    ({"prompt": PROMPT, "stream": True, "stream_options": {"continuous_usage_stats": "yes"}}, "continuous_usage_stats"),
     ({"max_tokens": 3}, "prompt is required"),
 ])
 def test_invalid_parameters_are_400s_with_openai_error_bodies(server, body, message):
@@ -309,29 +484,27 @@ def test_health_is_503_while_the_model_loads(agreeing_bundle):
         live.close()
 
 
-def test_full_queue_answers_429_and_health_answers_meanwhile(slow_server):
-    url = slow_server.url
-    long_request = {"prompt": PROMPT, "max_tokens": 200, "temperature": 0, "stream": True}
-    with httpx.Client(timeout=30) as streaming:
-        with streaming.stream("POST", url + "/v1/completions", json=long_request) as running:
-            lines = running.iter_lines()
-            assert next(lines).startswith("data: ")  # generating now
-            queued = {}
-            waiter = threading.Thread(target=lambda: queued.update(response=httpx.post(
-                url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3}, timeout=30)))
-            waiter.start()
-            wait_for(lambda: slow_server.metric("specdeploy:num_requests_waiting") == 1, "a queued request")
-            start = time.monotonic()
-            assert httpx.get(url + "/health", timeout=2).status_code == 200
-            assert slow_server.metric("specdeploy:num_requests_running") == 1
-            assert time.monotonic() - start < 1.0  # answered between pieces, not after the generation
-            full = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
-            assert full.status_code == 429 and int(full.headers["Retry-After"]) >= 1
-            assert full.json()["error"]["code"] == "rate_limit_exceeded"
-            assert not queued  # still waiting behind the stream
-        waiter.join(30)  # the stream closed (a disconnect): the queued request runs
+def test_full_queue_answers_429_and_health_answers_meanwhile(gated_server):
+    url, model = gated_server.url, gated_server.model
+    model.allow(1)
+    with long_stream(gated_server) as lines:
+        model.wait(lambda m: m.held == 1, "the stream to wait for its second piece")  # generating now
+        queued = {}
+        waiter = threading.Thread(target=lambda: queued.update(response=httpx.post(
+            url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3}, timeout=30)))
+        waiter.start()
+        wait_for(lambda: gated_server.metric("specdeploy:num_requests_waiting") == 1, "a queued request")
+        assert httpx.get(url + "/health").status_code == 200  # answered while the model holds a piece
+        assert gated_server.metric("specdeploy:num_requests_running") == 1
+        full = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
+        assert full.status_code == 429 and int(full.headers["Retry-After"]) >= 1
+        assert full.json()["error"]["code"] == "rate_limit_exceeded"
+        assert not queued  # still waiting behind the stream
+    wait_for(lambda: cancelled(gated_server), "the server to see the disconnect")
+    model.open()  # the stream's next piece finds it cancelled; the queued request runs
+    waiter.join(30)
     assert queued["response"].status_code == 200
-    assert slow_server.metric('specdeploy:requests_total{endpoint="/v1/completions",status="429"}') == 1
+    assert gated_server.metric('specdeploy:requests_total{endpoint="/v1/completions",status="429"}') == 1
 
 
 ABORTED = 'specdeploy:request_finished_total{finished_reason="abort"}'
@@ -348,14 +521,25 @@ def long_stream(server):
             yield lines
 
 
-def test_a_client_that_disconnects_mid_stream_frees_its_slot(slow_server):
-    aborted = slow_server.metric(ABORTED)
-    with long_stream(slow_server):
-        pass
-    # The greedy stream runs to 178 tokens (about 3.5 s of pieces); the server notices the disconnect and stops at the next piece.
-    wait_for(lambda: slow_server.metric(ABORTED) == aborted + 1, "the generation to stop", timeout_s=2)
-    assert slow_server.metric("specdeploy:num_requests_running") == 0
-    after = slow_server.client().completions.create(model="x", prompt=PROMPT, max_tokens=3, temperature=0)
+def cancelled(server) -> bool:
+    """Whether every job generating on the server has been cancelled (its client went away)."""
+    live = list(server.service.worker._live)  # the worker's running jobs: this check has no public view
+    return bool(live) and all(job.cancelled.is_set() for job in live)
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_slot(gated_server):
+    model = gated_server.model
+    aborted = gated_server.metric(ABORTED)
+    model.allow(1)
+    with long_stream(gated_server):
+        model.wait(lambda m: m.held == 1, "the stream to wait for its second piece")
+    wait_for(lambda: cancelled(gated_server), "the server to see the disconnect")
+    model.allow(1)  # one more piece: the generation stops there, before another round
+    wait_for(lambda: gated_server.metric(ABORTED) == aborted + 1, "the generation to stop")
+    assert model.passed == 2 and model.held == 0
+    assert gated_server.metric("specdeploy:num_requests_running") == 0
+    model.open()
+    after = gated_server.client().completions.create(model="x", prompt=PROMPT, max_tokens=3, temperature=0)
     assert after.usage.completion_tokens >= 1
 
 
@@ -405,19 +589,18 @@ def test_sigterm_finishes_in_flight_requests_and_refuses_new_ones(agreeing_bundl
         assert process.wait(15) == 0
 
 
-def test_sigterm_cuts_requests_off_at_the_drain_deadline(agreeing_bundle):
+def test_sigterm_answers_requests_left_at_the_drain_deadline(agreeing_bundle):
     with server_process(agreeing_bundle, drain_timeout_s=0.5) as (process, url):
-        body = {"prompt": PROMPT, "max_tokens": 200, "temperature": 0, "stream": True}  # about 5 s of pieces
-        received = []
+        body = {"prompt": PROMPT, "max_tokens": 200, "temperature": 0, "stream": True}  # 178 pieces of 30 ms at least
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
             lines = response.iter_lines()
             assert next(lines).startswith("data: ")
             process.send_signal(signal.SIGTERM)
-            start = time.monotonic()
-            with contextlib.suppress(httpx.TransportError):  # the connection closes mid-stream
-                received.extend(line for line in lines if line)
-        assert time.monotonic() - start < 4
-        assert "data: [DONE]" not in received
+            received = [line for line in lines if line]
+        assert received[-1] == "data: [DONE]"
+        error = json.loads(received[-2][len("data: "):])["error"]
+        assert error["code"] == "shutting_down" and error["type"] == "server_error"
+        assert not any('"finish_reason": "' in line for line in received)  # cut off, not finished
         assert process.wait(10) == 0
 
 
@@ -428,22 +611,37 @@ def _refused(url: str) -> bool:
         return True
 
 
-def test_a_client_that_gives_up_in_the_queue_leaves_it(slow_server):
-    aborted = slow_server.metric(ABORTED)
-    with long_stream(slow_server) as lines:
-        impatient = httpx.Client(timeout=httpx.Timeout(30, read=0.3))
-        with pytest.raises(httpx.ReadTimeout):  # queued: no response yet
-            impatient.post(slow_server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
-        impatient.close()
-        wait_for(lambda: slow_server.metric("specdeploy:num_requests_waiting") == 0, "the queue to empty")
-        assert slow_server.metric(ABORTED) == aborted + 1
-        assert slow_server.metric("specdeploy:num_requests_running") == 1  # the stream is still generating
+def raw_post(url: str, path: str, body: dict) -> socket.socket:
+    """Send a POST over a plain socket and return the socket, so that a test can hang up whenever it likes."""
+    host, port = url.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    connection = socket.create_connection((host, int(port)))
+    connection.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                       f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return connection
+
+
+def test_a_client_that_gives_up_in_the_queue_leaves_it_and_never_runs(gated_server):
+    model = gated_server.model
+    aborted = gated_server.metric(ABORTED)
+    model.allow(1)
+    with long_stream(gated_server) as lines:
+        model.wait(lambda m: m.held == 1, "the stream to wait for its second piece")
+        impatient = raw_post(gated_server.url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3})
+        wait_for(lambda: gated_server.metric("specdeploy:num_requests_waiting") == 1, "a queued request")
+        impatient.close()  # gone before the model took it
+        wait_for(lambda: gated_server.metric("specdeploy:num_requests_waiting") == 0, "the queue to empty")
+        assert gated_server.metric(ABORTED) == aborted + 1
+        assert gated_server.metric("specdeploy:num_requests_running") == 1  # the stream is still generating
+        model.allow(1)
         assert next(line for line in lines if line).startswith("data: ")
+    model.open()
+    after = gated_server.client().completions.create(model="x", prompt=PROMPT, max_tokens=3, temperature=0)
+    assert after.usage.completion_tokens >= 1
+    assert model.streams == 2  # the stream and the last request: the one that left the queue never ran
 
 
 def test_the_serve_command_refuses_bad_input_in_one_line(tmp_path, agreeing_bundle):
-    import socket
-
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()

@@ -1,13 +1,19 @@
 """The ASGI application: OpenAI routes, /health and /metrics over one ModelWorker.
 
 Request flow: auth (when an API key is set) -> the body, read up to the size limit -> validation
-(400s) -> the worker's queue (429 when full) -> the first event, raced against the client going
-away. Streaming starts only once generation has begun, so an invalid prompt is still a plain 400.
+(400s) -> the chat template and the tokenizer, on the prompt threads -> the worker's queue (429
+when full) -> the first event, raced against the client going away. Streaming starts only once
+generation has begun, so an invalid prompt is still a plain 400.
+
+The prompt threads share the worker's tokenizer: the `tokenizers` library encodes and decodes
+through a shared, read-only borrow of it, and nothing in the server changes its settings
+(truncation, padding), so the worker's decoding and these threads' encoding may overlap.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hmac
 import json
@@ -26,11 +32,12 @@ from ..errors import SpecdeployError
 from .chat import load_chat_template
 from .config import ServeConfig
 from .metrics import Metrics
-from .protocol import ApiError, check_options, parse_request
+from .protocol import ApiError, GenerationRequest, parse_request
 from .responses import Responder
 from .worker import Job, ModelWorker
 
 log = logging.getLogger("specdeploy.serve")
+PROMPT_THREADS = 2  # render chat templates and tokenize prompts, off the event loop and the model's thread
 
 
 class ClientGone(Exception):
@@ -49,6 +56,7 @@ class Service:
         self.chat_template = load_chat_template(Path(config.bundle) / manifest.tokenizer.path)
         self.metrics = Metrics()
         self.worker = ModelWorker(load, config.max_queue, self.metrics, on_fatal=self.fatal)
+        self.prompt_threads = concurrent.futures.ThreadPoolExecutor(PROMPT_THREADS, "specdeploy-prompt")
         self.draining = False
         self.on_fatal: Callable[[str], None] | None = None  # set by the server: stop serving
 
@@ -106,7 +114,8 @@ def create_app(config: ServeConfig, load: Callable[[], object] | None = None) ->
     async def lifespan(app):
         service.worker.start()
         yield
-        await asyncio.to_thread(service.worker.stop)
+        await asyncio.to_thread(service.worker.stop)  # answers whatever is left with 503
+        service.prompt_threads.shutdown(wait=False, cancel_futures=True)
 
     async def completions(request: Request) -> Response:
         return await _generate(service, request, "completion")
@@ -121,7 +130,7 @@ def create_app(config: ServeConfig, load: Callable[[], object] | None = None) ->
              "max_model_len": service.max_context}]})
 
     async def health(request: Request) -> Response:
-        state = "draining" if service.draining else service.worker.state
+        state = "draining" if service.draining else service.worker.state  # see ModelWorker.state
         body = {"status": "ok" if state == "ready" else state}
         if service.worker.error:
             body["error"] = service.worker.error
@@ -143,21 +152,19 @@ def create_app(config: ServeConfig, load: Callable[[], object] | None = None) ->
 
 async def _generate(service: Service, request: Request, kind: str) -> Response:
     service.check_access(request)
-    if service.worker.state != "ready":
-        raise ApiError(503, f"the model is {service.worker.state}", kind="server_error", code="model_not_ready")
+    refusal = service.worker.unavailable()
+    if refusal is not None:
+        raise refusal
     try:
         body = await service.read_json(request)
     except ClientDisconnect:
         return Response(status_code=499)  # nobody reads it; the status shows in the request metrics
-    parsed = parse_request(body, kind, service.config.num_draft_tokens)
-    prompt = parsed.prompt
-    if parsed.chat:
-        prompt = _render_chat(service, prompt)
-    options = check_options(parsed.options, service.max_context)
-    if parsed.chat:  # a reply ends at the template's end-of-turn token, as generate(messages=...) does
-        options["stop_token_ids"] = service.worker.generator.end_of_turn_ids
-    responder = Responder(service.model, parsed.chat, options, parsed.include_usage)
-    job = Job(prompt, options, streaming=parsed.stream)
+    parsed = parse_request(body, kind, service.config.num_draft_tokens, service.max_context)
+    prompt_ids, options = await asyncio.get_running_loop().run_in_executor(
+        service.prompt_threads, _prepare, service, parsed)
+    responder = Responder(service.model, parsed.chat, options, parsed.include_usage, parsed.continuous_usage,
+                          prompt_tokens=len(prompt_ids))
+    job = Job(prompt_ids, options, streaming=parsed.stream)
     service.worker.submit(job)
     try:
         first_kind, value = await _first_event(job, request)
@@ -175,14 +182,26 @@ async def _generate(service: Service, request: Request, kind: str) -> Response:
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def _render_chat(service: Service, messages: list[dict]) -> list[int]:
+def _prepare(service: Service, parsed: GenerationRequest) -> tuple[list[int], dict]:
+    """On a prompt thread: the prompt's token ids (a chat rendered by its template) and the job's options."""
+    generator, options = service.worker.generator, parsed.options
+    if not parsed.chat:
+        prompt = parsed.prompt
+        if prompt and not isinstance(prompt, str):
+            return prompt, options  # token ids
+        try:  # text; an empty list of ids is the empty prompt, as the runtime takes it
+            return generator.codec.encode(prompt or ""), options
+        except SpecdeployError as exc:
+            raise ApiError(400, str(exc), param="prompt") from None
     if service.chat_template is None:
         raise ApiError(400, f"the model '{service.model}' has no chat template (its tokenizer_config.json names "
                             "none); use /v1/completions", code="no_chat_template")
     try:
-        return service.worker.generator.encode_chat(messages)
+        ids = generator.encode_chat(parsed.prompt)
     except SpecdeployError as exc:
         raise ApiError(400, str(exc), param="messages") from None
+    # A reply ends at the template's end-of-turn token, as generate(messages=...) does (unless ignore_eos).
+    return ids, {**options, "stop_token_ids": generator.end_of_turn_ids}
 
 
 async def _first_event(job: Job, request: Request):

@@ -4,7 +4,9 @@ Parameters OpenAI defines and this server cannot honour (n > 1, logprobs, penalt
 refused with a 400 naming them, never ignored; unknown fields are refused as OpenAI refuses them.
 Sampling extensions (`top_k`, `min_p`, `repetition_penalty`, `num_draft_tokens`, `speculative`,
 `draft_confidence`) pass through to the generator by name; a name the runtime's GenerationConfig
-does not have is a 400, and GenerationConfig's own validation decides the values.
+does not have is a 400. `ignore_eos` (vLLM's extension) generates max_tokens whatever EOS or the
+end of turn says (GenerationConfig.ignore_eos). The values are checked here, once, by
+GenerationConfig's own validation: the server passes on only options that passed it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from ..runtime.generate import SEED_LIMIT
 EXTENSIONS = {"top_k": int, "min_p": float, "repetition_penalty": float, "num_draft_tokens": int, "speculative": bool,
               "draft_confidence": float}
 COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "user",
-          *EXTENSIONS)
+          "ignore_eos", *EXTENSIONS)
+STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")  # the ones read; others are ignored
 # name -> the values that mean "not used"; anything else is refused.
 UNSUPPORTED_COMMON = {"n": (None, 1), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
                       "logit_bias": (None, {})}
@@ -54,13 +57,14 @@ class ApiError(Exception):
 @dataclass(frozen=True)
 class GenerationRequest:
     prompt: str | list[int] | list[dict]  # text or token ids; chat: the messages, rendered once the model is known
-    options: dict  # GenerationConfig keyword arguments
+    options: dict  # GenerationConfig keyword arguments (ignore_eos among them), validated
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk carrying usage
+    continuous_usage: bool  # stream_options.continuous_usage_stats (with include_usage): usage on every chunk
     chat: bool
 
 
-def parse_request(body, kind: str, num_draft_tokens: int) -> GenerationRequest:
+def parse_request(body, kind: str, num_draft_tokens: int, max_context: int) -> GenerationRequest:
     """Validate a /v1/completions (kind "completion") or /v1/chat/completions ("chat") body."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
@@ -75,27 +79,29 @@ def parse_request(body, kind: str, num_draft_tokens: int) -> GenerationRequest:
     stream_options = _check_type(body, "stream_options", dict) or {}
     if stream_options and not stream:
         raise ApiError(400, "stream_options is only allowed with stream=true", param="stream_options")
-    include_usage = _check_type(stream_options, "include_usage", bool, "stream_options.include_usage") or False
+    include_usage, continuous_usage = (
+        _check_type(stream_options, name, bool, f"stream_options.{name}") or False for name in STREAM_OPTIONS)
     prompt = _messages(body) if kind == "chat" else _prompt(body)
-    options = _options(body, kind, num_draft_tokens)
+    options = _checked(_options(body, kind, num_draft_tokens, max_context))
     return GenerationRequest(prompt=prompt, options=options, stream=stream, include_usage=include_usage,
-                             chat=kind == "chat")
+                             continuous_usage=include_usage and continuous_usage, chat=kind == "chat")
 
 
-def _options(body: dict, kind: str, num_draft_tokens: int) -> dict:
+def _options(body: dict, kind: str, num_draft_tokens: int, max_context: int) -> dict:
     max_tokens = _check_type(body, "max_tokens", int)
     if kind == "chat" and body.get("max_completion_tokens") is not None:  # chat's newer name wins
         max_tokens = _check_type(body, "max_completion_tokens", int)
+    if max_tokens is None:  # chat's default runs to the context's end, where the loop stops
+        max_tokens = DEFAULT_MAX_TOKENS if kind == "completion" else max_context
     seed = _check_type(body, "seed", int)
-    if seed is not None and not 0 <= seed < SEED_LIMIT:
-        raise ApiError(400, f"seed must be in 0..{SEED_LIMIT - 1} (got {seed})", param="seed")
     options = {
-        "max_new_tokens": max_tokens if max_tokens is not None else (DEFAULT_MAX_TOKENS if kind == "completion" else None),
+        "max_new_tokens": max_tokens,
         "temperature": _number(body, "temperature", 1.0),  # OpenAI's default: sampling, not greedy
         "top_p": _number(body, "top_p", 1.0),
         "seed": seed if seed is not None else secrets.randbelow(SEED_LIMIT),  # a fresh seed per request, as OpenAI does
         "stop": _stop(body),
         "num_draft_tokens": num_draft_tokens,
+        "ignore_eos": _check_type(body, "ignore_eos", bool) or False,
     }
     fields = {f.name for f in dataclasses.fields(GenerationConfig)}
     for name, kind in EXTENSIONS.items():
@@ -107,16 +113,15 @@ def _options(body: dict, kind: str, num_draft_tokens: int) -> dict:
     return options
 
 
-def check_options(options: dict, max_context: int) -> dict:
-    """The options with chat's open-ended max_tokens filled in, checked by GenerationConfig itself."""
-    options = dict(options)
-    if options["max_new_tokens"] is None:
-        options["max_new_tokens"] = max_context  # the loop stops at the context's end
+def _checked(options: dict) -> dict:
+    """The options, once GenerationConfig's validation has passed them (a 400 naming the field otherwise)."""
     fields = {key: value for key, value in options.items() if key != "stop"}
     try:
         GenerationConfig(stop=tuple(options["stop"]), **fields).validate()
     except (SpecdeployError, TypeError) as exc:
-        raise ApiError(400, str(exc)) from None
+        message = str(exc)
+        name = message.split(" ", 1)[0]
+        raise ApiError(400, message, param=name if name in options else None) from None
     return options
 
 

@@ -2,6 +2,8 @@
 
 Every response carries `usage` and `finish_reason`; the speculative statistics of the request
 travel in the extension field `specdeploy` (acceptance rate, tokens per round, by position).
+A stream asked for `include_usage` ends with a usage chunk; `continuous_usage_stats` as well puts
+the usage so far on every chunk whose count the backend knows, as vLLM does.
 """
 
 from __future__ import annotations
@@ -10,14 +12,18 @@ import json
 import time
 import uuid
 
-from .worker import Finished, finish_reason
+from .worker import Finished, Piece, finish_reason
 
 DONE = "data: [DONE]\n\n"
 
 
 def usage(stats) -> dict:
-    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.new_tokens,
-            "total_tokens": stats.prompt_tokens + stats.new_tokens}
+    return token_usage(stats.prompt_tokens, stats.new_tokens)
+
+
+def token_usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def extension(done: Finished, options: dict) -> dict:
@@ -46,8 +52,10 @@ def extension(done: Finished, options: dict) -> dict:
 class Responder:
     """Builds one request's bodies: the same id, creation time and model in every chunk."""
 
-    def __init__(self, model: str, chat: bool, options: dict, include_usage: bool = False):
+    def __init__(self, model: str, chat: bool, options: dict, include_usage: bool = False,
+                 continuous_usage: bool = False, prompt_tokens: int = 0):
         self.model, self.chat, self.options, self.include_usage = model, chat, options, include_usage
+        self.continuous_usage, self.prompt_tokens = continuous_usage, prompt_tokens
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -65,17 +73,22 @@ class Responder:
 
     def first(self) -> str:
         """Chat streams open with the assistant's role; completions have no opening chunk."""
-        return self._event([self._choice({"role": "assistant", "content": ""})]) if self.chat else ""
+        if not self.chat:
+            return ""
+        return self._event([self._choice({"role": "assistant", "content": ""})], self._usage_so_far(0))
 
-    def piece(self, text: str) -> str:
-        return self._event([self._choice({"content": text} if self.chat else text)])
+    def piece(self, piece: Piece) -> str:
+        text = piece.text
+        return self._event([self._choice({"content": text} if self.chat else text)],
+                           self._usage_so_far(piece.num_new_tokens))
 
     def finish(self, done: Finished) -> str:
         """The chunk with the finish reason (and our statistics), the usage chunk if asked for, then [DONE]."""
         choice = self._choice({} if self.chat else "", finish_reason(done.output.stats.finish_reason))
-        events = self._event([choice], specdeploy=extension(done, self.options))
+        so_far = usage(done.output.stats) if self.continuous_usage else None
+        events = self._event([choice], so_far, specdeploy=extension(done, self.options))
         if self.include_usage:
-            events += self._event([], usage=usage(done.output.stats))
+            events += self._event([], usage(done.output.stats))
         return events + DONE
 
     def error(self, body: dict) -> str:
@@ -87,10 +100,16 @@ class Responder:
             return {"index": 0, "delta": content, "logprobs": None, "finish_reason": reason}
         return {"index": 0, "text": content, "logprobs": None, "finish_reason": reason}
 
-    def _event(self, choices: list, **extra) -> str:
+    def _usage_so_far(self, completion_tokens: int | None) -> dict | None:
+        """Continuous usage: the counts so far (null where the backend does not know them yet)."""
+        if not self.continuous_usage or completion_tokens is None:
+            return None
+        return token_usage(self.prompt_tokens, completion_tokens)
+
+    def _event(self, choices: list, usage_now: dict | None = None, **extra) -> str:
         chunk = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": choices}
         if self.include_usage:
-            chunk["usage"] = None  # as OpenAI: null on every chunk but the last
+            chunk["usage"] = usage_now  # as OpenAI: null on every chunk but the last, unless continuous
         chunk.update(extra)
         return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
 

@@ -1,8 +1,10 @@
 """`serve(config)`: the application on uvicorn, with a listening socket bound first and a draining SIGTERM.
 
 SIGTERM (or Ctrl-C) closes the listening socket, answers 503 to any request still arriving on an
-open connection, and gives in-flight requests `drain_timeout_s` to finish before they are cut off;
-a second Ctrl-C quits at once.
+open connection, and gives in-flight requests `drain_timeout_s` to finish. Then the worker
+answers what is left, a 503 for a request still queued and an error event for a stream, and
+uvicorn gets DRAIN_GRACE_S more to send those answers before it cuts connections off. A second
+Ctrl-C quits at once.
 """
 
 from __future__ import annotations
@@ -11,26 +13,31 @@ import logging
 import signal
 import socket
 import sys
+import threading
 from typing import Callable
 
 import uvicorn
 
 from ..bundle import load_manifest
 from ..errors import SpecdeployError
-from ..runtime import GenerationConfig
 from ..runtime.loader import DRAFTERS
 from .app import create_app
 from .config import ServeConfig
+from .protocol import ApiError, parse_request
 
 log = logging.getLogger("specdeploy.serve")
+DRAIN_GRACE_S = 2.0  # after the drain deadline: time to send the answers the worker gave what was left
 
 
 def check_config(config: ServeConfig) -> None:
     """Refuse a bad configuration before anything listens (the model itself loads once the server is up)."""
-    load_manifest(config.bundle)
+    manifest = load_manifest(config.bundle)
     if config.drafter not in DRAFTERS:
         raise SpecdeployError(f"unknown drafter '{config.drafter}' (choose from {', '.join(DRAFTERS)})")
-    GenerationConfig(num_draft_tokens=config.num_draft_tokens).validate()
+    try:  # the options a request that sets none starts from, through the requests' own validation
+        parse_request({"prompt": ""}, "completion", config.num_draft_tokens, manifest.max_context)
+    except ApiError as exc:
+        raise SpecdeployError(exc.message) from None
     if config.max_queue < 0 or config.max_body_bytes < 1 or config.drain_timeout_s < 0:
         raise SpecdeployError("max queue and drain timeout must be >= 0, the body limit >= 1 byte")
     if config.api_key is not None and not config.api_key.strip():
@@ -61,7 +68,7 @@ def serve(config: ServeConfig, load: Callable[[], object] | None = None) -> None
     app = create_app(config, load)
     service = app.state.service
     server = DrainingServer(uvicorn.Config(app, host=config.host, port=port, log_level="info",
-                                           timeout_graceful_shutdown=config.drain_timeout_s,
+                                           timeout_graceful_shutdown=config.drain_timeout_s + DRAIN_GRACE_S,
                                            log_config=None))
     server.on_drain = lambda: _drain(service, config.drain_timeout_s)
     service.on_fatal = lambda message: setattr(server, "should_exit", True)
@@ -76,8 +83,13 @@ def serve(config: ServeConfig, load: Callable[[], object] | None = None) -> None
 
 
 def _drain(service, timeout_s: float) -> None:
+    if service.draining:
+        return
     service.draining = True
     log.info("shutting down: new requests are refused; in-flight requests have %gs to finish", timeout_s)
+    deadline = threading.Timer(timeout_s, service.worker.stop)  # then every request left gets its answer
+    deadline.daemon = True
+    deadline.start()
 
 
 class DrainingServer(uvicorn.Server):

@@ -1,10 +1,17 @@
-"""The model worker: one thread owns the Generator and runs requests one after another from a bounded queue.
+"""The model worker: one thread owns the model and steps its backend; requests wait in a bounded queue.
 
 Generation never runs on the event loop, so /health and /metrics answer during a long request.
 Each request is a Job; the worker hands its events to the job's asyncio queue from its thread:
-("piece", text) while streaming, then ("done", Finished) or ("error", ApiError). A cancelled job
-(its client went away) leaves the queue at once, or, when running, stops at its next text piece:
-closing the stream ends the generate loop before its next round.
+("piece", Piece) while streaming, then one terminal event, ("done", Finished) or ("error", ApiError).
+
+Every job gets its terminal event, whatever happens:
+- an exception while serving it (the runtime's, or the worker's own bookkeeping: metrics, timings)
+  fails that job, 400 when the request was at fault and 500 otherwise, and the loop goes on;
+- an exception that escapes the loop all the same ends the worker: its state turns "crashed" (/health
+  answers 503 with the reason), and every job it held or that arrives later gets an error;
+- stop() (shutdown) answers every job left, queued or running, with a 503.
+A cancelled job (its client went away) leaves the queue at once, or, when running, leaves the
+backend before the next step; within a step the runtime checks it between rounds.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import SpecdeployError
+from .backend import SequentialBackend, Update
 from .metrics import Metrics
 from .protocol import ApiError
 
@@ -34,35 +42,72 @@ class Finished:
     latency_s: float  # arrival -> the last token
 
 
+@dataclass(frozen=True)
+class Piece:
+    text: str
+    num_new_tokens: int | None  # tokens generated so far, this piece's included (None: the backend cannot say)
+
+
 class Job:
     """One request's prompt and options, and the channel its results come back on."""
 
-    def __init__(self, prompt: str | list[int], options: dict, streaming: bool):
-        self.prompt, self.options, self.streaming = prompt, options, streaming
+    def __init__(self, prompt_ids: list[int], options: dict, streaming: bool):
+        self.prompt_ids, self.options, self.streaming = prompt_ids, options, streaming
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
         self.arrived = time.perf_counter()
+        self.started: float | None = None  # the model took it
+        self.first_text: float | None = None
+        self.sequence = None  # the backend's handle while the job is live there
+        self._ended = False
+        self._end_lock = threading.Lock()
+
+    @property
+    def ended(self) -> bool:
+        return self._ended
 
     def post(self, kind: str, value) -> None:
-        """From the worker thread: put one event on the job's queue."""
+        """From any thread but the loop's: put one event on the job's queue."""
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
         except RuntimeError:  # the event loop has closed: nobody is listening
             pass
 
+    def end(self, kind: str, value) -> bool:
+        """Post the terminal event ("done" or "error") unless one was posted already; True if this one was."""
+        with self._end_lock:
+            if self._ended:
+                return False
+            self._ended = True
+        self.post(kind, value)
+        return True
+
+
+def shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down", kind="server_error", code="shutting_down")
+
+
+def gone() -> ApiError:
+    """The terminal event of a job whose client went away (nobody reads it; it marks the job answered)."""
+    return ApiError(499, "the client closed the connection", code="client_closed_request")
+
 
 class ModelWorker:
-    """Loads the model in its thread, then serves jobs in arrival order; at most `max_queue` wait."""
+    """Loads the model in its thread, then serves jobs in arrival order; at most `max_queue` wait.
+
+    backend: builds the worker's backend from the loaded generator (see backend.py)."""
 
     def __init__(self, load: Callable[[], object], max_queue: int, metrics: Metrics,
-                 on_fatal: Callable[[str], None] | None = None):
+                 on_fatal: Callable[[str], None] | None = None, backend: Callable[[object], object] = SequentialBackend):
         self._load, self.max_queue, self.metrics, self._on_fatal = load, max_queue, metrics, on_fatal
+        self._make_backend = backend
         self.generator = None
-        self.state = "loading"  # loading | ready | failed | stopped
+        self.backend = None
+        self.state = "loading"  # loading | ready | failed (did not load) | crashed (the worker died) | stopped
         self.error: str | None = None
         self._waiting: deque[Job] = deque()
-        self._running: Job | None = None
+        self._live: list[Job] = []
         self._mean_latency_s = 1.0
         self._condition = threading.Condition()
         self._thread = threading.Thread(target=self._main, name="specdeploy-model", daemon=True)
@@ -70,13 +115,26 @@ class ModelWorker:
     def start(self) -> None:
         self._thread.start()
 
+    def unavailable(self) -> ApiError | None:
+        """The 503 to answer while the worker takes no requests; None once it does."""
+        state = self.state
+        if state == "ready":
+            return None
+        if state == "crashed":
+            return ApiError(503, self.error, kind="server_error", code="model_crashed")
+        if state == "stopped":
+            return shutting_down()
+        return ApiError(503, f"the model is {state}", kind="server_error", code="model_not_ready")
+
     def submit(self, job: Job) -> None:
-        """Queue a job, or raise ApiError: 503 while loading or stopped, 429 (with Retry-After) when full."""
+        """Queue a job, or raise ApiError: 503 unless ready, 429 (with Retry-After) when the queue is full."""
         with self._condition:
-            if self.state != "ready":
-                raise ApiError(503, f"the model is {self.state}", kind="server_error", code="model_not_ready")
-            if len(self._waiting) >= self.max_queue and (self._running is not None or self._waiting):
-                retry_after = max(1, math.ceil(self._mean_latency_s * (len(self._waiting) + 1)))
+            refusal = self.unavailable()
+            if refusal is not None:
+                raise refusal
+            capacity = self.backend.capacity
+            if len(self._waiting) >= self.max_queue + max(0, capacity - len(self._live)):
+                retry_after = max(1, math.ceil(self._mean_latency_s * (len(self._waiting) + 1) / capacity))
                 raise ApiError(429, f"the server is busy: {len(self._waiting)} requests are waiting; retry later",
                                kind="requests", code="rate_limit_exceeded", headers={"Retry-After": str(retry_after)})
             self._waiting.append(job)
@@ -84,87 +142,190 @@ class ModelWorker:
             self._condition.notify()
 
     def cancel(self, job: Job) -> None:
-        """The client went away: drop the job from the queue, or stop it at its next piece."""
+        """The client went away: drop the job from the queue, or let it leave the backend before the next step."""
         job.cancelled.set()
         with self._condition:
             if job in self._waiting:
                 self._waiting.remove(job)
                 self.metrics.waiting.set(len(self._waiting))
-                self.metrics.finished.labels("abort").inc()
+                if job.end("error", gone()):
+                    self.metrics.finished.labels("abort").inc()
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Cancel what is left and wait (up to timeout_s) for the thread to end."""
+        """Answer every job left, queued or running, with 503; wait (up to timeout_s) for the thread to end."""
         with self._condition:
-            self.state = "stopped" if self.state != "failed" else self.state
-            for job in list(self._waiting) + ([self._running] if self._running else []):
-                job.cancelled.set()
+            if self.state in ("loading", "ready"):
+                self.state = "stopped"
+            jobs = list(self._waiting) + list(self._live)
             self._waiting.clear()
-            self.metrics.waiting.set(0)
             self._condition.notify_all()
-        if self._thread.is_alive():
+        for job in jobs:
+            job.cancelled.set()
+            if job.end("error", shutting_down()):
+                self.metrics.finished.labels("abort").inc()
+        self.metrics.waiting.set(0)
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout_s)
 
     def _main(self) -> None:
+        if not self._load_model():
+            return
+        try:
+            self._loop()
+        except BaseException as exc:  # the loop itself failed: say so instead of leaving jobs waiting
+            self._crash(exc)
+        finally:
+            with self._condition:
+                live, self._live = self._live, []
+            for job in live:
+                self._release(job)
+
+    def _load_model(self) -> bool:
         started = time.perf_counter()
         try:
             self.generator = self._load()
+            self.generator.end_of_turn_ids  # found once here, not by the threads that read it per request
+            self.backend = self._make_backend(self.generator)
         except Exception as exc:  # a bundle that will not load: the server cannot serve
             with self._condition:
                 self.state, self.error = "failed", str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             log.error("the model did not load: %s", self.error)
             if self._on_fatal is not None:
                 self._on_fatal(self.error)
-            return
+            return False
         with self._condition:
             if self.state == "loading":
                 self.state = "ready"
         log.info("model ready in %.1fs", time.perf_counter() - started)
-        while True:
-            with self._condition:
-                while not self._waiting and self.state == "ready":
-                    self._condition.wait()
-                if self.state != "ready":
-                    return
-                job = self._running = self._waiting.popleft()
-                self.metrics.waiting.set(len(self._waiting))
-            self.metrics.running.set(1)
-            try:
-                self._serve(job)
-            finally:
-                with self._condition:
-                    self._running = None
-                self.metrics.running.set(0)
+        return True
 
-    def _serve(self, job: Job) -> None:
-        started = time.perf_counter()
-        first = None
+    def _loop(self) -> None:
+        while True:
+            admitted = self._admit()
+            if admitted is None:
+                return
+            for job in admitted:
+                self._guarded(job, self._start, job)
+            self._step()
+
+    def _admit(self) -> list[Job] | None:
+        """The jobs that join the backend now (waiting while there is nothing to do); None: stop."""
+        with self._condition:
+            while not self._waiting and not self._live and self.state == "ready":
+                self._condition.wait()
+            if self.state != "ready":
+                return None
+            admitted = []
+            while self._waiting and len(self._live) < self.backend.capacity:
+                admitted.append(self._waiting.popleft())
+            self._live.extend(admitted)
+            return admitted
+
+    def _start(self, job: Job) -> None:
+        job.started = time.perf_counter()
+        self._count()
+        job.sequence = self.backend.add(job.prompt_ids, job.options, job.cancelled.is_set, streaming=job.streaming)
+
+    def _step(self) -> None:
+        with self._condition:
+            live = list(self._live)
+        for job in live:
+            if job.cancelled.is_set():
+                self._guarded(job, self._abort, job)
+        live = [job for job in live if job.sequence is not None and not job.cancelled.is_set()]
+        if not live:
+            return
         try:
-            pieces = self.generator.stream(job.prompt, **job.options)
-            try:
-                for piece in pieces:
-                    first = first or time.perf_counter()
-                    if job.streaming:
-                        job.post("piece", piece)
-                    if job.cancelled.is_set():
-                        break
-            finally:
-                pieces.close()  # stops the generate loop before its next round
-        except SpecdeployError as exc:
-            job.post("error", ApiError(400, str(exc)))
+            updates = self.backend.step()
+        except Exception as exc:  # no one sequence's fault: every live one fails
+            for job in live:
+                self._fail(job, exc)
             return
-        except Exception as exc:  # a bug or a runtime failure: answer 500, keep serving
-            log.exception("generation failed")
-            job.post("error", ApiError(500, f"generation failed: {exc}", kind="server_error"))
-            return
-        if job.cancelled.is_set():
+        by_sequence = {id(job.sequence): job for job in live}
+        for update in updates:
+            job = by_sequence.get(id(update.sequence))
+            if job is not None:
+                self._guarded(job, self._deliver, job, update)
+
+    def _deliver(self, job: Job, update: Update) -> None:
+        now = time.perf_counter()
+        if update.ended:
+            job.sequence = None  # the backend has let it go
+        if update.text:
+            job.first_text = job.first_text or now
+            if job.streaming:
+                job.post("piece", Piece(update.text, update.num_new_tokens))
+        if update.error is not None:
+            self._fail(job, update.error)
+        elif update.cancelled:
+            self._abort(job)
+        elif update.output is not None:
+            self._retire(job)
+            if not job.ended:  # unless shutdown answered it already
+                done = Finished(output=update.output, queue_s=job.started - job.arrived,
+                                first_token_s=(job.first_text or now) - job.arrived, latency_s=now - job.arrived)
+                self._observe(done)
+                job.end("done", done)
+
+    def _guarded(self, job: Job, action, *args) -> None:
+        """Run one job's part of the loop; an exception fails that job alone."""
+        try:
+            action(*args)
+        except Exception as exc:
+            self._fail(job, exc)
+
+    def _fail(self, job: Job, exc: Exception) -> None:
+        if isinstance(exc, SpecdeployError):  # the runtime refused the request (a prompt too long...)
+            error = ApiError(400, str(exc))
+        else:
+            log.error("a request failed", exc_info=exc)
+            error = ApiError(500, f"internal error: {exc}", kind="server_error")
+        self._retire(job)
+        job.end("error", error)
+
+    def _abort(self, job: Job) -> None:
+        """A job whose client went away (or that shutdown answered already) leaves."""
+        self._retire(job)
+        if job.end("error", gone()):
             self.metrics.finished.labels("abort").inc()
-            return
-        ended = time.perf_counter()
-        output = self.generator.last_output
-        done = Finished(output=output, queue_s=started - job.arrived, first_token_s=(first or ended) - job.arrived,
-                        latency_s=ended - job.arrived)
-        self._observe(done)
-        job.post("done", done)
+
+    def _retire(self, job: Job) -> None:
+        with self._condition:
+            if job in self._live:
+                self._live.remove(job)
+        self._release(job)
+        self._count()
+
+    def _release(self, job: Job) -> None:
+        """Let the backend drop the job's sequence, if it still holds it."""
+        sequence, job.sequence = job.sequence, None
+        if sequence is not None:
+            try:
+                self.backend.cancel(sequence)
+            except Exception:
+                log.exception("releasing a sequence failed")
+
+    def _count(self) -> None:
+        self.metrics.waiting.set(len(self._waiting))
+        self.metrics.running.set(len(self._live))
+
+    def _crash(self, exc: BaseException) -> None:
+        reason = f"the model worker stopped: {type(exc).__name__}: {exc}"
+        log.critical(reason, exc_info=exc)
+        with self._condition:
+            if self.state == "ready":
+                self.state, self.error = "crashed", reason
+            waiting, live = list(self._waiting), list(self._live)
+            self._waiting.clear()
+        for job in live:
+            job.cancelled.set()
+            job.end("error", ApiError(500, reason, kind="server_error"))
+        for job in waiting:
+            job.end("error", ApiError(503, reason, kind="server_error", code="model_crashed"))
+        try:
+            self.metrics.waiting.set(0)
+        except Exception:
+            pass
 
     def _observe(self, done: Finished) -> None:
         stats = done.output.stats

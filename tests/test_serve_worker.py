@@ -1,0 +1,201 @@
+"""The serve worker cannot die silently: a failure answers its request and the loop goes on, a dead
+worker says so on /health and answers its queue, shutdown answers every request left, prompts are
+prepared off the event loop; and SequentialBackend's seam (cancellation before the prefill and
+between pieces, the end of a sequence, a refused request).
+
+Tests wait on the gates of GatedModel (test_serve.py) and on the server's counters, never on the clock.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import pytest
+
+import specdeploy
+from specdeploy.errors import SpecdeployError
+from specdeploy.serve import ServeConfig
+from specdeploy.serve.backend import SequentialBackend, Update
+from test_serve import MESSAGES, PROMPT, GatedModel, LiveServer, chat_bundle, wait_for  # noqa: F401 (a fixture)
+
+WAITING = "specdeploy:num_requests_waiting"
+
+
+class WorkerKilled(BaseException):
+    """Not an Exception: it passes every per-request guard, as nothing should but something might."""
+
+
+def post_in_thread(url: str, body: dict, answers: dict, name: str) -> threading.Thread:
+    thread = threading.Thread(target=lambda: answers.update({name: httpx.post(url + "/v1/completions", json=body,
+                                                                              timeout=30)}))
+    thread.start()
+    return thread
+
+
+@pytest.fixture
+def gated(agreeing_bundle):
+    """A server whose model waits at a gate before each text piece (server.model); four may queue."""
+    model = GatedModel(specdeploy.load(agreeing_bundle))
+    live = LiveServer(ServeConfig(bundle=str(agreeing_bundle), max_queue=4), load=lambda: model)
+    live.model = model
+    yield live
+    model.open()
+    live.close()
+
+
+def test_a_bookkeeping_exception_fails_its_request_and_the_loop_goes_on(agreeing_bundle, monkeypatch):
+    live = LiveServer(ServeConfig(bundle=str(agreeing_bundle)))
+    try:
+        metrics = live.service.metrics
+        observe, failures = metrics.observe_output, []
+
+        def observe_once(stats, reason):
+            if not failures:
+                failures.append(reason)
+                raise RuntimeError("injected metrics failure")
+            observe(stats, reason)
+
+        monkeypatch.setattr(metrics, "observe_output", observe_once)
+        body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+        failed = httpx.post(live.url + "/v1/completions", json=body)
+        assert failed.status_code == 500
+        error = failed.json()["error"]
+        assert error["type"] == "server_error" and "injected metrics failure" in error["message"]
+        assert httpx.post(live.url + "/v1/completions", json=body).status_code == 200
+        # A stream already begun ends with the error as an event.
+        failures.clear()
+        with httpx.stream("POST", live.url + "/v1/completions", json={**body, "stream": True}) as response:
+            assert response.status_code == 200
+            lines = [line for line in response.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]"
+        assert "injected metrics failure" in json.loads(lines[-2][len("data: "):])["error"]["message"]
+        assert len(failures) == 1
+        assert httpx.get(live.url + "/health").json() == {"status": "ok"}
+        assert httpx.post(live.url + "/v1/completions", json=body).status_code == 200
+    finally:
+        live.close()
+
+
+def test_a_dead_worker_turns_health_503_and_answers_its_queue(gated):
+    url, model, answers = gated.url, gated.model, {}
+    running = post_in_thread(url, {"prompt": PROMPT, "max_tokens": 50, "temperature": 0}, answers, "running")
+    model.wait(lambda m: m.held == 1, "the first request to generate")
+    queued = post_in_thread(url, {"prompt": PROMPT, "max_tokens": 3}, answers, "queued")
+    wait_for(lambda: gated.metric(WAITING) == 1, "a queued request")
+    model.fail(WorkerKilled("injected"))
+    running.join(30)
+    queued.join(30)
+    assert answers["running"].status_code == 500 and "WorkerKilled" in answers["running"].json()["error"]["message"]
+    assert answers["queued"].status_code == 503 and answers["queued"].json()["error"]["code"] == "model_crashed"
+    health = httpx.get(url + "/health")
+    assert health.status_code == 503
+    assert health.json()["status"] == "crashed" and "WorkerKilled: injected" in health.json()["error"]
+    later = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
+    assert later.status_code == 503 and later.json()["error"]["code"] == "model_crashed"
+    assert model.streams == 1  # nothing ran after the worker died
+
+
+def test_shutdown_answers_every_request_left(gated):
+    url, model, answers = gated.url, gated.model, {}
+    model.allow(1)
+    body = {"prompt": PROMPT, "max_tokens": 200, "temperature": 0, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as stream:
+        lines = stream.iter_lines()
+        assert next(lines).startswith("data: ")
+        model.wait(lambda m: m.held == 1, "the stream to wait for its second piece")
+        queued = [post_in_thread(url, {"prompt": PROMPT, "max_tokens": 3}, answers, "plain"),
+                  post_in_thread(url, {**body, "max_tokens": 3}, answers, "stream")]
+        wait_for(lambda: gated.metric(WAITING) == 2, "two queued requests")
+        stopper = threading.Thread(target=gated.service.worker.stop)
+        stopper.start()  # returns once the worker's thread ends: after the gate opens below
+        rest = [line for line in lines if line]
+    for thread in queued:
+        thread.join(30)
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2][len("data: "):])["error"]["code"] == "shutting_down"
+    for name in ("plain", "stream"):  # the stream had not begun: a plain 503
+        assert answers[name].status_code == 503 and answers[name].json()["error"]["code"] == "shutting_down", name
+    assert httpx.get(url + "/health").json()["status"] == "stopped"
+    model.open()
+    stopper.join(30)
+    assert not stopper.is_alive() and model.streams == 1
+
+
+def test_prompts_are_prepared_off_the_event_loop_and_the_model_thread(chat_bundle):
+    generator = specdeploy.load(chat_bundle)
+    entered, release, threads = threading.Event(), threading.Event(), []
+
+    class SlowTemplate:
+        def __getattr__(self, name):
+            return getattr(generator, name)
+
+        def encode_chat(self, messages):
+            threads.append(threading.current_thread().name)
+            entered.set()
+            release.wait(30)
+            return generator.encode_chat(messages)
+
+    live = LiveServer(ServeConfig(bundle=str(chat_bundle)), load=SlowTemplate)
+    try:
+        answers = {}
+        chat = threading.Thread(target=lambda: answers.update(reply=httpx.post(
+            live.url + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4}, timeout=30)))
+        chat.start()
+        assert entered.wait(30)
+        assert httpx.get(live.url + "/health").status_code == 200  # the loop answers while the template renders
+        assert httpx.get(live.url + "/metrics").status_code == 200
+        release.set()
+        chat.join(30)
+        assert answers["reply"].status_code == 200
+        assert threads[0].startswith("specdeploy-prompt")
+    finally:
+        release.set()
+        live.close()
+
+
+def run_to_end(backend, sequence) -> list:
+    updates = []
+    while not (updates and updates[-1].ended):
+        [update] = backend.step()
+        assert update.sequence is sequence
+        updates.append(update)
+    assert backend.step() == []
+    return updates
+
+
+def test_sequential_backend_runs_a_sequence_to_its_end(agreeing_bundle):
+    generator = specdeploy.load(agreeing_bundle)
+    expected = generator.generate(PROMPT, max_new_tokens=12, temperature=0)
+    backend = SequentialBackend(generator)
+    ids = generator.codec.encode(PROMPT)
+    sequence = backend.add(ids, {"max_new_tokens": 12, "temperature": 0, "ignore_eos": False}, lambda: False)
+    updates = run_to_end(backend, sequence)
+    assert "".join(u.text for u in updates) == expected.text
+    assert updates[-1].output.token_ids == expected.token_ids
+    counts = [u.num_new_tokens for u in updates]
+    assert counts == sorted(counts) and counts[-1] == len(expected.token_ids)
+    # A request the runtime refuses ends with its error, and the backend takes the next one.
+    refused = backend.add(ids * 200, {"max_new_tokens": 4}, lambda: False)
+    [update] = run_to_end(backend, refused)
+    assert isinstance(update.error, SpecdeployError) and "max context" in str(update.error)
+
+
+def test_sequential_backend_checks_cancellation_before_the_prefill_and_between_pieces(agreeing_bundle):
+    model = GatedModel(specdeploy.load(agreeing_bundle))
+    model.open()
+    backend = SequentialBackend(model)
+    ids = model.codec.encode(PROMPT)
+    options = {"max_new_tokens": 40, "temperature": 0}
+    gone = backend.add(ids, options, lambda: True)
+    assert backend.step() == [Update(gone, cancelled=True)]
+    assert model.streams == 0  # nothing ran: not even the prefill
+    cancel = threading.Event()
+    backend.add(ids, options, cancel.is_set)
+    first = backend.step()[0]
+    assert first.text and not first.ended
+    cancel.set()
+    second = backend.step()[0]
+    assert second.cancelled and second.ended and model.passed == 2
+    assert backend.step() == []
