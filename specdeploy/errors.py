@@ -13,12 +13,14 @@ def describe_unexpected(exc: BaseException) -> str:
     """One line for an exception that is not a SpecdeployError (the CLI prints it after 'error: ').
 
     A failure raised by ONNX Runtime inside an engine's pass (its run raises a plain RuntimeError,
-    so it is told by where it was raised: the innermost frame is an engine method) names the
+    so it is told by where it was raised: the innermost frame outside ONNX Runtime's own Python
+    is an engine method) names the
     model and the pass, from that frame's `self.spec`, tokens in the pass and cached length;
     anything else is its type and first line."""
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     frames = [frame for frame, _ in traceback.walk_tb(exc.__traceback__)]
-    innermost = frames[-1].f_locals if frames else {}
+    ours = [frame for frame in frames if not frame.f_globals.get("__name__", "").startswith("onnxruntime")]
+    innermost = ours[-1].f_locals if ours else {}
     owner = innermost.get("self")
     if not (hasattr(owner, "spec") and hasattr(owner, "session")):
         if type(exc).__module__.startswith("onnxruntime"):
@@ -30,7 +32,7 @@ def describe_unexpected(exc: BaseException) -> str:
     pass_frame = next((f for f in engine_frames if "cache" in f and ("count" in f or "token" in f)), innermost)
     count = pass_frame.get("count", 1 if "token" in pass_frame else None)
     cache = pass_frame.get("cache")
-    if any(frame.f_code.co_name == "prefill" for frame in frames):
+    if any(frame.f_code.co_name in ("prefill", "prefill_step") for frame in frames):
         pass_kind = "prefill pass"
     elif count == 1:
         pass_kind = "single-token step"
@@ -38,3 +40,4 @@ def describe_unexpected(exc: BaseException) -> str:
         pass_kind = "verify pass" if spec.role == "target" else "draft pass"
     where = f"{count} tokens after {getattr(cache, 'length', '?')} cached; " if count is not None else ""
     return f"ONNX Runtime failed in the {spec.role} model's {pass_kind} ({where}{spec.onnx_path}): {first}"
+

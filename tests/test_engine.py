@@ -66,11 +66,12 @@ def test_prompt_lookup_finds_the_latest_earlier_ngram():
     rng = np.random.default_rng(0)
     drafter = PromptLookupDrafter(vocab_size=8)
     greedy = SamplingParams()
-    for length in range(1, 60):  # a new list every call: indexed afresh
+    for length in range(1, 60):  # a new sequence every time: prefill starts its index afresh
         context = [int(t) for t in rng.integers(0, 4, size=length)]
+        drafter.prefill(context)
         for k in (1, 4):
             assert drafter.propose(context, k, greedy, rng)[0] == reference(context, k), (context, k)
-    for trial in range(20):  # one list growing as the generate loop grows it: indexed as it grows
+    for trial in range(20):  # one sequence growing as the generate loop grows it: indexed as it grows
         context = [int(t) for t in rng.integers(0, 4, size=int(rng.integers(1, 5)))]
         drafter.prefill(context)
         while len(context) < 80:
@@ -296,7 +297,7 @@ def test_the_full_width_mask_gives_the_logits_of_a_context_wide_one(bundles):
     contract: prefill from empty, chunks, single steps, a rollback and a verify-sized pass."""
     import onnxruntime as ort
 
-    from specdeploy.runtime.kv_cache import _ortvalue
+    from specdeploy.runtime.kv_cache import ort_value
 
     bundle = bundles("llama")
     spec = load_manifest(bundle).target
@@ -305,8 +306,8 @@ def test_the_full_width_mask_gives_the_logits_of_a_context_wide_one(bundles):
     assert cache.mask is not None and cache.mask.shape == (1, 64)
     session = ort.InferenceSession(str(bundle / spec.onnx_path), providers=["CPUExecutionProvider"])
     buffers = [np.zeros((1, spec.num_kv_heads, 64, spec.head_dim), np.float32) for _ in range(2 * spec.num_layers)]
-    values = [_ortvalue(b, "cpu") for b in buffers]
-    binding = session.io_binding()._iobinding
+    values = [ort_value(b, "cpu") for b in buffers]
+    binding = session.io_binding()
     past, present = engine._past_names, engine._present_names
     length = 0
     ids = [int(i) for i in np.random.default_rng(9).integers(2, 300, size=40)]
@@ -318,14 +319,14 @@ def test_the_full_width_mask_gives_the_logits_of_a_context_wide_one(bundles):
         got = engine.run(step, cache)
         total = length + len(step)
         keep = [np.array([step], np.int64), np.ones((1, total), np.int64)]
-        binding.bind_input("input_ids", keep[0])
-        binding.bind_input("attention_mask", keep[1])
-        binding.bind_output("logits", engine._cpu)  # first: get_outputs() lists outputs in binding order
+        binding.bind_cpu_input("input_ids", keep[0])
+        binding.bind_cpu_input("attention_mask", keep[1])
+        binding.bind_output("logits", "cpu")  # first: get_outputs() lists outputs in binding order
         for name, value in zip(past, values):
             binding.bind_ortvalue_input(name, value)
         for name, value in zip(present, values):
             binding.bind_ortvalue_output(name, value)
-        session._sess.run_with_iobinding(binding, None)
+        session.run_with_iobinding(binding)
         expected = binding.get_outputs()[0].numpy()[0]
         np.testing.assert_array_equal(got, expected)
         assert cache.mask[0].tolist() == [1] * total + [0] * (64 - total)
@@ -333,9 +334,8 @@ def test_the_full_width_mask_gives_the_logits_of_a_context_wide_one(bundles):
 
 
 def test_a_truncated_cache_is_compared_again(bundles):
-    """truncate_to_prefix skips what an appended context already agreed with; a cache truncated by hand
-    (its tokens with it) and extended with other tokens lowers that mark, so the next call finds the
-    divergence."""
+    """truncate_to_prefix compares tokens: a cache truncated by hand (its tokens with it) and extended
+    with other tokens is found to diverge from the context it held before."""
     bundle = bundles("llama")
     spec = load_manifest(bundle).target
     engine = OrtEngine(bundle / spec.onnx_path, spec, scratch_logits=True)

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..bundle import ModelSpec, check_graph_io
 from ..errors import SpecdeployError
-from .kv_cache import KVCache, KVSlots, SharedKVCache, _ortvalue
+from .kv_cache import KVCache, KVSlots, SharedKVCache, ort_value
 
 DEVICES = ("cpu", "cuda", "tensorrt")
 PREFILL_CHUNK = 64  # tokens per prefill pass (see OrtEngine.prefill)
@@ -118,7 +118,7 @@ def global_pool_active() -> bool:
 
 
 def _use_global_pool(threads: int) -> None:
-    import onnxruntime.capi._pybind_state as ort_c
+    from onnxruntime.capi import _pybind_state as ort_c
 
     if not _GLOBAL_POOL:
         ort_c.set_global_thread_pool_sizes(threads, 1)
@@ -179,8 +179,6 @@ class OrtEngine:
 
     def __init__(self, model_path: Path, spec: ModelSpec, config: SessionConfig = SessionConfig(),
                  scratch_logits: bool = False, min_pass_tokens: int | None = None):
-        from onnxruntime.capi.onnxruntime_inference_collection import OrtDevice
-
         self.spec = spec
         self.session = _open_session(model_path, spec, config)
         names = set(spec.input_names)
@@ -200,14 +198,10 @@ class OrtEngine:
         self.min_pass_tokens = min_pass_tokens
         self.seconds = 0.0  # time spent inside session.run, for the stats
         self.calls = 0
-        # The C-level binding skips the Python wrappers' per-call bookkeeping, which shows on a
-        # draft step. Bound NumPy arrays must outlive the run.
-        self._binding = self.session.io_binding()._iobinding
-        self._run = self.session._sess.run_with_iobinding
+        self._binding = self.session.io_binding()  # bound NumPy arrays must outlive the run
+        self._run = self.session.run_with_iobinding
         # The KV cache stays on the device of the execution provider; only the logits come to NumPy.
         self._device = "cpu" if config.device == "cpu" else "cuda"
-        self._cpu = OrtDevice.make("cpu", 0)._get_c_device()
-        self._cache_device = OrtDevice.make(self._device, 0)._get_c_device()
         self._mask_ones = np.ones((1, 0), dtype=np.int64)  # [1, capacity]: masks of concat graphs and GPUs
         self._positions = np.zeros((1, 0), dtype=np.int64)  # [1, capacity]: 0, 1, 2, ...
         self._mask_values: list = []  # [total]: an OrtValue over _mask_ones[:, :total], made on first use
@@ -216,7 +210,7 @@ class OrtEngine:
         # NumPy array, on passes whose Python side is the "other" time of a round.
         self._ids = np.zeros((1, BOUND_IDS), dtype=np.int64)  # [1, BOUND_IDS]
         self._first_id = self._ids[0, :1]  # [1]: a one-token pass's id (a 1-D index is the cheapest write)
-        self._ids_values = [_ortvalue(self._ids[:, :n], "cpu") if n else None for n in range(BOUND_IDS + 1)]
+        self._ids_values = [ort_value(self._ids[:, :n], "cpu") if n else None for n in range(BOUND_IDS + 1)]
         self._scratch = None  # [1, SCRATCH_ROWS, vocab], with OrtValues and views per pass length; see _make_scratch
         # What the binding holds now: the cache whose buffers it binds, the ids and logits OrtValues
         # (if ours), and the cache whose one-token scratch pass was the last pass (see _step).
@@ -296,9 +290,9 @@ class OrtEngine:
                 self._batch_ids_values = {}
                 self._batch_logits = {}
             logits = np.empty((rows, 1, self.spec.vocab_size), dtype=self._logits_dtype)
-            self._batch_logits[rows] = (logits, _ortvalue(logits, "cpu"))
+            self._batch_logits[rows] = (logits, ort_value(logits, "cpu"))
         if rows not in self._batch_ids_values:
-            self._batch_ids_values[rows] = _ortvalue(self._batch_ids[:rows], "cpu")
+            self._batch_ids_values[rows] = ort_value(self._batch_ids[:rows], "cpu")
         logits, value = self._batch_logits[rows]
         return self._batch_ids[:rows, 0:1], logits, value
 
@@ -379,19 +373,19 @@ class OrtEngine:
         that the cache keeps as they are (no copy into NumPy) and binds as the next pass's past."""
         binding = self._binding
         token_ids = np.ascontiguousarray(token_ids, dtype=np.int64).reshape(1, count)
-        binding.bind_input("input_ids", token_ids)
+        binding.bind_cpu_input("input_ids", token_ids)
         if self._has_mask:
-            binding.bind_input("attention_mask", self._mask_ones[:, :total])
+            binding.bind_cpu_input("attention_mask", self._mask_ones[:, :total])
         if self._has_positions:
-            binding.bind_input("position_ids", self._positions[:, cache.length : total])
+            binding.bind_cpu_input("position_ids", self._positions[:, cache.length : total])
         for name, tensor in zip(self._past_names, cache.past()):
             binding.bind_ortvalue_input(name, tensor)
-        binding.bind_output("logits", self._cpu)
+        binding.bind_output("logits", "cpu")
         for name in self._present_names:
-            binding.bind_output(name, self._cache_device)
+            binding.bind_output(name, self._device)
         self._bound_ids = self._bound_logits = self._stepping = None
         self._timed_run()
-        outputs = binding.get_outputs()  # C OrtValues, owned by us from here on
+        outputs = binding.get_outputs()  # OrtValues, owned by us from here on
         cache.update([outputs[i] for i in range(1, len(outputs))])
         return outputs[0].numpy()[0]  # [n, vocab]; a view on the CPU
 
@@ -411,7 +405,7 @@ class OrtEngine:
         else:  # a GPU: one mask per valid length, as wide as the context (the layout the GPU kernels were written for)
             mask = self._mask_values[total]
             if mask is None:
-                mask = self._mask_values[total] = _ortvalue(self._mask_ones[:, :total], "cpu")
+                mask = self._mask_values[total] = ort_value(self._mask_ones[:, :total], "cpu")
             self._binding.bind_ortvalue_input("attention_mask", mask)
         logits = self._bind_logits(count)
         self._timed_run()
@@ -423,7 +417,7 @@ class OrtEngine:
     def _bind_ids(self, token_ids, count: int) -> None:
         if count > BOUND_IDS:  # the binding does not keep the array alive: the engine does, until the next pass
             self._long_ids = np.ascontiguousarray(token_ids, dtype=np.int64).reshape(1, count)
-            self._binding.bind_input("input_ids", self._long_ids)
+            self._binding.bind_cpu_input("input_ids", self._long_ids)
             self._bound_ids = None
             return
         if count == 1:
@@ -459,14 +453,14 @@ class OrtEngine:
         # A fresh array: the caller may keep it. The engine holds it, since the binding points into
         # its memory, until the next pass rebinds the output.
         self._logits = fresh = np.empty((1, count, self.spec.vocab_size), dtype=self._logits_dtype)
-        self._binding.bind_ortvalue_output("logits", _ortvalue(fresh, "cpu"))
+        self._binding.bind_ortvalue_output("logits", ort_value(fresh, "cpu"))
         self._bound_logits = None
         return fresh[0]
 
     def _make_scratch(self) -> None:
         """One [1, SCRATCH_ROWS, vocab] buffer; a pass of n tokens writes its first n rows (contiguous)."""
         self._scratch = np.empty((1, SCRATCH_ROWS, self.spec.vocab_size), dtype=self._logits_dtype)
-        self._scratch_values = [None] + [_ortvalue(self._scratch[:, :n], "cpu") for n in range(1, SCRATCH_ROWS + 1)]
+        self._scratch_values = [None] + [ort_value(self._scratch[:, :n], "cpu") for n in range(1, SCRATCH_ROWS + 1)]
         self._scratch_rows = [None] + [self._scratch[0, :n] for n in range(1, SCRATCH_ROWS + 1)]
 
     def _timed_run(self) -> None:  # (_step has its own copy of these lines: one call fewer on the hot path)

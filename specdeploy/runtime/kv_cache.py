@@ -17,21 +17,11 @@ from __future__ import annotations
 import numpy as np
 
 
-_C_DEVICES: dict = {}  # device name -> (C OrtValue factory, C device)
+def ort_value(array: np.ndarray, device: str):
+    """An OrtValue holding array on device (what IO binding takes); on the CPU it shares array's memory."""
+    import onnxruntime as ort
 
-
-def _ortvalue(array: np.ndarray, device: str):
-    """A C-level OrtValue (what IO binding takes) holding array on device; on the CPU it shares array's memory
-    (and does not keep array alive: the caller must).
-
-    Straight to the C binding: the Python wrapper's device lookup costs more than the call itself."""
-    entry = _C_DEVICES.get(device)
-    if entry is None:
-        from onnxruntime.capi import _pybind_state
-        from onnxruntime.capi.onnxruntime_inference_collection import OrtDevice
-
-        entry = _C_DEVICES[device] = (_pybind_state.OrtValue.ortvalue_from_numpy, OrtDevice.make(device, 0)._get_c_device())
-    return entry[0](array, entry[1])
+    return ort.OrtValue.ortvalue_from_numpy(array, device, 0)
 
 
 class _Cache:
@@ -112,7 +102,7 @@ class KVCache(_Cache):
 
     def _from_numpy(self, array: np.ndarray):
         self._backing.append(array)
-        return _ortvalue(array, self.device)
+        return ort_value(array, self.device)
 
     def _cut(self) -> None:
         # On the CPU .numpy() is a view and only the slice is copied; on a GPU it is a round trip,
@@ -149,14 +139,14 @@ class SharedKVCache(_Cache):
             # np.zeros maps untouched pages lazily: memory grows with the context actually used.
             self._backing, self.mask = slot if slot is not None else (
                 [np.zeros(shape, dtype=dtype) for _ in range(2 * num_layers)], np.zeros((1, capacity), dtype=np.int64))
-            self.tensors = [_ortvalue(a, device) for a in self._backing]
+            self.tensors = [ort_value(a, device) for a in self._backing]
             self._mask_row = self.mask[0]  # [capacity]: a 1-D index is the cheapest write
-            self.mask_value = _ortvalue(self.mask, device)
+            self.mask_value = ort_value(self.mask, device)
             self._mask_length = 0  # the mask's leading ones
         else:
             import onnxruntime as ort
 
-            self.tensors = [ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, device, 0)._ortvalue
+            self.tensors = [ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, device, 0)
                             for _ in range(2 * num_layers)]
 
     def mask_to(self, total: int) -> None:
@@ -210,6 +200,6 @@ class KVSlots:
         """OrtValues over the first `rows` slots: each layer's buffers, and the mask."""
         values = self._prefixes.get(rows)
         if values is None:
-            values = self._prefixes[rows] = ([_ortvalue(b[:rows], "cpu") for b in self.buffers],
-                                             _ortvalue(self.mask[:rows], "cpu"))
+            values = self._prefixes[rows] = ([ort_value(b[:rows], "cpu") for b in self.buffers],
+                                             ort_value(self.mask[:rows], "cpu"))
         return values
