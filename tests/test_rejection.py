@@ -1,5 +1,6 @@
 """The accept rule: the reference (exact cases, distributions over many rounds), the C kernel that must
-return its tokens from the same uniforms at every sampling setting, and the accept step the loop calls."""
+return its tokens from the same uniforms at every sampling setting (but where float rounding decides),
+and the accept step the loop calls."""
 
 import numpy as np
 import pytest
@@ -9,7 +10,7 @@ from specdeploy.runtime import sampling
 from specdeploy.runtime.rejection import accept, greedy_accept, rejection_sample
 from specdeploy.runtime.sampling import Sampler, SamplingParams, draw, process_logits
 
-from test_sampling import SETTINGS, needs_c, rows
+from test_sampling import SETTINGS, assert_same_row, needs_c, rows
 
 
 def one_hot(index, vocab=5):
@@ -212,14 +213,39 @@ def test_blocked_draw_follows_the_distribution():
     assert stats.chisquare(counts[[0, 63, 64, 150, 299]], 40_000 * probs[[0, 63, 64, 150, 299]]).pvalue > 1e-3
 
 
+ROUNDING = 1e-5  # relative: where the kernel's float32 rows and the reference's may disagree
+
+
+def decided_by_rounding(got, expected, tokens, draft_probs, target_probs, uniforms) -> bool:
+    """Whether the kernel's round and the reference's differ only because a uniform lies within rounding of
+    a boundary: an acceptance test tied, or the final draw at a step of its CDF, or a residual of rounding."""
+    k = len(tokens)
+    for position in range(min(got[0], expected[0], k - 1) + 1):  # the tests both scans made
+        test = uniforms[position] * draft_probs[position, tokens[position]]
+        target = target_probs[position, tokens[position]]
+        if abs(test - target) <= ROUNDING * max(target, 1e-30):
+            return True
+    if got[0] != expected[0]:
+        return False
+    weights = target_probs[got[0]].astype(np.float64)
+    if got[0] < k:
+        residual = np.maximum(weights - draft_probs[got[0]], 0.0)
+        if residual.sum() <= ROUNDING:  # the rows are equal up to rounding: which residual is empty is rounding's
+            return True
+        weights = residual
+    cdf = np.cumsum(weights)
+    return abs(cdf[min(got[1], expected[1])] - uniforms[k] * cdf[-1]) <= ROUNDING * cdf[-1]
+
+
 @needs_c
 @pytest.mark.parametrize("name", SETTINGS)
 def test_c_verify_returns_what_the_reference_returns(name):
     """Processor.verify is rejection_sample over the processed rows in one call, at every setting: the same
-    tokens from the same uniforms, on model and one-hot (prompt lookup) drafts, early and late rejections,
-    zero residual mass; the rows it formed are the reference's, and it formed none past the scan."""
-    params, rng = SETTINGS[name], np.random.default_rng(13)
-    for trial in range(300):
+    tokens from the same uniforms (a round rounding decides may differ, and few do), on model and one-hot
+    (prompt lookup) drafts, early and late rejections, zero residual mass; the rows it formed are the
+    reference's to rounding, and it formed none past the scan."""
+    params, rng, trials, decided = SETTINGS[name], np.random.default_rng(13), 300, 0
+    for trial in range(trials):
         vocab, k = int(rng.choice([5, 64, 300, 1000])), int(rng.integers(1, 6))
         sampler = Sampler(params, vocab)
         context = [int(t) for t in rng.integers(0, vocab, size=30)]
@@ -242,15 +268,20 @@ def test_c_verify_returns_what_the_reference_returns(name):
         formed = np.full((k + 1, vocab), -1.0, dtype=np.float32)
         ids, mask = sampler.penalty_args()
         got = sampler.kernel.verify(tokens, draft_probs, target_logits, uniforms, formed, ids, mask)
-        assert got == expected, trial
-        np.testing.assert_array_equal(formed[: got[0] + 1], target_probs[: got[0] + 1])
+        if got != expected:
+            assert decided_by_rounding(got, expected, tokens, draft_probs, target_probs, uniforms), (trial, got, expected)
+            decided += 1
+        for position in range(got[0] + 1):
+            assert_same_row(formed[position], target_probs[position], f"trial {trial} row {position}")
         assert (formed[got[0] + 1 :] == -1.0).all()
+    assert decided <= trials // 50
 
 
 @pytest.mark.parametrize("name", ["T 0.8", "T 0.8, top-k 50, top-p 0.95", "T 0.8, top-p 0.95, repetition penalty 1.1"])
 def test_accept_gives_float64_and_strided_rows_the_same_tokens(monkeypatch, name):
-    """Rows the C scan cannot take (float64, strided), and no kernel at all, go to the reference with the
-    uniforms already drawn: the same tokens, and the generator left where the C path leaves it."""
+    """Rows that are not float32 C-contiguous (float64, strided) go to the C scan as float32 rows: the same
+    tokens, and the generator left where the C path leaves it; without a kernel the reference runs on the
+    same uniforms, forming rows on demand."""
     params, rng, vocab, k = SETTINGS[name], np.random.default_rng(15), 300, 4
     for trial in range(60):
         sampler = Sampler(params, vocab)
@@ -300,9 +331,12 @@ def test_c_verify_takes_any_int_sequence_and_rejects_bad_ids():
         verify([])
 
 
-def test_one_row_and_many_rows_give_the_same_bits():
-    """Target-only sampling forms one row at a time, the verify scan too; batched callers get the same numbers."""
-    logits = (np.random.default_rng(11).normal(size=(4, 8192)) * 3).astype(np.float32)
-    params = SamplingParams(temperature=0.8)
-    rows = np.stack([process_logits(logits[i : i + 1], params)[0] for i in range(4)])
-    np.testing.assert_array_equal(process_logits(logits, params), rows)
+@needs_c
+def test_accept_refuses_a_target_buffer_the_kernel_cannot_write():
+    """A float64 target_probs is a caller's bug: the kernel says so instead of the reference running silently."""
+    params, vocab = SETTINGS["T 0.8"], 64
+    sampler = Sampler(params, vocab)
+    logits = np.random.default_rng(17).normal(size=(2, vocab)).astype(np.float32)
+    draft_probs = process_logits(logits[:1], params)
+    with pytest.raises(TypeError, match="target_probs must be"):
+        accept(sampler, [3], draft_probs, logits, np.random.default_rng(0), np.empty((2, vocab), np.float64))

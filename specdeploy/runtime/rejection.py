@@ -13,9 +13,10 @@ Every round therefore emits num_accepted + 1 tokens, and each is distributed exa
 target would have drawn it. (The shortcut "keep x when target_probs[x] >= draft_probs[x], else
 discard" is not distribution-preserving; it is not used here.)
 
-`rejection_sample` defines the rule; the C kernel (`_fastsample.Processor.verify`) computes the same
-tokens from the same uniforms, forming each target row only when the scan reaches it. `accept` is
-what the generate loop calls: greedy rounds, then the kernel where it was built, else the reference.
+`rejection_sample` defines the rule, in plain NumPy; the C kernel (`_fastsample.Processor.verify`)
+computes the same tokens from the same uniforms (to the float rounding of its rows), forming each
+target row only when the scan reaches it. `accept` is what the generate loop calls: greedy rounds,
+then the kernel where it was built, else the reference.
 
 Greedy decoding is the temperature -> 0 limit: accept while the draft token is the target's
 argmax, then emit the target's argmax.
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .sampling import Sampler, draw, residual_draw
+from .sampling import Sampler, draw, kernel_rows, residual_draw
 
 
 def rejection_sample(draft_token_ids, draft_probs: np.ndarray, target_probs, uniforms: np.ndarray) -> tuple[int, int]:
@@ -79,16 +80,16 @@ def accept(sampler: Sampler, draft_token_ids: list[int], draft_probs: np.ndarray
     draft_token_ids [k], draft_probs [k, vocab] (None when greedy), target_logits [k + 1, vocab] from the
     verify pass; target_probs [k + 1, vocab] receives the target distributions the scan formed. A
     sampled round takes k + 1 uniforms from rng in one call (PCG64 gives the same numbers as k + 1
-    calls), for the C kernel and the reference alike."""
+    calls), for the C kernel and the reference alike. With the kernel, draft_probs and target_logits
+    go to it as float32 C-contiguous rows (copied so if they are not), and target_probs must be a
+    writable float32 C-contiguous buffer (a TypeError says so)."""
     if sampler.greedy:
         return greedy_accept(draft_token_ids, target_logits, None if sampler.penalty is None else sampler.argmax)
     uniforms = rng.random(len(draft_token_ids) + 1)
     kernel = sampler.kernel
     if kernel is not None:
         ids, mask = sampler.penalty_args()
-        try:
-            return kernel.verify(draft_token_ids, draft_probs, target_logits, uniforms, target_probs, ids, mask)
-        except TypeError:  # float64 or strided rows: the same rule with the same uniforms, in NumPy
-            pass
+        return kernel.verify(draft_token_ids, kernel_rows(draft_probs), kernel_rows(target_logits), uniforms,
+                             target_probs, ids, mask)
     rows = _RowsOnDemand(sampler, draft_token_ids, target_logits, target_probs)
     return rejection_sample(draft_token_ids, draft_probs, rows, uniforms)

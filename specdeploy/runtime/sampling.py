@@ -1,21 +1,22 @@
 """Logits processing (repetition penalty, temperature, top-k, top-p, min-p) and drawing tokens.
 
-The NumPy functions here are the definition: `process_logits` forms the distribution every sampled
-token is drawn from, in Hugging Face's order and with its names (repetition_penalty, then
-temperature, top_k, top_p, min_p). Speculative sampling applies the same processing to the draft's
-and the target's logits, each row with the context up to its own position, so the distribution it
-preserves is exactly the one target-only sampling draws from.
+The NumPy functions here are the definition, in plain NumPy that calls nothing faster:
+`process_logits` forms the distribution every sampled token is drawn from, in Hugging Face's order
+and with its names (repetition_penalty, then temperature, top_k, top_p, min_p), and `draw` /
+`residual_draw` are the inverse-CDF draws. Speculative sampling applies the same processing to the
+draft's and the target's logits, each row with the context up to its own position, so the
+distribution it preserves is exactly the one target-only sampling draws from.
 
 Every truncation only chooses a support; the distribution is then the softmax of the (penalized)
-logits over that support. The C extension (`_fastsample.c`, built whenever a C compiler is
-present) computes the same rows without touching more of the vocabulary than it must (top-k by
-partial selection, top-p from a histogram of the mass instead of a sort, min-p in the exponential
-pass). With the extension, a row it forms equals `process_logits` of that row bit for bit (the
-NumPy softmax and draws call the same C primitives), except that the top-p cut sums the mass in
-another order: a token whose preceding mass lies within float rounding of top_p may fall on the
-other side. Without the extension NumPy computes the same quantities to float rounding.
+logits over that support. The C kernel (csrc/sampling.c, bound as `_fastsample`; built whenever a C
+compiler is present) computes the same rows without touching more of the vocabulary than it must
+(top-k by partial selection, top-p from a histogram of the mass instead of a sort, min-p in the
+exponential pass): the same supports and the same probabilities to float rounding (its own exp,
+its own order of summation), so a top-p cut whose preceding mass lies within rounding of top_p, or
+a draw within rounding of a token's boundary, may fall on the other side. The tests hold it to that.
 `Sampler` is the one object the generate loop, the drafters and the accept rule form their rows
-through, so target-only sampling and the verify scan agree bit for bit.
+through: with the kernel every row goes through it, else through the definition, so target-only
+sampling and the verify scan agree bit for bit either way.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ try:
     from . import _fastsample
 except ImportError:  # no C compiler at install time: NumPy computes the same, only slower
     _fastsample = None
-if _fastsample is not None and not hasattr(_fastsample, "Processor"):  # a build older than this code
-    _fastsample = None  # (pip install -e . rebuilds it; test_the_c_kernel_was_built says so)
+
+FLOAT32 = np.dtype(np.float32)
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,7 @@ def process_row(logits: np.ndarray, params: SamplingParams, out: np.ndarray,
     keep = support(row, params)
     if keep is not None:
         row = np.where(keep, row, np.float32(-np.inf))
-    softmax_row(np.ascontiguousarray(row), out, params.temperature)
+    softmax_row(row, out, params.temperature)
     return out
 
 
@@ -144,23 +145,10 @@ def process_logits(logits: np.ndarray, params: SamplingParams, contexts=None) ->
 
 def softmax_row(logits: np.ndarray, out: np.ndarray, temperature: float) -> None:
     """out [vocab] = softmax(logits [vocab] / temperature), float32; -inf logits get probability 0."""
-    if c_takes(logits, out):
-        _fastsample.softmax(logits, out, 1.0 / temperature)
-        return
     np.multiply(logits, np.float32(1.0 / temperature), out=out)
     out -= out.max()
     np.exp(out, out=out)
     out *= np.float32(1.0) / out.sum(dtype=np.float32)
-
-
-def c_takes(*arrays: np.ndarray) -> bool:
-    """Whether the C kernel was built and takes these arrays as they are (float32, C-contiguous); else NumPy runs."""
-    if _fastsample is None:
-        return False
-    for a in arrays:  # a loop, not all() over a generator: this runs once a round, cold
-        if a.dtype != np.float32 or not a.flags.c_contiguous:
-            return False
-    return True
 
 
 class PenaltyContext:
@@ -203,8 +191,10 @@ class Sampler:
 
     Every row a round forms (a draft step, a verify row, a target-only step) goes through argmax,
     sample or distribution; extras are the tokens drafted after the context so far (the row for
-    draft position i penalizes the context and x_1..x_i). With the C kernel each is one call;
-    otherwise (or for float64 / strided rows) the NumPy definition computes the same."""
+    draft position i penalizes the context and x_1..x_i). With the C kernel (`kernel`, a Processor with
+    its own scratch) each is one call: logits go to it as float32 C-contiguous rows (the engines'
+    rows are; others are copied so), and out must be a writable float32 C-contiguous row (a TypeError
+    says so). Without the kernel the NumPy definition computes the same."""
 
     def __init__(self, params: SamplingParams, vocab: int):
         self.params, self.vocab = params, vocab
@@ -235,23 +225,14 @@ class Sampler:
         if self.penalty is None:
             return int(logits.argmax())
         if self.kernel is not None:
-            try:
-                return self.kernel.argmax(logits, self._ids, self._mask, extras)
-            except TypeError:  # not float32, or not contiguous: the same token, in NumPy
-                pass
+            return self.kernel.argmax(kernel_rows(logits), self._ids, self._mask, extras)
         return int(penalize(logits, self._penalized_ids(extras), self.params.repetition_penalty).argmax())
 
     def distribution(self, logits: np.ndarray, out: np.ndarray, extras=()) -> np.ndarray:
         """out [vocab] = the processed distribution of logits [vocab] (process_row's)."""
         if self.kernel is not None:
-            try:
-                self.kernel.sample(logits, out, None, self._ids, self._mask, extras)
-                return out
-            except TypeError:
-                logits = np.ascontiguousarray(logits, dtype=np.float32)
-                if c_takes(out):
-                    self.kernel.sample(logits, out, None, self._ids, self._mask, extras)
-                    return out
+            self.kernel.sample(kernel_rows(logits), out, None, self._ids, self._mask, extras)
+            return out
         return process_row(logits, self.params, out, self._penalized_ids(extras))
 
     def sample(self, logits: np.ndarray, uniform: float, out: np.ndarray, extras=()) -> int:
@@ -259,53 +240,19 @@ class Sampler:
         [vocab] receives. The C kernel draws from the row's exponentials just before they are divided
         by their sum (the same distribution, without a second pass over the row)."""
         if self.kernel is not None:
-            try:
-                return self.kernel.sample(logits, out, uniform, self._ids, self._mask, extras)
-            except TypeError:
-                return self.kernel.sample(np.ascontiguousarray(logits, dtype=np.float32), out, uniform, self._ids,
-                                          self._mask, extras)
+            return self.kernel.sample(kernel_rows(logits), out, uniform, self._ids, self._mask, extras)
         return draw(self.distribution(logits, out, extras), uniform)
 
 
-UNIFORM_BLOCK = 256  # uniforms a BlockGenerator draws at a time
-_FLOAT64 = np.float64
+def kernel_rows(array: np.ndarray) -> np.ndarray:
+    """array as the C kernel reads it: float32 and C-contiguous (the array itself when it already is)."""
+    if array.dtype is FLOAT32 and array.flags.c_contiguous:
+        return array
+    return np.ascontiguousarray(array, dtype=FLOAT32)
 
 
-class BlockGenerator(np.random.Generator):
-    """np.random.default_rng(seed), whose float64 uniforms are drawn UNIFORM_BLOCK at a time.
-
-    random() and random(size) return exactly the numbers, in the order, that the plain generator's
-    calls would: PCG64 fills an array with the draws that as many scalar calls would make. A round
-    takes its uniforms in two calls (the draft's k, the verify scan's k + 1); each costs a slice here
-    instead of a NumPy call, which runs cold right after an ONNX Runtime pass. Other draws (another
-    dtype, `out=`, other distributions) come from the bit generator past the block drawn ahead."""
-
-    def __init__(self, seed: int | None = None):
-        super().__init__(np.random.PCG64(seed))
-        self._block = super().random(UNIFORM_BLOCK)
-        self._next = 0
-
-    def random(self, size=None, dtype=_FLOAT64, out=None):
-        if (dtype is not _FLOAT64 and np.dtype(dtype) != _FLOAT64) or out is not None:
-            return super().random(size, dtype, out)
-        start = self._next
-        if size is None:
-            if start < UNIFORM_BLOCK:
-                self._next = start + 1
-                return self._block.item(start)
-            count = 1
-        elif type(size) is int and size >= 0:
-            count = size
-        else:  # a shape: checked as NumPy checks it, before a number is taken
-            count = int(np.prod(np.empty(size, dtype=np.bool_).shape))
-        end = start + count
-        if end > len(self._block):  # the rest of this block, then a new one
-            self._block = np.concatenate([self._block[start:], super().random(max(UNIFORM_BLOCK, count))])
-            start, end = 0, count
-        self._next = end
-        if size is None:
-            return self._block.item(start)
-        return self._block[start:end].reshape(size) if type(size) is not int else self._block[start:end]
+# generate.py and sequence.py construct their generator under this name: it is numpy's own.
+BlockGenerator = np.random.default_rng
 
 
 BLOCK = 64
@@ -316,10 +263,7 @@ def draw(weights: np.ndarray, uniform: float) -> int:
 
     Two levels: a cumulative sum over blocks of 64 (their sums are one vectorized reduction),
     then one inside the chosen block. np.cumsum over a whole 8k vocabulary is sequential and cost
-    24 us, more than the softmax before it; this costs ~5 us and draws from the same distribution.
-    float32 rows go to the C extension, which draws the same way."""
-    if c_takes(weights):
-        return _fastsample.draw(weights, uniform)
+    24 us, more than the softmax before it; this costs ~5 us and draws from the same distribution."""
     vocab = weights.shape[0]
     full = vocab - vocab % BLOCK
     sums = weights[:full].reshape(-1, BLOCK).sum(axis=1)
@@ -347,7 +291,5 @@ def draw(weights: np.ndarray, uniform: float) -> int:
 def residual_draw(target_probs: np.ndarray, draft_probs: np.ndarray, uniform: float) -> int:
     """One draw from normalize(max(0, target_probs - draft_probs)) (both [vocab]), the recovered token of
     speculative sampling; from target_probs when the residual has no mass (the rows are equal up to rounding)."""
-    if c_takes(target_probs, draft_probs):
-        return _fastsample.residual_draw(target_probs, draft_probs, uniform)
     residual = np.maximum(target_probs - draft_probs, 0.0)
     return draw(residual if residual.sum() > 0 else target_probs, uniform)
