@@ -1,0 +1,231 @@
+"""`distill(config)`: the folder, the target, the data, the draft, the loop, the files; events go to `report`."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ..errors import SpecdeployError
+from . import checkpoint as ckpt
+from . import data as data_module
+from .config import DistillConfig
+from .evaluate import Evaluation
+
+DRAFT_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Note:
+    text: str
+
+
+@dataclass(frozen=True)
+class DistillResult:
+    out: str
+    kind: str
+    step: int
+    evaluation: Evaluation | None
+    interrupted: bool
+    parameters: dict             # what the draft holds, in parameter counts
+    history: list
+
+
+def resolve_device(name: str):
+    import torch
+
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SpecdeployError("--device cuda: no CUDA device is available to PyTorch (torch.cuda.is_available() is False)")
+    return torch.device(name)
+
+
+def _cached_documents(path: Path, params: dict, make: Callable[[], list]) -> list:
+    """Documents from `path` when it was made with the same params, else made now and stored."""
+    stored = ckpt.read_json(path)
+    if stored is not None and stored.get("params") == params:
+        return [data_module.Document(d["kind"], tuple(d["ids"])) for d in stored["documents"]]
+    documents = make()
+    ckpt.write_json(path, {"params": params, "documents": [{"kind": d.kind, "ids": list(d.ids)} for d in documents]})
+    return documents
+
+
+def prepare_data(config: DistillConfig, target, text: list, files: int, out: Path, report: Callable):
+    """(training windows, held-out documents, data summary) from the text read and the target's generations."""
+    tokenizer = target.tokenizer
+    text_train, text_heldout = data_module.split_text(text, config.heldout_tokens)
+    identity = target.identity()
+    train_prompts = data_module.seed_prompts(tokenizer, heldout=False)
+    if not getattr(tokenizer, "chat_template", None):
+        report(Note("the target's tokenizer has no chat template: code prompts only"))
+
+    def generate(prompts, budget, sample, label):
+        def progress(done, total):
+            report(Note(f"generating {label}: {done}/{total} tokens"))
+        return data_module.generate(target, prompts, budget, config.seed, sample, progress)
+
+    generated = []
+    if config.generate_tokens:
+        generated = _cached_documents(out / ckpt.GENERATED_FILE,
+                                      {"target": identity, "seed": config.seed, "tokens": config.generate_tokens},
+                                      lambda: generate(train_prompts, config.generate_tokens, True, "training text"))
+    heldout_generated = []
+    if config.heldout_tokens:
+        heldout_generated = _cached_documents(
+            out / ckpt.HELDOUT_FILE, {"target": identity, "tokens": config.heldout_tokens},
+            lambda: generate(data_module.seed_prompts(tokenizer, heldout=True), 2 * config.heldout_tokens, False,
+                             "held-out text (greedy)"))
+    separator = target.tokenizer.eos_token_id if target.tokenizer.eos_token_id is not None else 0
+    windows = data_module.Windows(text_train + generated, separator, config.seq_len, config.batch_size, config.seed)
+    summary = {"data": list(config.data), "text_files": files, "text_tokens": sum(len(d.ids) for d in text_train),
+               "generated_tokens": sum(len(d.ids) for d in generated), "windows": windows.count,
+               "heldout_tokens": sum(len(d.ids) for d in text_heldout + heldout_generated)}
+    return windows, text_heldout + heldout_generated, summary
+
+
+def draft_vocabulary(config: DistillConfig, target, windows, summary: dict):
+    """(vocab ids [draft_vocab], the draft_vocab.json record or None)."""
+    if config.draft_vocab is None:
+        return np.arange(target.vocab_size), None
+    counts = np.bincount(windows.stream, minlength=target.vocab_size)[: target.vocab_size]  # [vocab]
+    ids = data_module.choose_draft_vocab(counts, config.draft_vocab, data_module.special_ids(target))
+    record = {"format": "specdeploy-draft-vocab", "version": 1, "vocab_size": target.vocab_size, "size": len(ids),
+              "ids": ids.tolist(), "counts": counts[ids].tolist(), "always": data_module.special_ids(target),
+              "source": {"counted_tokens": int(counts.sum()), "coverage": round(float(counts[ids].sum() / max(1, counts.sum())), 6),
+                         "data": summary["data"], "text_tokens": summary["text_tokens"],
+                         "generated_tokens": summary["generated_tokens"]}}
+    return ids, record
+
+
+def _draft_info(config, target, ids_record, eagle_config) -> dict:
+    info = {"kind": config.kind, "format_version": DRAFT_FORMAT_VERSION, "target": target.identity(),
+            "target_hidden_size": target.hidden_size, "target_vocab_size": target.vocab_size,
+            "draft_vocab": ckpt.VOCAB_FILE if ids_record else None,
+            "draft_vocab_size": ids_record["size"] if ids_record else target.vocab_size}
+    if config.kind == "model":
+        info["lm_head"] = ("full rows; the draft was trained on the rows of draft_vocab.json only, the others are "
+                           "the target's" if ids_record else "full, trained")
+    else:
+        info.update({"feature_layer": target.num_layers, "feature": "output of the target's last decoder layer, before its final norm",
+                     "input": "fc(concat([feature_t, embed(token_t+1)]))", "shares_lm_head": True, "shares_embedding": True,
+                     "shares_final_norm": True, "architecture": dataclasses.asdict(eagle_config)})
+    return info
+
+
+def distill(config: DistillConfig, report: Callable = lambda event: None, stop=None) -> DistillResult:
+    """Distil a draft of config.kind from config.target into config.out (see docs/distill.md)."""
+    import torch
+
+    from . import models
+    from .train import EagleKind, HeldOut, LoopState, ModelKind, train_loop, uniform_noise
+
+    config.validate()
+    out = Path(config.out).expanduser()
+    device = resolve_device(config.device)
+    run = ckpt.prepare_out(out, config.resume)
+    target = models.load_target(config.target, device)
+    if config.kind == "model":
+        models.draft_config(target, config.num_layers, config.hidden_size)  # the width and depth checks, before the data
+    elif config.num_layers > target.num_layers:
+        raise SpecdeployError(f"--layers {config.num_layers}: the target has only {target.num_layers} layers")
+    if config.draft_vocab is not None:  # the range choose_draft_vocab accepts, checked before the data is made
+        data_module.choose_draft_vocab(np.zeros(target.vocab_size), config.draft_vocab, data_module.special_ids(target))
+    state = ckpt.load_state(out) if run is not None else None
+    if state is not None:
+        ckpt.check_resume(run, state, config.fingerprint(), target.identity(), out)
+    text, files = data_module.read_documents(config.data, target.tokenizer, config.max_text_tokens, config.seed)
+    if state is None:  # every input checked: the folder becomes a distill run
+        ckpt.create_out(out)
+        ckpt.write_json(out / ckpt.RUN_FILE, {"format": ckpt.RUN_FORMAT, "version": 1, "kind": config.kind, "step": None})
+
+    windows, heldout_documents, summary = prepare_data(config, target, text, files, out, report)
+    ids, ids_record = draft_vocabulary(config, target, windows, summary)
+    if state is not None and ids_record is not None and state["vocab_ids"].tolist() != ids.tolist():
+        raise SpecdeployError(f"--resume: the draft vocabulary counted now differs from the checkpoint's in {out} "
+                              "(the --data files changed)")
+    vocab_ids = torch.from_numpy(ids).to(device)
+    full_to_draft = torch.full((target.vocab_size,), -1, dtype=torch.long, device=device)
+    full_to_draft[vocab_ids] = torch.arange(len(ids), device=device)
+    report(Note(f"data: {summary['text_tokens']} tokens of text from {summary['text_files']} files, "
+                f"{summary['generated_tokens']} generated by the target, {summary['windows']} windows of {config.seq_len}; "
+                f"held out {summary['heldout_tokens']}"))
+
+    eagle_config = None
+    if config.kind == "model":
+        draft, note = models.build_model_draft(target, config.num_layers, config.hidden_size, vocab_ids.cpu(), config.seed)
+        kind = ModelKind(draft.to(device))
+    else:
+        head, note = models.build_eagle_head(target, config.num_layers, config.seed)
+        eagle_config = head.c
+        kind = EagleKind(head.to(device), target, vocab_ids)
+    module = kind.module()
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
+    generator = torch.Generator(device=device).manual_seed(config.seed)
+    noise = uniform_noise(config.feature_noise, generator) if config.kind == "eagle" and config.feature_noise else None
+    loop = LoopState()
+    if state is not None:
+        module.load_state_dict(state["draft"])
+        optimizer.load_state_dict(state["optimizer"])
+        generator.set_state(state["noise_rng"])
+        loop = LoopState(step=state["step"], elapsed_s=state["elapsed_s"], history=list(state["history"]))
+        report(Note(f"resuming at step {loop.step} ({loop.elapsed_s / 60:.1f} min trained)"))
+    parameters = _parameters(config, module, target, len(ids))
+    report(Note(f"draft ({config.kind}): {', '.join(note)}; {models.describe_count(parameters['trained'])} trained "
+                f"parameters, {models.describe_count(parameters['per_step'])} per draft step "
+                f"(head over {len(ids)} of {target.vocab_size} tokens)"))
+
+    heldout = []
+    for kind_name, sequences in data_module.heldout_sets(heldout_documents, config.seq_len, config.heldout_tokens).items():
+        for sequence in sequences:
+            input_ids = torch.from_numpy(sequence[None]).to(device)
+            heldout.append(HeldOut(kind_name, input_ids, target.teach(input_ids, 1, features=config.kind == "eagle")))
+    if ids_record is not None:
+        ckpt.write_json(out / ckpt.VOCAB_FILE, ids_record)
+    ckpt.copy_tokenizer(out, target)
+    info = _draft_info(config, target, ids_record, eagle_config)
+
+    def save(reason: str) -> str:
+        ckpt.save_state(out, {"format": 1, "step": loop.step, "elapsed_s": loop.elapsed_s,
+                              "fingerprint": config.fingerprint(), "target": target.identity(),
+                              "vocab_ids": torch.from_numpy(ids), "history": loop.history,
+                              "draft": {k: v.detach().cpu() for k, v in module.state_dict().items()},
+                              "optimizer": optimizer.state_dict(), "noise_rng": generator.get_state()})
+        if config.kind == "model":
+            files = ckpt.write_model_draft(out, module, target, info)
+        else:
+            files = ckpt.write_eagle_draft(out, module, info)
+        ckpt.write_json(out / ckpt.RUN_FILE, {
+            "format": ckpt.RUN_FORMAT, "version": 1, "kind": config.kind, "step": loop.step, "checkpoint": ckpt.STATE_FILE,
+            "saved_because": reason, "elapsed_s": round(loop.elapsed_s, 1), "target": target.identity(),
+            "options": config.fingerprint(), "data": summary, "draft_files": files, "parameters": parameters,
+            "history": loop.history})
+        return str(out / ckpt.STATE_FILE)
+
+    evaluation = train_loop(kind, target, windows, full_to_draft, vocab_ids, heldout, optimizer, config, loop, noise,
+                            save, report, stop)
+    from .train import CheckpointSaved
+
+    interrupted = loop.stopped_by == "interrupt"
+    reason = "interrupt" if interrupted else "final"
+    report(CheckpointSaved(loop.step, save(reason), reason))
+    return DistillResult(out=str(out), kind=config.kind, step=loop.step, evaluation=evaluation, interrupted=interrupted,
+                         parameters=parameters, history=loop.history)
+
+
+def _parameters(config, module, target, draft_vocab: int) -> dict:
+    """trained: what the optimizer updates; per_step: the weights one draft step multiplies by (no embedding rows)."""
+    from .models import parameter_count
+
+    trained = parameter_count(module, trainable_only=True)
+    if config.kind == "model":
+        lm = module.lm
+        body = sum(p.numel() for name, p in lm.named_parameters()
+                   if p is not lm.get_input_embeddings().weight and p is not lm.get_output_embeddings().weight)
+        hidden = module.head.shape[1]
+        return {"trained": trained, "per_step": body + draft_vocab * hidden,
+                "exported": parameter_count(lm), "embedding": lm.get_input_embeddings().weight.numel()}
+    return {"trained": trained, "per_step": trained + draft_vocab * target.hidden_size,
+            "head": trained, "shared_lm_head_rows": draft_vocab * target.hidden_size}
