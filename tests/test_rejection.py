@@ -277,6 +277,24 @@ def test_c_verify_returns_what_the_reference_returns(name):
     assert decided <= trials // 50
 
 
+@needs_c
+def test_c_verify_refuses_overlapping_rows():
+    """target_probs is written while the scan reads the draft's rows and the target's logits: a buffer that
+    shares memory with either is refused before anything is written."""
+    vocab, k = 64, 2
+    kernel = Sampler(SamplingParams(temperature=1.0), vocab).kernel
+    rng = np.random.default_rng(16)
+    logits = rng.normal(size=(k + 1, vocab)).astype(np.float32)
+    draft_probs = process_logits(logits[:k], SamplingParams(temperature=1.0))
+    with pytest.raises(ValueError, match="overlaps"):
+        kernel.verify([1, 2], draft_probs, logits, rng.random(k + 1), logits, None, None)
+    shared = np.zeros((k + 1, vocab), np.float32)
+    shared[:k] = draft_probs
+    with pytest.raises(ValueError, match="overlaps"):
+        kernel.verify([1, 2], shared[:k], logits, rng.random(k + 1), shared, None, None)
+    np.testing.assert_array_equal(shared[:k], draft_probs)
+
+
 @pytest.mark.parametrize("name", ["T 0.8", "T 0.8, top-k 50, top-p 0.95", "T 0.8, top-p 0.95, repetition penalty 1.1"])
 def test_accept_gives_float64_and_strided_rows_the_same_tokens(monkeypatch, name):
     """Rows that are not float32 C-contiguous (float64, strided) go to the C scan as float32 rows: the same

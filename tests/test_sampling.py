@@ -309,44 +309,56 @@ def test_residual_draw_follows_the_residual():
 
 
 
+def processor(top_k=5, penalty=1.0, inverse_temperature=1.0):
+    return fast.Processor(inverse_temperature, top_k, 1.0, 0.0, penalty)
+
+
+PENALTY = (np.array([3]), np.zeros(64, np.uint8))  # ids, mask: a context of token 3
+
+
 @needs_c
 @pytest.mark.parametrize(
-    "call, error",
+    "call, error, message",
     [
-        (lambda x, out: fast.softmax(x.astype(np.float64), out, 1.0), TypeError),
-        (lambda x, out: fast.softmax(x, out[:5], 1.0), ValueError),
-        (lambda x, out: fast.softmax(x, out, 0.0), ValueError),
-        (lambda x, out: fast.softmax(x, out, float("inf")), ValueError),
-        (lambda x, out: fast.softmax(x, out, 1.0, 1.0), ValueError),
-        (lambda x, out: fast.softmax(x, out[::2], 1.0), TypeError),
-        (lambda x, out: fast.softmax(x, x.reshape(2, -1), 1.0), TypeError),
-        (lambda x, out: fast.draw(np.zeros(8, np.float32), 0.5), ValueError),
-        (lambda x, out: fast.residual_draw(x, out[:7], 0.5), ValueError),
-        (lambda x, out: fast.softmax(x), TypeError),
-        (lambda x, out: fast.Processor(1.0, 5, 1.5, 0.0, 1.0), ValueError),
-        (lambda x, out: fast.Processor(1.0, 5, 1.0, 0.0, 0.0), ValueError),
-        (lambda x, out: fast.Processor(0.0, 0, 1.0, 0.0, 1.0).sample(x, out, 0.5, None, None, ()), ValueError),
-        (lambda x, out: fast.Processor(1.0, 5, 1.0, 0.0, 1.0).sample(x, out[:7], 0.5, None, None, ()), ValueError),
-        (lambda x, out: fast.Processor(1.0, 5, 1.0, 0.0, 1.0).sample(x, out, 1.0, None, None, ()), ValueError),
-        (lambda x, out: fast.Processor(1.0, 5, 1.0, 0.0, 1.2).sample(x, out, 0.5, np.array([64]), np.zeros(64, np.uint8),
-                                                                     ()), ValueError),
-        (lambda x, out: fast.Processor(1.0, 5, 1.0, 0.0, 1.2).sample(x, out, 0.5, np.array([3]), None, ()), ValueError),
-        (lambda x, out: fast.Processor(1.0, 5, 1.0, 0.0, 1.2).sample(x, out, 0.5, np.array([3], np.int32),
-                                                                     np.zeros(64, np.uint8), ()), TypeError),
-        (lambda x, out: fast.Processor(1.0, 5, 1.0, 0.0, 1.2).sample(x, out, 0.5, np.array([3]), np.zeros(64, np.uint8),
-                                                                     [64]), ValueError),
-        (lambda x, out: fast.Processor(1.0, 5, 1.0, 0.0, 1.2).argmax(x, np.array([3]), np.zeros(64, np.uint8),
-                                                                     list(range(65))), ValueError),
+        (lambda x, out: processor().sample(x.astype(np.float64), out, 0.5, None, None, ()), TypeError, "float32"),
+        (lambda x, out: processor().sample(x, out[::2], 0.5, None, None, ()), TypeError, "contiguous"),
+        (lambda x, out: processor().sample(x, x.reshape(2, -1), 0.5, None, None, ()), TypeError, "1-D"),
+        (lambda x, out: processor().sample(x, out[:7], 0.5, None, None, ()), ValueError, "length"),
+        (lambda x, out: processor().sample(x, out, 1.0, None, None, ()), ValueError, r"\[0, 1\)"),
+        (lambda x, out: processor().sample(x, x, 0.5, None, None, ()), ValueError, "overlaps"),
+        (lambda x, out: processor().sample(x[:32], x[16:48], None, None, None, ()), ValueError, "overlaps"),
+        (lambda x, out: processor().sample(x, out), TypeError, "sample"),
+        (lambda x, out: fast.Processor(1.0, 5, 1.5, 0.0, 1.0), ValueError, "top_p"),
+        (lambda x, out: fast.Processor(1.0, 5, 1.0, 0.0, 0.0), ValueError, "repetition_penalty"),
+        (lambda x, out: processor(inverse_temperature=0.0).sample(x, out, 0.5, None, None, ()), ValueError, "greedy"),
+        (lambda x, out: processor(penalty=1.2).sample(x, out, 0.5, np.array([64]), np.zeros(64, np.uint8), ()),
+         ValueError, "vocabulary"),
+        (lambda x, out: processor(penalty=1.2).sample(x, out, 0.5, np.array([3]), None, ()), ValueError, "mask"),
+        (lambda x, out: processor(penalty=1.2).sample(x, out, 0.5, np.array([3], np.int32), np.zeros(64, np.uint8), ()),
+         TypeError, "8-byte"),
+        (lambda x, out: processor(penalty=1.2).sample(x, out, 0.5, *PENALTY, [64]), ValueError, "vocabulary"),
+        (lambda x, out: processor(penalty=1.2).sample(x, out, 0.5, *PENALTY, [-1]), ValueError, "vocabulary"),
+        (lambda x, out: processor(penalty=1.2).argmax(x, *PENALTY, list(range(65))), ValueError, "at most 64"),
     ],
 )
-def test_c_kernel_rejects_bad_buffers(call, error):
+def test_c_kernel_rejects_bad_buffers(call, error, message):
     logits, out = np.ones(64, np.float32), np.empty(64, np.float32)
-    with pytest.raises(error):
+    with pytest.raises(error, match=message):
         call(logits, out)
     read_only = np.empty(64, np.float32)
     read_only.flags.writeable = False
-    with pytest.raises(TypeError):
-        fast.softmax(logits, read_only, 1.0)
+    with pytest.raises(TypeError, match="writable"):
+        processor().sample(logits, read_only, None, None, None, ())
+
+
+@needs_c
+def test_the_penalty_context_must_not_overlap_the_output():
+    """The kernel reads the context's ids and mask while it writes out: a caller's out that shares their
+    memory is refused, not read half-written."""
+    memory = np.zeros(64 * 4, np.uint8)
+    out, mask = memory.view(np.float32), memory[:64]
+    with pytest.raises(ValueError, match="overlaps"):
+        processor(penalty=1.2).sample(np.ones(64, np.float32), out, 0.5, np.array([3]), mask, ())
 
 
 @needs_c
