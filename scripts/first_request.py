@@ -35,9 +35,9 @@ times, prefills = [], []
 for _ in range(requests):
     generator.reset()
     start = time.perf_counter()
-    generator.generate(prompt, max_new_tokens=max_new)
+    output = generator.generate(prompt, max_new_tokens=max_new)
     times.append(time.perf_counter() - start)
-    prefills.append(generator.last_output.stats.prefill_ms)
+    prefills.append(output.stats.prefill_ms)
 print(json.dumps({"load_s": load_s, "times_s": times, "prefill_ms": prefills}))
 """
 

@@ -38,10 +38,11 @@ def main() -> None:
     options = dict(speculative=speculative, temperature=0.8, seed=1)
     generator.generate("def f(x):", max_new_tokens=args.warmup, **options)
     samples, start = [], time.time()
-    for count, _ in enumerate(generator.stream("import os\n", max_new_tokens=args.tokens, **options), 1):
+    pieces = generator.stream("import os\n", max_new_tokens=args.tokens, **options)
+    for count, _ in enumerate(pieces, 1):
         if count % 250 == 0:
             samples.append(round(resident_mib(), 1))
-    stats = generator.last_output.stats
+    stats = pieces.output.stats
     covered = stats.new_tokens * (len(samples) - 1) / len(samples)
     print(json.dumps({
         "drafter": args.drafter, "warmup_tokens": args.warmup, "new_tokens": stats.new_tokens,

@@ -148,9 +148,10 @@ def _answer(generator, config: ChatConfig, conversation: Conversation, user: str
     if generation.seed is not None:
         generation = replace(generation, seed=(generation.seed + turn) % SEED_LIMIT)
     shown: list[str] = []
-    interrupted, before = False, generator.last_output
+    interrupted = False
+    pieces = generator.stream(messages=messages, **asdict(generation))
     try:
-        stream_text(generator.stream(messages=messages, **asdict(generation)), shown)
+        stream_text(pieces, shown)
     except KeyboardInterrupt:
         interrupted = True
     reply = "".join(shown)  # what was shown is what the history keeps, an interrupted answer too
@@ -160,7 +161,7 @@ def _answer(generator, config: ChatConfig, conversation: Conversation, user: str
         conversation.turns.append((user, reply))
     if interrupted:
         click.echo("(interrupted)", err=True)
-    output = generator.last_output if generator.last_output is not before else None
+    output = pieces.output
     if output is not None and config.stats:
         click.echo(format_stats(output.stats), err=True)
     if output is not None and output.stats.note:

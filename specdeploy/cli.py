@@ -220,9 +220,11 @@ def verify(bundle) -> None:
 @VERIFY_OPTION
 @click.option("--stream/--no-stream", default=True, show_default=True, help="Print text as it is accepted.")
 @click.option("--json", "as_json", is_flag=True, help='Print one JSON object {"text", "token_ids", "stats"}.')
+@click.option("--logprobs", type=int, default=None,
+              help="With --json: each token's log-probability under the target and the N most likely tokens (0-20).")
 def run(bundle, prompt, prompt_file, chat, system, messages_file, max_new_tokens, temperature, top_k, top_p, min_p,
         repetition_penalty, seed, num_draft_tokens, draft_confidence, no_speculative, stop, device, drafter, verify,
-        stream, as_json) -> None:
+        stream, as_json, logprobs) -> None:
     """Generate from a prompt (--prompt, --prompt-file) or a conversation (--chat, --messages) with
     speculative decoding (BUNDLE defaults to the demo bundle).
 
@@ -232,24 +234,33 @@ def run(bundle, prompt, prompt_file, chat, system, messages_file, max_new_tokens
     from .runtime import load
 
     request = run_request(prompt, prompt_file, chat, system, messages_file)
+    if logprobs is not None and not as_json:
+        raise SpecdeployError("--logprobs needs --json (the log-probabilities are printed in its JSON object)")
     return_freed_memory()
     generator = load(resolve_bundle(bundle), device=device, drafter=drafter, verify=verify)
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                    repetition_penalty=repetition_penalty, seed=seed, num_draft_tokens=num_draft_tokens, draft_confidence=draft_confidence,
-                   speculative=not no_speculative, stop=stop)
+                   speculative=not no_speculative, stop=stop, logprobs=logprobs)
     interrupted, shown = False, []
+    pieces = generator.stream(**request, **options)  # JSON and --no-stream read the pieces without printing them
     try:
         if as_json or not stream:
-            generator.generate(**request, **options)
+            for _ in pieces:
+                pass
         else:
-            stream_text(generator.stream(**request, **options), shown)
+            stream_text(pieces, shown)
     except KeyboardInterrupt:
         interrupted = True
-        if generator.last_output is None:  # before the first token: nothing to show
+        if pieces.output is None:  # before the generation started: nothing to show
             raise
-    output = generator.last_output
+    output = pieces.output
     if as_json:
-        click.echo(json.dumps({"text": output.text, "token_ids": output.token_ids, "stats": output.stats.to_dict()}))
+        record = {"text": output.text, "token_ids": output.token_ids, "stats": output.stats.to_dict()}
+        if output.logprobs is not None:
+            record["logprobs"] = [{"token_id": e.token_id, "logprob": e.logprob,
+                                   "top_logprobs": [{"token_id": t, "logprob": lp} for t, lp in e.top]}
+                                  for e in output.logprobs]
+        click.echo(json.dumps(record))
     else:
         if not stream:
             click.echo(output.text, nl=False)
@@ -392,7 +403,9 @@ def bench(bundle, prompts_file, prompt_file, max_new_tokens, prompt_tokens, num_
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
 @click.option("--port", type=int, default=8000, show_default=True, help="0 picks a free port (it is logged).")
 @click.option("--max-queue", type=int, default=64, show_default=True,
-              help="Requests that may wait behind the one generating; one more answers 429.")
+              help="Requests that may wait for a free batch slot; one more answers 429.")
+@click.option("--max-batch", type=int, default=None,
+              help="Requests decoded together [default: 8; 1 serves one at a time].")
 @click.option("--num-draft-tokens", "-k", type=int, default=DEFAULTS.num_draft_tokens, show_default=True,
               help="k for requests that do not set num_draft_tokens.")
 @DRAFTER_OPTION
@@ -403,8 +416,8 @@ def bench(bundle, prompts_file, prompt_file, max_new_tokens, prompt_tokens, num_
 @click.option("--drain-timeout", type=float, default=30.0, show_default=True,
               help="Seconds in-flight requests get to finish after SIGTERM.")
 @click.option("--model-name", default=None, help="The model id to list (default: the bundle folder's name).")
-def serve(bundle, host, port, max_queue, num_draft_tokens, drafter, device, api_key, max_body_bytes, drain_timeout,
-          model_name) -> None:
+def serve(bundle, host, port, max_queue, max_batch, num_draft_tokens, drafter, device, api_key, max_body_bytes,
+          drain_timeout, model_name) -> None:
     """Serve a bundle over an OpenAI-compatible HTTP API (BUNDLE defaults to the demo bundle)."""
     try:
         from .serve import ServeConfig, serve as run_server
@@ -414,5 +427,10 @@ def serve(bundle, host, port, max_queue, num_draft_tokens, drafter, device, api_
     return_freed_memory()
     config = ServeConfig(bundle=resolve_bundle(bundle), host=host, port=port, max_queue=max_queue,
                          num_draft_tokens=num_draft_tokens, drafter=drafter, device=device, api_key=api_key,
-                         max_body_bytes=max_body_bytes, drain_timeout_s=drain_timeout, model_name=model_name)
+                         max_body_bytes=max_body_bytes, drain_timeout_s=drain_timeout, model_name=model_name,
+                         **({} if max_batch is None else {"max_batch": max_batch}))
     run_server(config)
+
+
+from .distill.cli import distill as _distill  # noqa: E402  (imports no torch until it runs)
+main.add_command(_distill)

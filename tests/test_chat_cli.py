@@ -117,19 +117,37 @@ class ScriptedGenerator:
 
     def __init__(self):
         self.calls = []
-        self.last_output = None
 
     def encode_chat(self, messages):
         return [0] * len(messages)
 
     def stream(self, messages, **options):
         self.calls.append(messages)
-        yield "par"
-        yield "tial"
-        if len(self.calls) == 1:
-            self.last_output = GenerationOutput("partial", [1, 2], GenerationStats(finish_reason="interrupted"))
-            raise KeyboardInterrupt
-        self.last_output = GenerationOutput("partial", [1, 2], GenerationStats(finish_reason="eos"))
+        return ScriptedStream(interrupted=len(self.calls) == 1)
+
+
+class ScriptedStream:
+    """Generator.stream's Stream: two pieces, then Ctrl-C or the end; `output` once it has ended."""
+
+    def __init__(self, interrupted: bool):
+        self.interrupted, self.output = interrupted, None
+        self._pieces = iter(["par", "tial"])
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self._pieces)
+        except StopIteration:
+            reason = "interrupted" if self.interrupted else "eos"
+            self.output = GenerationOutput("partial", [1, 2], GenerationStats(finish_reason=reason))
+            if self.interrupted:
+                raise KeyboardInterrupt from None
+            raise
+
+    def close(self):
+        pass
 
 
 def test_ctrl_c_stops_the_answer_not_the_session(capsys):

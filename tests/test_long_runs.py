@@ -25,10 +25,11 @@ def _growth_per_1000(generator, max_new_tokens: int, **options) -> tuple[float, 
     and not what this measures)."""
     generator.generate("def f(x):", max_new_tokens=max_new_tokens, **options)
     samples = []
-    for count, _ in enumerate(generator.stream("def f(x):", max_new_tokens=max_new_tokens, **options), 1):
+    pieces = generator.stream("def f(x):", max_new_tokens=max_new_tokens, **options)
+    for count, _ in enumerate(pieces, 1):
         if count % 100 == 0:  # pieces: about one per token
             samples.append(resident_mib())
-    stats = generator.last_output.stats
+    stats = pieces.output.stats
     steady = samples[len(samples) // 4 :]
     return (steady[-1] - steady[0]) / (stats.new_tokens * 3 / 4) * 1000, samples, stats
 

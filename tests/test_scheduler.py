@@ -190,7 +190,8 @@ def test_the_policy_speculates_where_it_pays():
             self.stats = type("S", (), {"drafted": 100})()
             self.ended_at = [0, 0, 0, 0, 20]  # 20 rounds x 4 accepted = 80 of 100
 
-    assert policy.draft_limit([Row()], 4) > 0  # alone: a verify pass yields ~3.4 tokens for ~1.5 steps
+    assert policy.draft_limit([Row()], 4) == 4  # alone: the request's own k, as generate runs it
+    assert policy.draft_limit([Row(), Row()], 4) > 0  # two rows: ~3.4 tokens each per verify pass still pay
     assert policy.draft_limit([Row() for _ in range(8)], 4) == 0  # 8 verify passes lose to one batched step
     assert SpeculationPolicy("always").draft_limit([Row() for _ in range(8)], 4) == 4
     assert SpeculationPolicy("never").draft_limit([Row()], 4) == 0

@@ -43,34 +43,22 @@ PROMPT = "def add(a, b):\n    return"
 MESSAGES = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
 
 
-class PacedStream:
-    """A Generator.stream's Stream whose every piece first calls `before_piece()` (which may wait, or raise)."""
+def paced(sequence, before_pieces):
+    """A runtime Sequence whose every batch of text pieces first calls `before_pieces()` (which may wait, or raise)."""
+    take = sequence.take_pieces
 
-    def __init__(self, stream, before_piece):
-        self.stream, self.before_piece = stream, before_piece
+    def take_pieces():
+        pieces = take()
+        if pieces:
+            before_pieces()
+        return pieces
 
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> str:
-        piece = next(self.stream)
-        self.before_piece()
-        return piece
-
-    def close(self) -> None:
-        self.stream.close()
-
-    @property
-    def sequence(self):
-        return self.stream.sequence
-
-    @property
-    def output(self):
-        return self.stream.output
+    sequence.take_pieces = take_pieces
+    return sequence
 
 
 class SlowModel:
-    """The real generator, pausing before each text piece (for servers in another process, which a gate cannot reach)."""
+    """The real generator, pausing before each step's text (for servers in another process, which a gate cannot reach)."""
 
     def __init__(self, generator, pause_s: float):
         self.generator, self.pause_s = generator, pause_s
@@ -78,12 +66,14 @@ class SlowModel:
     def __getattr__(self, name):
         return getattr(self.generator, name)
 
-    def stream(self, prompt, **options):
-        return PacedStream(self.generator.stream(prompt, **options), lambda: time.sleep(self.pause_s))
+    def new_sequence(self, prompt, **options):
+        options["streaming"] = True  # every request's text comes out as it decodes, to be paced
+        return paced(self.generator.new_sequence(prompt, **options), lambda: time.sleep(self.pause_s))
 
 
 class GatedModel:
-    """The real generator, each of whose text pieces waits at a gate until the test lets it through.
+    """The real generator, each of whose sequences' text waits at a gate (once per step that has some)
+    until the test lets it through.
 
     allow(n) lets n more pieces through, open() all of them; held is how many streams wait at the
     gate now, passed how many pieces went through, streams how many generations began. fail(fault)
@@ -118,11 +108,12 @@ class GatedModel:
         with self.condition:
             assert self.condition.wait_for(lambda: condition(self), timeout=30), f"timed out waiting for {what}"
 
-    def stream(self, prompt, **options):
-        stream = self.generator.stream(prompt, **options)
+    def new_sequence(self, prompt, **options):
+        options["streaming"] = True  # every request's text comes out as it decodes, to be gated
+        sequence = self.generator.new_sequence(prompt, **options)
         with self.condition:
             self.streams += 1
-        return PacedStream(stream, self._gate)
+        return paced(sequence, self._gate)
 
     def _gate(self) -> None:
         with self.condition:

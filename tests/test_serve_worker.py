@@ -1,7 +1,7 @@
 """The serve worker cannot die silently: a failure answers its request and the loop goes on, a dead
 worker says so on /health and answers its queue, shutdown answers every request left, prompts are
-prepared off the event loop; and SequentialBackend's seam (cancellation before the prefill and
-between pieces, the end of a sequence, a refused request).
+prepared off the event loop; and SchedulerBackend's seam (cancellation before the prefill and
+between rounds, requests decoded together, the end of a sequence, a refused request).
 
 Tests wait on the gates of GatedModel (test_serve.py) and on the server's counters, never on the clock.
 """
@@ -17,7 +17,7 @@ import pytest
 import specdeploy
 from specdeploy.errors import SpecdeployError
 from specdeploy.serve import ServeConfig
-from specdeploy.serve.backend import SequentialBackend, Update
+from specdeploy.serve.backend import SchedulerBackend, Update
 from test_serve import MESSAGES, PROMPT, GatedModel, LiveServer, chat_bundle, wait_for  # noqa: F401 (a fixture)
 
 WAITING = "specdeploy:num_requests_waiting"
@@ -158,17 +158,17 @@ def test_prompts_are_prepared_off_the_event_loop_and_the_model_thread(chat_bundl
 def run_to_end(backend, sequence) -> list:
     updates = []
     while not (updates and updates[-1].ended):
-        [update] = backend.step()
-        assert update.sequence is sequence
-        updates.append(update)
+        for update in backend.step():  # a prefill chunk, or a round whose text is held back, has none
+            assert update.sequence is sequence
+            updates.append(update)
     assert backend.step() == []
     return updates
 
 
-def test_sequential_backend_runs_a_sequence_to_its_end(agreeing_bundle):
+def test_the_backend_runs_a_sequence_to_its_end(agreeing_bundle):
     generator = specdeploy.load(agreeing_bundle)
     expected = generator.generate(PROMPT, max_new_tokens=12, temperature=0)
-    backend = SequentialBackend(generator)
+    backend = SchedulerBackend(generator)
     ids = generator.codec.encode(PROMPT)
     sequence = backend.add(ids, {"max_new_tokens": 12, "temperature": 0, "ignore_eos": False}, lambda: False)
     updates = run_to_end(backend, sequence)
@@ -176,26 +176,44 @@ def test_sequential_backend_runs_a_sequence_to_its_end(agreeing_bundle):
     assert updates[-1].output.token_ids == expected.token_ids
     counts = [u.num_new_tokens for u in updates]
     assert counts == sorted(counts) and counts[-1] == len(expected.token_ids)
-    # A request the runtime refuses ends with its error, and the backend takes the next one.
-    refused = backend.add(ids * 200, {"max_new_tokens": 4}, lambda: False)
-    [update] = run_to_end(backend, refused)
-    assert isinstance(update.error, SpecdeployError) and "max context" in str(update.error)
+    with pytest.raises(SpecdeployError, match="max context"):  # a request the runtime refuses: add raises
+        backend.add(ids * 200, {"max_new_tokens": 4}, lambda: False)
 
 
-def test_sequential_backend_checks_cancellation_before_the_prefill_and_between_pieces(agreeing_bundle):
+def test_the_backend_decodes_requests_together(agreeing_bundle):
+    generator = specdeploy.load(agreeing_bundle, max_batch=3)
+    backend = SchedulerBackend(generator)
+    assert backend.capacity == 3
+    prompts = [PROMPT, "import os\n", "class A:"]
+    expected = [generator.generate(p, max_new_tokens=10).token_ids for p in prompts]
+    handles = [backend.add(generator.codec.encode(p), {"max_new_tokens": 10}, lambda: False) for p in prompts]
+    outputs, steps = {}, 0
+    while len(outputs) < 3:
+        for update in backend.step():
+            if update.ended:
+                outputs[handles.index(update.sequence)] = update.output.token_ids
+        steps += 1
+    assert [outputs[i] for i in range(3)] == expected
+    assert steps < sum(len(e) for e in expected)  # the rounds were shared, not taken in turn
+
+
+def test_the_backend_checks_cancellation_before_the_prefill_and_between_rounds(agreeing_bundle):
     model = GatedModel(specdeploy.load(agreeing_bundle))
     model.open()
-    backend = SequentialBackend(model)
+    backend = SchedulerBackend(model)
     ids = model.codec.encode(PROMPT)
     options = {"max_new_tokens": 40, "temperature": 0}
     gone = backend.add(ids, options, lambda: True)
-    assert backend.step() == [Update(gone, cancelled=True)]
-    assert model.streams == 0  # nothing ran: not even the prefill
+    [update] = backend.step()
+    assert update.sequence is gone and update.cancelled and update.ended and update.num_new_tokens == 0
+    assert gone.sequence.slot is None  # nothing ran: not even the prefill
     cancel = threading.Event()
-    backend.add(ids, options, cancel.is_set)
-    first = backend.step()[0]
-    assert first.text and not first.ended
+    live = backend.add(ids, options, cancel.is_set)
+    first = []
+    while not first:
+        first = backend.step()
+    assert first[0].text and not first[0].ended
     cancel.set()
-    second = backend.step()[0]
-    assert second.cancelled and second.ended and model.passed == 2
-    assert backend.step() == []
+    [second] = backend.step()
+    assert second.cancelled and second.ended and second.num_new_tokens == first[0].num_new_tokens
+    assert live.sequence.finish_reason == "cancelled" and backend.step() == []

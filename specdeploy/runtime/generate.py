@@ -83,7 +83,6 @@ class Generator:
         self.target_cache = self.slots[0].target_cache
         self.drafter = self.slots[0].drafter
         self.scheduler = Scheduler(target, self.slots, SpeculationPolicy("always" if max_batch == 1 else policy))
-        self.last_output: GenerationOutput | None = None  # the last generate or stream call's
 
     @staticmethod
     def _make_slots(target, drafter, max_context: int, max_batch: int) -> list[Slot]:
@@ -128,7 +127,6 @@ class Generator:
         if self.max_batch > 1:
             self.calibrate(prompt, k)
         self.reset()
-        self.last_output = None
 
     def calibrate(self, prompt: list[int], num_draft_tokens: int) -> None:
         """Time a batched target step and a batched draft step at every batch size, and a verify pass
@@ -225,6 +223,11 @@ class Generator:
             )
         return ids
 
+    def new_sequence(self, prompt: str | list[int], *, streaming: bool = True, **kwargs) -> Sequence:
+        """A sequence for self.scheduler to run (submit it there), with generate's arguments; a server's
+        worker steps the scheduler itself and reads each sequence's pieces and output."""
+        return self._sequence(prompt, self._config(kwargs), streaming)
+
     def _sequence(self, prompt, config: GenerationConfig, streaming: bool) -> Sequence:
         return Sequence(self._prompt_ids(prompt), config, self.codec, self.eos_token_ids, self.max_context,
                         self.target.spec.vocab_size, streaming=streaming)
@@ -248,9 +251,6 @@ class Generator:
         except (KeyboardInterrupt, GeneratorExit):  # Ctrl-C, or a stream closed early: keep what came out
             self.scheduler.cancel(sequence, "interrupted")
             raise
-        finally:
-            if sequence.finished:
-                self.last_output = sequence.output()
         if sequence.error is not None:
             raise sequence.error
 
@@ -287,9 +287,6 @@ class Generator:
             for sequence in sequences:
                 self.scheduler.cancel(sequence, "interrupted")
             raise
-        finally:
-            if sequences[-1].finished:
-                self.last_output = sequences[-1].output()
         for sequence in sequences:
             if sequence.error is not None:
                 raise sequence.error

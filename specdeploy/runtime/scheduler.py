@@ -42,7 +42,8 @@ class SpeculationPolicy:
     target-only round emits B tokens in target_ms[B] (one batched pass). The k in 0..K with the
     most tokens per millisecond wins. Costs come from `calibrate` (passes timed at load) and are
     refreshed as rounds run; a row's acceptance is its own running mean, starting from the
-    scheduler's. "always" speculates with each request's k, "never" never does."""
+    scheduler's. A row alone keeps its request's k, as generate does. "always" speculates with each
+    request's k, "never" never does."""
 
     def __init__(self, mode: str = "auto"):
         if mode not in POLICIES:
@@ -57,6 +58,8 @@ class SpeculationPolicy:
         if self.mode != "auto" or max_k == 0:
             return max_k if self.mode != "never" else 0
         count = len(rows)
+        if count == 1:  # one row decodes as `generate` alone does: with its own k
+            return max_k
         target = _nearest(self.target_ms, count)
         if target is None:
             return max_k

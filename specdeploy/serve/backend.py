@@ -12,8 +12,9 @@ The worker (worker.py) drives a backend through four members and nothing else:
                                    update whose `ended` is true is that sequence's last
     cancel(sequence)               the sequence leaves before the next step
 
-SequentialBackend puts today's runtime behind that seam: one sequence at a time, stepped one text
-piece at a time through Generator.stream. A batching scheduler replaces it behind the same members.
+SchedulerBackend puts the runtime's scheduler behind that seam: every live sequence decodes in
+each step (batched up to the generator's max_batch), and a sequence's text comes out as its
+rounds produce it.
 """
 
 from __future__ import annotations
@@ -39,62 +40,56 @@ class Update:
         return self.output is not None or self.error is not None or self.cancelled
 
 
-class _Sequence:
-    """One request on SequentialBackend: its Stream, started on its first step."""
+class _Live:
+    """One request on SchedulerBackend: its runtime Sequence and its client's cancelled()."""
 
-    def __init__(self, prompt_ids: list[int], options: dict, cancelled: Callable[[], bool]):
-        self.prompt_ids, self.options, self.cancelled = prompt_ids, options, cancelled
-        self.stream = None
+    __slots__ = ("sequence", "cancelled")
+
+    def __init__(self, sequence, cancelled: Callable[[], bool]):
+        self.sequence, self.cancelled = sequence, cancelled
 
 
-class SequentialBackend:
-    """One sequence at a time over Generator.stream; each step runs the generate loop to its next text piece.
-
-    Generator.stream returns at text pieces only, so cancellation is seen before the prefill and
-    after each piece; a prefill and rounds whose text is held back (a possible stop string) run
-    to their end. The pieces of one round come out together, after it: a piece's token count is
-    the sequence's after that round."""
-
-    capacity = 1
+class SchedulerBackend:
+    """The generator's scheduler: each step is one of its iterations (a prefill chunk or a round for
+    every live sequence). Cancellation is seen between iterations, so between prefill chunks and
+    between rounds."""
 
     def __init__(self, generator):
         self.generator = generator
-        self._live: _Sequence | None = None
+        self.scheduler = generator.scheduler
+        self.capacity = len(self.scheduler.slots)
+        self._live: list[_Live] = []
 
     def add(self, prompt_ids: list[int], options: dict, cancelled: Callable[[], bool],
-            streaming: bool = True) -> _Sequence:
-        """A sequence to step (its text is streamed either way: a stream is the runtime's only stepwise call)."""
-        if self._live is not None:
-            raise RuntimeError("SequentialBackend runs one sequence at a time")
-        self._live = _Sequence(prompt_ids, options, cancelled)
-        return self._live
+            streaming: bool = True) -> _Live:
+        """A new sequence (a request the runtime refuses, such as a prompt too long, raises here)."""
+        live = _Live(self.generator.new_sequence(prompt_ids, streaming=streaming, **options), cancelled)
+        self.scheduler.submit(live.sequence)
+        self._live.append(live)
+        return live
 
-    def cancel(self, sequence: _Sequence) -> None:
-        if sequence.stream is not None:
-            sequence.stream.close()  # ends the generation before its next round
-        if self._live is sequence:
-            self._live = None
+    def cancel(self, live: _Live) -> None:
+        self.scheduler.cancel(live.sequence)
+        if live in self._live:
+            self._live.remove(live)
 
     def step(self) -> list[Update]:
-        sequence = self._live
-        if sequence is None:
-            return []
-        if sequence.stream is None and sequence.cancelled():  # gone before its prefill: nothing runs
-            self.cancel(sequence)
-            return [Update(sequence, cancelled=True)]
-        try:
-            if sequence.stream is None:  # the runtime's refusal of a request (a prompt too long) raises here
-                sequence.stream = self.generator.stream(sequence.prompt_ids, **sequence.options)
-            piece = next(sequence.stream)
-        except StopIteration:
-            self._live = None
-            output = sequence.stream.output
-            return [Update(sequence, num_new_tokens=output.stats.new_tokens, output=output)]
-        except Exception as exc:
-            self.cancel(sequence)
-            return [Update(sequence, error=exc)]
-        count = len(sequence.stream.sequence.new_tokens)
-        if sequence.cancelled():
-            self.cancel(sequence)
-            return [Update(sequence, text=piece, num_new_tokens=count, cancelled=True)]
-        return [Update(sequence, text=piece, num_new_tokens=count)]
+        updates = []
+        for live in [live for live in self._live if live.cancelled()]:
+            self.cancel(live)
+            updates.append(Update(live, num_new_tokens=len(live.sequence.new_tokens), cancelled=True))
+        if self.scheduler.active:
+            self.scheduler.step()
+        for live in list(self._live):
+            sequence = live.sequence
+            text = "".join(sequence.take_pieces())
+            count = len(sequence.new_tokens)
+            if sequence.finished:
+                self._live.remove(live)
+                if sequence.error is not None:
+                    updates.append(Update(live, text, count, error=sequence.error))
+                else:
+                    updates.append(Update(live, text, count, output=sequence.output()))
+            elif text:
+                updates.append(Update(live, text, count))
+        return updates

@@ -10,7 +10,10 @@ class ServeConfig:
     bundle: str  # the bundle folder to serve
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port (the one chosen is logged)
-    max_queue: int = 64  # requests that may wait behind the one generating; one more answers 429
+    max_queue: int = 64  # requests that may wait for a free batch slot; one more answers 429
+    # Requests decoded together (KV slots); above one, the scheduler speculates where measured costs say
+    # it pays. 8 measured best on the 2-vCPU machine of docs/performance.md ("Serving many users").
+    max_batch: int = 8
     num_draft_tokens: int = 4  # k for requests that do not set num_draft_tokens
     drafter: str = "hybrid"  # hybrid | model | prompt-lookup
     device: str = "cpu"  # cpu | cuda | tensorrt

@@ -40,8 +40,13 @@ def check_config(config: ServeConfig) -> None:
         raise SpecdeployError(exc.message) from None
     if config.max_queue < 0 or config.max_body_bytes < 1 or config.drain_timeout_s < 0:
         raise SpecdeployError("max queue and drain timeout must be >= 0, the body limit >= 1 byte")
+    if not 1 <= config.max_batch <= MAX_BATCH:
+        raise SpecdeployError(f"max batch must be in 1..{MAX_BATCH} (got {config.max_batch})")
     if config.api_key is not None and not config.api_key.strip():
         raise SpecdeployError("the API key is empty")
+
+
+MAX_BATCH = 256  # KV slots one server may hold
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import SpecdeployError
-from .backend import SequentialBackend, Update
+from .backend import SchedulerBackend, Update
 from .metrics import Metrics
 from .protocol import ApiError
 
@@ -99,7 +99,7 @@ class ModelWorker:
     backend: builds the worker's backend from the loaded generator (see backend.py)."""
 
     def __init__(self, load: Callable[[], object], max_queue: int, metrics: Metrics,
-                 on_fatal: Callable[[str], None] | None = None, backend: Callable[[object], object] = SequentialBackend):
+                 on_fatal: Callable[[str], None] | None = None, backend: Callable[[object], object] = SchedulerBackend):
         self._load, self.max_queue, self.metrics, self._on_fatal = load, max_queue, metrics, on_fatal
         self._make_backend = backend
         self.generator = None
