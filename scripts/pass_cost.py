@@ -89,7 +89,7 @@ def between_work(name: str, gen):
         import onnxruntime as ort
         from onnx import TensorProto, helper, numpy_helper
 
-        from specdeploy.runtime.engine import SessionConfig, global_pool_active, session_options
+        from specdeploy.runtime.session import SessionConfig, global_pool_active, session_options
 
         weight = numpy_helper.from_array(np.ones((256, 256), dtype=np.float32), "w")
         graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "one_node",

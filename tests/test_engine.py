@@ -6,7 +6,8 @@ import pytest
 
 from specdeploy.bundle import load_manifest
 from specdeploy.errors import SpecdeployError
-from specdeploy.runtime.engine import OrtEngine, SessionConfig, providers_for, trt_profiles
+from specdeploy.runtime.engine import OrtEngine
+from specdeploy.runtime.session import SessionConfig, providers_for, trt_profiles
 
 
 def test_trt_profiles_cover_every_input(bundles):
@@ -107,7 +108,7 @@ def test_the_hybrid_drafts_from_shorter_matches_only_when_greedy(bundles):
 
 @pytest.mark.parametrize("role", ["target", "draft"])  # fused (shared buffer) and optimum (concat) layouts
 def test_chunked_prefill_equals_one_pass(bundles, role):
-    from specdeploy.runtime.engine import PREFILL_CHUNK
+    from specdeploy.runtime.session import PREFILL_CHUNK
 
     bundle = bundles("llama")
     spec = load_manifest(bundle).model(role)
@@ -122,7 +123,7 @@ def test_chunked_prefill_equals_one_pass(bundles, role):
 
 def test_long_catch_up_goes_in_chunks(bundles):
     """logits_after on a context far ahead of the cache (a draft after many prompt-lookup rounds)."""
-    from specdeploy.runtime.engine import PREFILL_CHUNK
+    from specdeploy.runtime.session import PREFILL_CHUNK
 
     bundle = bundles("llama")
     spec = load_manifest(bundle).target
@@ -358,13 +359,13 @@ def test_allow_spinning_is_set_for_per_session_pools_only():
     import sys
     import textwrap
 
-    from specdeploy.runtime.engine import session_options
+    from specdeploy.runtime.session import session_options
 
     for spinning in (False, True):
         options = session_options(SessionConfig(allow_spinning=spinning))
         assert options.get_session_config_entry("session.intra_op.allow_spinning") == ("1" if spinning else "0")
     script = textwrap.dedent("""
-        from specdeploy.runtime.engine import SessionConfig, session_options
+        from specdeploy.runtime.session import SessionConfig, session_options
         options = session_options(SessionConfig(shared_threads=True, allow_spinning=True))
         try:
             options.get_session_config_entry("session.intra_op.allow_spinning")

@@ -35,7 +35,7 @@ def test_shared_thread_pool_gives_the_same_tokens(agreeing_bundle):
     script = textwrap.dedent(f"""
         import json, specdeploy
         gen = specdeploy.load({str(agreeing_bundle)!r})
-        from specdeploy.runtime.engine import global_pool_active
+        from specdeploy.runtime.session import global_pool_active
         assert global_pool_active()
         print(json.dumps(gen.generate("def f(x):", max_new_tokens=24).token_ids))
     """)

@@ -6,7 +6,7 @@ from scipy import stats as scipy_stats
 
 import specdeploy
 from specdeploy.errors import SpecdeployError
-from specdeploy.runtime.engine import PREFILL_CHUNK
+from specdeploy.runtime.session import PREFILL_CHUNK
 from specdeploy.runtime.sampling import SamplingParams
 from specdeploy.runtime.scheduler import SpeculationPolicy
 from specdeploy.testing import exact_continuation_probs

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from specdeploy.bundle import load_manifest
-from specdeploy.runtime.engine import SessionConfig, trt_options, trt_profiles
+from specdeploy.runtime.session import SessionConfig, trt_options, trt_profiles
 
 
 def _parse(profile: str) -> dict[str, tuple[int, ...]]:

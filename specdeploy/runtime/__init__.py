@@ -4,7 +4,8 @@ What other parts of specdeploy use (the export's parity check runs the exported 
 `OrtEngine.run`) is exported here; the modules behind it are the runtime's own business.
 """
 
-from .engine import OrtEngine, SessionConfig, global_pool_active
+from .engine import OrtEngine
+from .session import SessionConfig, global_pool_active
 from .generate import GenerationConfig, GenerationOutput, GenerationStats, Generator
 from .loader import load
 

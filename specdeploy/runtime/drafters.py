@@ -16,7 +16,8 @@ from typing import Protocol
 
 import numpy as np
 
-from .engine import PREFILL_CHUNK, OrtEngine
+from .engine import OrtEngine
+from .session import PREFILL_CHUNK
 from .sampling import Sampler
 
 MAX_NGRAM = 3  # the longest n-gram prompt lookup matches

@@ -11,151 +11,19 @@ everything it keeps between passes is either fixed at load or rebound when the c
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from ..bundle import ModelSpec, check_graph_io
+from ..bundle import ModelSpec
 from ..errors import SpecdeployError
 from .kv_cache import KVCache, KVSlots, SharedKVCache, ort_value
+from .session import PREFILL_CHUNK, SessionConfig, open_session
 
-DEVICES = ("cpu", "cuda", "tensorrt")
-PREFILL_CHUNK = 64  # tokens per prefill pass (see OrtEngine.prefill)
 BOUND_IDS = 64  # passes up to this many tokens bind their ids from a fixed buffer (see OrtEngine)
 # Scratch-logits passes up to this many tokens write one fixed buffer (see OrtEngine.run): every
 # decode pass, and each prefill chunk (no fresh array of logits to fault in per chunk).
 SCRATCH_ROWS = PREFILL_CHUNK
-KV_LAYOUT = "batch,kv_heads,sequence,head_dim"  # the only past/present layout the caches bind
-
-
-@dataclass(frozen=True)
-class SessionConfig:
-    device: str = "cpu"  # cpu | cuda | tensorrt
-    intra_op_threads: int = 0  # 0: ONNX Runtime picks (one per physical core)
-    # Per-session pools only (shared_threads=False): two sessions that spin-wait fight over the same
-    # cores when draft and target alternate. The shared pool always spins (ONNX Runtime's Python
-    # API sizes it and nothing else), so there it changes nothing.
-    allow_spinning: bool = False
-    graph_optimization: str = "all"  # disable | basic | extended | all
-    # One process-wide ONNX Runtime thread pool for all sessions (sized by the first one), spinning:
-    # draft and target alternate, and two per-session pools only wake and park threads against each
-    # other. Process-wide: once it exists, ONNX Runtime refuses sessions with their own pools, so
-    # it is off for engines built directly and on for `specdeploy.load` (see there).
-    shared_threads: bool = False
-    trt_cache_dir: str | None = None  # TensorRT engines are built once and cached here
-    # ONNX Runtime's CPU arena keeps freed activation memory for reuse; the fused graphs run as
-    # fast without it, with a lower peak.
-    memory_arena: bool = False
-    # ONNX Runtime repacks MatMul weights into its kernels' layout at load: faster passes, a second
-    # copy of the weights in memory. A session that runs a few passes (export's parity check) skips it.
-    prepack_weights: bool = True
-
-
-def trt_profiles(spec: ModelSpec, max_context: int, max_new: int = 33) -> dict[str, str]:
-    """Explicit TensorRT optimization profiles (min/opt/max shapes) for every dynamic input.
-
-    Format from the ONNX Runtime TensorRT EP docs: "name:1x4x0x64,name2:...". Inputs run 1..max_new
-    tokens per pass (k + 1 <= 33) or a prefill chunk, on a past of 0..max_context - 1 positions.
-    TensorRT needs min <= opt <= max on every axis: opt is the typical shape, clamped into range
-    (a short context puts the usual 512-position opt above max)."""
-    longest_pass = min(max(max_new, PREFILL_CHUNK), max_context)
-    ranges = {"tokens": (1, 5, longest_pass), "mask": (1, 512, max_context), "past": (0, 512, max_context - 1)}
-    ranges = {axis: (low, min(max(opt, low), high), high) for axis, (low, opt, high) in ranges.items()}
-    shapes = {"min": [], "opt": [], "max": []}
-    for tensor in spec.inputs:
-        if tensor.name in ("input_ids", "position_ids"):
-            dims = {key: (1, n) for key, n in zip(shapes, ranges["tokens"])}
-        elif tensor.name == "attention_mask":
-            dims = {key: (1, n) for key, n in zip(shapes, ranges["mask"])}
-        else:  # past keys and values [1, kv_heads, past, head_dim]; a shared buffer is always max_context long
-            heads, head_dim = tensor.shape[1], tensor.shape[3]
-            lengths = (max_context,) * 3 if spec.kv_cache.shared_buffer else ranges["past"]
-            dims = {key: (1, heads, past, head_dim) for key, past in zip(shapes, lengths)}
-        for key, value in dims.items():
-            shapes[key].append(f"{tensor.name}:{'x'.join(str(d) for d in value)}")
-    return {f"trt_profile_{key}_shapes": ",".join(items) for key, items in shapes.items()}
-
-
-def trt_options(config: SessionConfig, spec: ModelSpec | None) -> dict:
-    """The TensorRT execution provider's options: fp16 kernels only for an fp16 bundle (an fp32 one
-    would otherwise run at fp16 precision without saying so), the engine cache, the profiles."""
-    options = {"trt_fp16_enable": spec is not None and spec.dtype == "fp16",
-               "trt_engine_cache_enable": config.trt_cache_dir is not None}
-    if config.trt_cache_dir:
-        options["trt_engine_cache_path"] = config.trt_cache_dir
-    if spec is not None:
-        options.update(trt_profiles(spec, spec.max_context))
-    return options
-
-
-def providers_for(config: SessionConfig, spec: ModelSpec | None = None) -> list:
-    import onnxruntime as ort
-
-    if config.device not in DEVICES:
-        raise SpecdeployError(f"unknown device '{config.device}' (choose from {', '.join(DEVICES)})")
-    available = set(ort.get_available_providers())
-    if config.device == "cpu":
-        return ["CPUExecutionProvider"]
-    if "CUDAExecutionProvider" not in available:
-        raise SpecdeployError(
-            f"device '{config.device}' needs onnxruntime-gpu (pip install 'specdeploy[gpu]'); this onnxruntime has "
-            + ", ".join(sorted(available))
-        )
-    if config.device == "cuda":
-        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
-    if "TensorrtExecutionProvider" not in available:
-        raise SpecdeployError("device 'tensorrt' needs an onnxruntime-gpu build with the TensorRT execution provider")
-    return [("TensorrtExecutionProvider", trt_options(config, spec)), "CUDAExecutionProvider", "CPUExecutionProvider"]
-
-
-_GLOBAL_POOL: list[int] = []  # the size the process-wide pool was created with; ONNX Runtime allows it once
-
-
-def global_pool_active() -> bool:
-    """Whether this process already runs ONNX Runtime on the shared pool (new sessions must then join it)."""
-    return bool(_GLOBAL_POOL)
-
-
-def _use_global_pool(threads: int) -> None:
-    from onnxruntime.capi import _pybind_state as ort_c
-
-    if not _GLOBAL_POOL:
-        ort_c.set_global_thread_pool_sizes(threads, 1)
-        _GLOBAL_POOL.append(threads)
-
-
-def session_options(config: SessionConfig, spec: ModelSpec | None = None):
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    if config.shared_threads:
-        _use_global_pool(config.intra_op_threads)
-        options.use_per_session_threads = False
-    levels = {
-        "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
-        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
-    }
-    options.graph_optimization_level = levels[config.graph_optimization]
-    if not config.shared_threads:  # the shared pool ignores per-session thread settings
-        options.intra_op_num_threads = config.intra_op_threads
-        options.inter_op_num_threads = 1
-        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if config.allow_spinning else "0")
-    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    options.enable_cpu_mem_arena = config.memory_arena
-    if not config.prepack_weights:
-        options.add_session_config_entry("session.disable_prepacking", "1")
-    # ONNX Runtime keeps one memory pattern per distinct set of input shapes, for as long as the
-    # session lives. A concatenating KV cache (a new past length every pass), or a GPU pass's mask
-    # as wide as the context, makes a new set nearly every pass: the patterns then grow without
-    # bound (resident memory then grows with every token). Only a CPU shared-buffer graph, whose shapes
-    # are the buffers' plus 1..PREFILL_CHUNK ids, keeps them.
-    options.enable_mem_pattern = spec is not None and spec.kv_cache.shared_buffer and config.device == "cpu"
-
-    options.log_severity_level = 4  # fatal only: a failed run is reported as one line, by the caller
-    return options
 
 
 class OrtEngine:
@@ -180,7 +48,7 @@ class OrtEngine:
     def __init__(self, model_path: Path, spec: ModelSpec, config: SessionConfig = SessionConfig(),
                  scratch_logits: bool = False, min_pass_tokens: int | None = None):
         self.spec = spec
-        self.session = _open_session(model_path, spec, config)
+        self.session = open_session(model_path, spec, config)
         names = set(spec.input_names)
         self._has_mask = "attention_mask" in names
         self._has_positions = "position_ids" in names
@@ -468,26 +336,3 @@ class OrtEngine:
         self._run(self._binding, None)
         self.seconds += time.perf_counter() - start
         self.calls += 1
-
-
-def _open_session(model_path: Path, spec: ModelSpec, config: SessionConfig):
-    """The ONNX Runtime session for spec, once it is clear the engine can run it."""
-    import onnxruntime as ort
-
-    providers = providers_for(config, spec)  # validates the device first
-    if spec.kv_cache.layout != KV_LAYOUT:
-        raise SpecdeployError(f"the {spec.role}'s KV cache layout '{spec.kv_cache.layout}' is not one this runtime "
-                              f"binds ({KV_LAYOUT})")
-    if config.device != "cpu" and spec.graph == "fused" and spec.dtype == "fp32":
-        # ONNX Runtime's CUDA GroupQueryAttention runs fp16/bf16 only: an fp32 fused graph would
-        # send every attention node, and the KV buffers with it, back to the CPU each pass.
-        raise SpecdeployError(
-            f"the {spec.role} is an fp32 fused graph, which ONNX Runtime's GPU kernels do not run: "
-            "export with --dtype fp16 (or --graph optimum) for --device cuda/tensorrt"
-        )
-    try:
-        session = ort.InferenceSession(str(model_path), session_options(config, spec), providers=providers)
-    except Exception as exc:
-        raise SpecdeployError(f"ONNX Runtime cannot load {model_path}: {str(exc).splitlines()[0]}") from None
-    check_graph_io(spec, session.get_inputs(), session.get_outputs())
-    return session

@@ -9,7 +9,8 @@ from ..bundle import load_manifest
 from ..errors import SpecdeployError
 from .chat import load_chat_template
 from .drafters import MAX_NGRAM, HybridDrafter, ModelDrafter, PromptLookupDrafter
-from .engine import OrtEngine, SessionConfig
+from .engine import OrtEngine
+from .session import SessionConfig
 from .generate import Generator
 from .text import TextCodec
 

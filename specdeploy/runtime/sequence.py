@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .config import GenerationConfig, GenerationOutput, GenerationStats, TokenLogprob
-from .engine import PREFILL_CHUNK
+from .session import PREFILL_CHUNK
 from .sampling import BlockGenerator, Sampler
 from .text import TextCodec, TextStream
 
