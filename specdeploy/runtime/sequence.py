@@ -18,7 +18,7 @@ import numpy as np
 
 from .config import GenerationConfig, GenerationOutput, GenerationStats, TokenLogprob
 from .session import PREFILL_CHUNK
-from .sampling import BlockGenerator, Sampler
+from .sampling import Sampler
 from .text import TextCodec, TextStream
 
 
@@ -70,7 +70,7 @@ class Sequence:
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids),
                                      accepted_by_position=[0] * (config.num_draft_tokens if config.speculative else 0))
         self.sampler = Sampler(config.sampling, vocab_size)  # every row of this sequence is processed through it
-        self.rng = BlockGenerator(config.seed)  # default_rng(seed)'s numbers
+        self.rng = np.random.default_rng(config.seed)  # every draw of this sequence comes from it
         self.target_probs = None if self.sampler.greedy else np.empty((config.num_draft_tokens + 1, vocab_size),
                                                                      dtype=np.float32)  # [k + 1, vocab]
         self.drafter = None
