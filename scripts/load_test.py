@@ -1,22 +1,34 @@
 #!/usr/bin/env python3
-"""Load test for `specdeploy serve`: concurrent streaming clients, a fixed number of requests per cell.
+"""Load test for OpenAI-compatible servers: concurrent streaming clients, batched against sequential serving.
 
-For each concurrency level (default 1, 8, 32), each decoding mode (greedy, sampled) and speculative
-on and off, REQUESTS streaming completions are sent by that many concurrent clients; reported per
-cell: requests/s, generated tokens/s, p50/p99 end-to-end latency and time to first token (client
-side, from sending the request to the first text), the server's acceptance rate and tokens per
-round, and requests that failed (a 429 counts as failed: size --max-queue for the concurrency).
+`specdeploy serve BUNDLE --port 0 --max-batch N` is started once for each N in --max-batch (default
+8,1: the batched default and one request at a time) and the cells alternate between the servers (A B,
+then B A), so their ratios come from one run. A cell is one prompt kind (code prompts on
+/v1/completions, chat messages on /v1/chat/completions), one mode (greedy, or sampled at
+--temperature) and one concurrency: max(--min-requests, --requests-per-stream x concurrency)
+streaming requests from that many concurrent clients. Request i of a cell takes prompt i mod the
+number of prompts and that prompt's index as its seed. Reported per cell:
 
-The server runs one request at a time, so latency grows with concurrency while throughput stays
-near the single-client figure; the table shows how much queueing costs and what speculation buys.
+- aggregate generated tokens/s (all tokens over the cell's wall time);
+- p50/p99 time to first token (TTFT: sending the request -> the first chunk with text);
+- p50/p99 inter-token latency (ITL): one chunk may carry several tokens (a speculative round), so each
+  gap between chunks is divided by the tokens it brought (the `usage` of every chunk, asked for with
+  stream_options.continuous_usage_stats; a server that sends none is counted one token a chunk);
+- failures: an answer other than 200, an error in the stream, or (with --ignore-eos) fewer tokens than
+  max_tokens; altered: a greedy output (or a seeded sampled one) that differs from the runtime's own
+  `specdeploy.load(bundle).generate(...)` for the same prompt and seed.
 
-Run (from the repo root; starts `specdeploy serve BUNDLE` on a free port and stops it at the end)::
+The reference generations run in this process, right before each prompt kind and mode's cells, and
+their wall time gives `specdeploy run`'s end-to-end tokens/s on the prompts of the one-stream cell.
 
-    .venv/bin/python scripts/load_test.py PAIR-BUNDLE --requests 64 --max-tokens 128 \
+Run (from the repo root)::
+
+    .venv/bin/python scripts/load_test.py BUNDLE --ignore-eos --max-tokens 128 --kinds code,chat \
         --json-out load.json --markdown-out load.md
 
-or against a running server: `--url http://127.0.0.1:8000 [--api-key KEY]`.
-Prints the Markdown table, and one JSON object on the last line of stdout.
+or against a running server (another one's too): `--url http://127.0.0.1:8080 --plain` (--plain sends
+only OpenAI fields plus ignore_eos and seed). Prints the Markdown tables, then one JSON object on the
+last line of stdout.
 """
 
 from __future__ import annotations
@@ -35,33 +47,52 @@ import numpy as np
 
 from specdeploy.bench import builtin_prompts, read_prompts
 
+CHAT_PROMPTS = [  # short user turns, each asking for a reply longer than 128 tokens
+    "Explain how a hash table handles collisions.",
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "What are the main differences between TCP and UDP?",
+    "Give me a recipe for a simple vegetable soup, step by step.",
+    "Describe the water cycle to a ten-year-old.",
+    "List some tips for writing clear documentation for a software library.",
+    "Why is the sky blue? Answer in a few paragraphs.",
+    "Summarize the causes of the French Revolution.",
+]
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("bundle", nargs="?", help="Bundle to serve (omit with --url).")
-    parser.add_argument("--url", help="A running server's base URL instead of starting one.")
+    parser.add_argument("bundle", nargs="?", help="Bundle to serve, and the reference for greedy outputs.")
+    parser.add_argument("--url", help="A running server's base URL instead of starting servers.")
+    parser.add_argument("--name", default=None, help="The --url server's name in the tables.")
+    parser.add_argument("--plain", action="store_true", help="Send no specdeploy extension fields (other servers).")
     parser.add_argument("--api-key", default=None)
-    parser.add_argument("--concurrency", default="1,8,32", help="Concurrent clients per cell, comma-separated.")
-    parser.add_argument("--requests", type=int, default=64, help="Requests per cell.")
+    parser.add_argument("--max-batch", default="8,1", help="One server per value, comma-separated (8 is serve's default).")
+    parser.add_argument("--concurrency", default="1,2,4,8,16", help="Concurrent clients per cell, comma-separated.")
+    parser.add_argument("--requests-per-stream", type=int, default=2)
+    parser.add_argument("--min-requests", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--ignore-eos", action="store_true", help='Send "ignore_eos": true (exactly max_tokens each).')
+    parser.add_argument("--kinds", default="code", help="code (/v1/completions) and/or chat (/v1/chat/completions)")
     parser.add_argument("--modes", default="greedy,sampled", help="greedy and/or sampled")
     parser.add_argument("--temperature", type=float, default=0.8, help="Temperature of the sampled mode.")
-    parser.add_argument("--speculative", default="on,off", help="on and/or off")
+    parser.add_argument("--speculative", choices=("on", "off"), default="on")
     parser.add_argument("--num-draft-tokens", type=int, default=4)
-    parser.add_argument("--prompts", default=None, help="JSON list or JSONL of prompts (default: the built-in ones).")
+    parser.add_argument("--prompts", default=None, help="JSON list or JSONL of code prompts (default: the built-in ones).")
+    parser.add_argument("--no-reference", action="store_true", help="Skip the in-process reference generations.")
     parser.add_argument("--json-out", default=None)
     parser.add_argument("--markdown-out", default=None)
     args = parser.parse_args(argv)
-    if (args.bundle is None) == (args.url is None):
-        parser.error("name a BUNDLE to serve or the --url of a running server (one of them)")
-    if args.requests < 1 or args.max_tokens < 1:
-        parser.error("--requests and --max-tokens must be at least 1")
+    if args.bundle is None and args.url is None:
+        parser.error("name a BUNDLE to serve or the --url of a running server")
+    if args.min_requests < 1 or args.requests_per_stream < 1 or args.max_tokens < 1:
+        parser.error("--min-requests, --requests-per-stream and --max-tokens must be at least 1")
     return args
 
 
-def start_server(bundle: str, max_queue: int) -> tuple[subprocess.Popen, str]:
-    """`specdeploy serve BUNDLE --port 0`, once /health answers 200; returns the process and its URL."""
-    command = [sys.executable, "-m", "specdeploy", "serve", bundle, "--port", "0", "--max-queue", str(max_queue)]
+def start_server(bundle: str, max_queue: int, max_batch: int) -> tuple[subprocess.Popen, str]:
+    """`specdeploy serve BUNDLE --port 0 --max-batch N`, once /health answers 200; the process and its URL."""
+    command = [sys.executable, "-m", "specdeploy", "serve", bundle, "--port", "0", "--max-queue", str(max_queue),
+               "--max-batch", str(max_batch)]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     url = None
     while url is None:
@@ -72,7 +103,7 @@ def start_server(bundle: str, max_queue: int) -> tuple[subprocess.Popen, str]:
             url = line.split("on ", 1)[1].split()[0]
     # Keep reading the server's log (its access log) so a full pipe never blocks it.
     threading.Thread(target=lambda: [None for _ in process.stderr], daemon=True).start()
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
@@ -81,43 +112,67 @@ def start_server(bundle: str, max_queue: int) -> tuple[subprocess.Popen, str]:
             pass
         time.sleep(0.2)
     process.terminate()
-    raise SystemExit("error: the server did not become ready in 120 s")
+    raise SystemExit("error: the server did not become ready in 300 s")
 
 
 async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict:
-    """One streaming completion: latency, time to first text, tokens, the server's speculative figures."""
+    """One streaming request: its text, tokens, time to first text, and (time, tokens so far) per chunk."""
+    chat = "messages" in body
     start = time.perf_counter()
-    first = None
-    record = {"ok": False}
-    async with client.stream("POST", url + "/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            await response.aread()
-            return {"ok": False, "status": response.status_code}
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: "):])
-            if "error" in chunk:
-                return {"ok": False, "status": "stream error"}
-            if chunk["choices"] and chunk["choices"][0]["text"] and first is None:
-                first = time.perf_counter()
-            if "specdeploy" in chunk:
-                record["extension"] = chunk["specdeploy"]
-            if chunk.get("usage"):
-                record.update(ok=True, tokens=chunk["usage"]["completion_tokens"])
+    record = {"ok": False, "prompt": body["_prompt"], "text": ""}
+    payload = {k: v for k, v in body.items() if not k.startswith("_")}
+    marks: list[tuple[float, int]] = []  # (arrival, tokens so far) of each chunk that brought text or tokens
+    counted = 0  # tokens so far when the server sends no usage per chunk: one a chunk with text
+    usage_seen = False
+    try:
+        async with client.stream("POST", url + ("/v1/chat/completions" if chat else "/v1/completions"),
+                                 json=payload) as response:
+            if response.status_code != 200:
+                await response.aread()
+                return {**record, "status": response.status_code, "error": response.text[:200]}
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                now = time.perf_counter()
+                chunk = json.loads(line[len("data: "):])
+                if "error" in chunk:
+                    return {**record, "status": "stream error", "error": str(chunk["error"])[:200]}
+                choice = chunk["choices"][0] if chunk.get("choices") else {}
+                text = ((choice.get("delta") or {}).get("content") if chat else choice.get("text")) or ""
+                record["text"] += text
+                usage = chunk.get("usage")
+                if choice and usage:
+                    usage_seen = True
+                    so_far = usage["completion_tokens"]
+                else:
+                    counted += bool(text)
+                    so_far = counted
+                if (so_far > (marks[-1][1] if marks else 0)) or (text and not marks):
+                    marks.append((now, so_far))
+                if usage and not choice:  # the closing usage chunk
+                    record["tokens"] = usage["completion_tokens"]
+                if "specdeploy" in chunk:
+                    record["extension"] = chunk["specdeploy"]
+    except httpx.HTTPError as exc:
+        return {**record, "status": f"transport: {exc!r}"[:200]}
     end = time.perf_counter()
-    record.update(latency_s=end - start, first_token_s=(first or end) - start)
+    tokens = record.get("tokens", marks[-1][1] if marks else 0)
+    record.update(ok=True, tokens=tokens, latency_s=end - start, first_token_s=(marks[0][0] if marks else end) - start,
+                  usage_per_chunk=usage_seen, itl_s=[], chunk_gaps_s=[])
+    for (t0, n0), (t1, n1) in zip(marks, marks[1:]):
+        record["chunk_gaps_s"].append(t1 - t0)
+        record["itl_s"] += [(t1 - t0) / (n1 - n0)] * (n1 - n0) if n1 > n0 else [t1 - t0]
     return record
 
 
-async def run_cell(url: str, headers: dict, bodies: list[dict], concurrency: int) -> dict:
-    """Send every body with `concurrency` clients at a time; the cell's throughput and latency figures."""
+async def run_cell(url: str, headers: dict, bodies: list[dict], concurrency: int) -> tuple[list[dict], float]:
+    """Send every body with `concurrency` clients at a time; the records and the wall time."""
     queue: asyncio.Queue = asyncio.Queue()
     for body in bodies:
         queue.put_nowait(body)
     records: list[dict] = []
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(600.0), limits=limits) as client:
+    async with httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(900.0), limits=limits) as client:
         async def client_loop() -> None:
             while not queue.empty():
                 records.append(await one_request(client, url, queue.get_nowait()))
@@ -125,80 +180,158 @@ async def run_cell(url: str, headers: dict, bodies: list[dict], concurrency: int
         start = time.perf_counter()
         await asyncio.gather(*(client_loop() for _ in range(concurrency)))
         wall_s = time.perf_counter() - start
-    return summarize(records, wall_s, concurrency)
+    return records, wall_s
 
 
-def summarize(records: list[dict], wall_s: float, concurrency: int) -> dict:
-    done = [r for r in records if r["ok"]]
-    latency = np.array([r["latency_s"] for r in done]) if done else np.zeros(1)
-    first = np.array([r["first_token_s"] for r in done]) if done else np.zeros(1)
-    extensions = [r["extension"] for r in done if "extension" in r]
+def percentile(values, q: float) -> float | None:
+    return float(np.percentile(values, q)) if len(values) else None
+
+
+def summarize(records: list[dict], wall_s: float, args, references: dict | None) -> dict:
+    """One cell's figures; references maps prompt index -> the runtime's text (None: nothing to compare)."""
+    ok = [r for r in records if r["ok"] and (not args.ignore_eos or r["tokens"] == args.max_tokens)]
+    failures = [r.get("status", f"{r.get('tokens')} tokens") for r in records if r not in ok]
+    altered = [r["prompt"] for r in ok if references is not None and r["text"] != references[r["prompt"]]]
+    itl = [g for r in ok for g in r["itl_s"]]
+    gaps = [g for r in ok for g in r["chunk_gaps_s"]]
+    extensions = [r["extension"] for r in ok if "extension" in r]
     drafted = sum(e["drafted_tokens"] for e in extensions)
-    rounds = sum(e["rounds"] for e in extensions)
-    tokens = sum(r["tokens"] for r in done)
+    tokens = sum(r["tokens"] for r in records if r["ok"])
     return {
-        "concurrency": concurrency, "requests": len(records), "failed": len(records) - len(done), "wall_s": wall_s,
-        "requests_per_s": len(done) / wall_s, "tokens_per_s": tokens / wall_s, "generated_tokens": tokens,
-        "latency_p50_s": float(np.percentile(latency, 50)), "latency_p99_s": float(np.percentile(latency, 99)),
-        "ttft_p50_s": float(np.percentile(first, 50)), "ttft_p99_s": float(np.percentile(first, 99)),
+        "requests": len(records), "failed": len(failures), "failures": failures[:5], "wall_s": wall_s,
+        "compared": len(ok) if references is not None else 0, "altered": len(altered), "altered_prompts": altered,
+        "tokens_per_s": tokens / wall_s, "generated_tokens": tokens,
+        "ttft_p50_s": percentile([r["first_token_s"] for r in ok], 50),
+        "ttft_p99_s": percentile([r["first_token_s"] for r in ok], 99),
+        "itl_p50_ms": 1000 * (percentile(itl, 50) or 0), "itl_p99_ms": 1000 * (percentile(itl, 99) or 0),
+        "chunk_gap_p50_ms": 1000 * (percentile(gaps, 50) or 0),
+        "tokens_per_chunk": sum(r["tokens"] for r in ok) / max(1, sum(len(r["chunk_gaps_s"]) + 1 for r in ok)),
+        "usage_per_chunk": all(r["usage_per_chunk"] for r in ok) if ok else None,
+        "latency_p50_s": percentile([r["latency_s"] for r in ok], 50),
         "acceptance_rate": sum(e["accepted_tokens"] for e in extensions) / drafted if drafted else None,
-        "tokens_per_round": tokens / rounds if rounds else None,
     }
 
 
-def request_bodies(prompts: list[str], count: int, mode: str, speculative: bool, args) -> list[dict]:
+def prompt_sets(args) -> dict[str, list]:
+    code = read_prompts(args.prompts) if args.prompts else builtin_prompts()
+    chat = [[{"role": "user", "content": text}] for text in CHAT_PROMPTS]
+    return {kind: {"code": code, "chat": chat}[kind] for kind in args.kinds.split(",")}
+
+
+def request_bodies(kind: str, prompts: list, count: int, mode: str, args) -> list[dict]:
     bodies = []
     for i in range(count):
-        body = {"prompt": prompts[i % len(prompts)], "max_tokens": args.max_tokens, "stream": True,
-                "stream_options": {"include_usage": True}, "speculative": speculative,
-                "num_draft_tokens": args.num_draft_tokens, "seed": i,
+        index = i % len(prompts)
+        body = {"max_tokens": args.max_tokens, "stream": True, "seed": index, "_prompt": index,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True},
                 "temperature": 0.0 if mode == "greedy" else args.temperature}
+        body["messages" if kind == "chat" else "prompt"] = prompts[index]
+        if args.ignore_eos:
+            body["ignore_eos"] = True
+        if not args.plain:
+            body.update(speculative=args.speculative == "on", num_draft_tokens=args.num_draft_tokens)
         bodies.append(body)
     return bodies
 
 
-def markdown(cells: list[dict], args) -> str:
-    lines = [f"{args.requests} requests per row, {args.max_tokens} max new tokens, k = {args.num_draft_tokens}, "
-             f"sampled at temperature {args.temperature}", "",
-             "| mode | speculative | clients | req/s | gen tok/s | p50 latency s | p99 latency s | p50 TTFT s "
-             "| p99 TTFT s | acceptance | tokens/round | failed |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+def reference_outputs(generator, kind: str, prompts: list, mode: str, args, timed: int) -> dict:
+    """The runtime's own text for each prompt (seeded by its index), and run's end-to-end tokens/s over the
+    first `timed` prompts (those of the one-stream cell), each timed from the call to the output."""
+    texts, tokens, wall = {}, 0, 0.0
+    for index, prompt in enumerate(prompts):
+        options = dict(max_new_tokens=args.max_tokens, ignore_eos=args.ignore_eos, seed=index,
+                       temperature=0.0 if mode == "greedy" else args.temperature,
+                       speculative=args.speculative == "on", num_draft_tokens=args.num_draft_tokens)
+        start = time.perf_counter()
+        output = generator.generate(messages=prompt, **options) if kind == "chat" else generator.generate(prompt, **options)
+        if index < timed:
+            wall += time.perf_counter() - start
+            tokens += output.stats.new_tokens
+        texts[index] = output.text
+    return {"texts": texts, "run_tokens_per_s": tokens / wall if wall else None}
+
+
+def ms(value) -> str:
+    return "" if value is None else f"{1000 * value:.0f}"
+
+
+def markdown(cells: list[dict], runs: dict, args) -> str:
+    lines = [f"{args.max_tokens}-token outputs{' (ignore_eos)' if args.ignore_eos else ''}, speculative "
+             f"{args.speculative} (k = {args.num_draft_tokens}), sampled at T {args.temperature}; requests per cell: "
+             f"max({args.min_requests}, {args.requests_per_stream} x streams)", "",
+             "| prompts | mode | streams | server | gen tok/s | x sequential | p50 TTFT ms | p99 TTFT ms | p50 ITL ms "
+             "| p99 ITL ms | tokens/chunk | failed | altered |",
+             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for c in cells:
-        acceptance = "" if c["acceptance_rate"] is None else f"{c['acceptance_rate']:.2f}"
-        per_round = "" if c["tokens_per_round"] is None else f"{c['tokens_per_round']:.2f}"
-        lines.append(f"| {c['mode']} | {'on' if c['speculative'] else 'off'} | {c['concurrency']} | "
-                     f"{c['requests_per_s']:.2f} | {c['tokens_per_s']:.1f} | {c['latency_p50_s']:.3f} | "
-                     f"{c['latency_p99_s']:.3f} | {c['ttft_p50_s']:.3f} | {c['ttft_p99_s']:.3f} | {acceptance} | "
-                     f"{per_round} | {c['failed']} |")
+        base = [d for d in cells if (d["kind"], d["mode"], d["concurrency"]) == (c["kind"], c["mode"], c["concurrency"])
+                and d["max_batch"] == 1]
+        ratio = f"{c['tokens_per_s'] / base[0]['tokens_per_s']:.2f}" if base and c["max_batch"] != 1 else ""
+        altered = f"{c['altered']}/{c['compared']}" if c["compared"] else ""
+        lines.append(f"| {c['kind']} | {c['mode']} | {c['concurrency']} | {c['server']} | {c['tokens_per_s']:.1f} | "
+                     f"{ratio} | {ms(c['ttft_p50_s'])} | {ms(c['ttft_p99_s'])} | {c['itl_p50_ms']:.1f} | "
+                     f"{c['itl_p99_ms']:.1f} | {c['tokens_per_chunk']:.2f} | {c['failed']} | {altered} |")
+    if runs:
+        lines += ["", "| prompts | mode | `run` end-to-end tok/s (one-stream prompts) | served, 1 stream | ratio |",
+                  "|---|---|---:|---|---|"]
+        for (kind, mode), value in runs.items():
+            ones = [c for c in cells if (c["kind"], c["mode"], c["concurrency"]) == (kind, mode, 1)]
+            served = ", ".join(f"{c['server']} {c['tokens_per_s']:.1f}" for c in ones)
+            ratios = ", ".join(f"{c['tokens_per_s'] / value:.2f}" for c in ones)
+            lines.append(f"| {kind} | {mode} | {value:.1f} | {served} | {ratios} |")
     return "\n".join(lines)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     levels = [int(v) for v in args.concurrency.split(",")]
-    prompts = read_prompts(args.prompts) if args.prompts else builtin_prompts()
-    process, url = (None, args.url.rstrip("/")) if args.url else start_server(args.bundle, max(levels))
+    kinds = prompt_sets(args)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    cells = []
+    processes, servers = [], []  # servers: (name, max_batch or None, url)
+    generator = None
+    if args.bundle and not args.no_reference:
+        import specdeploy
+
+        generator = specdeploy.load(args.bundle)
     try:
-        warmup = request_bodies(prompts, 1, "greedy", True, args)
-        asyncio.run(run_cell(url, headers, warmup, 1))
-        for mode in args.modes.split(","):
-            for speculative in (s == "on" for s in args.speculative.split(",")):
+        if args.url:
+            servers.append((args.name or args.url, None, args.url.rstrip("/")))
+        else:
+            for value in (int(v) for v in args.max_batch.split(",")):
+                process, url = start_server(args.bundle, max(levels) * args.requests_per_stream + 8, value)
+                processes.append(process)
+                servers.append(("sequential (1)" if value == 1 else f"batched ({value})", value, url))
+        cells, runs, turn = [], {}, 0
+        for kind, prompts in kinds.items():
+            for name, _, url in servers:  # warm-up: one request of this kind
+                asyncio.run(run_cell(url, headers, request_bodies(kind, prompts, 1, "greedy", args), 1))
+            for mode in args.modes.split(","):
+                references = None
+                if generator is not None:
+                    timed = min(len(prompts), max(args.min_requests, args.requests_per_stream))
+                    reference = reference_outputs(generator, kind, prompts, mode, args, timed)
+                    references, runs[(kind, mode)] = reference["texts"], reference["run_tokens_per_s"]
                 for level in levels:
-                    bodies = request_bodies(prompts, args.requests, mode, speculative, args)
-                    cell = asyncio.run(run_cell(url, headers, bodies, level))
-                    cells.append({"mode": mode, "speculative": speculative, **cell})
-                    print(f"{mode} speculative={speculative} clients={level}: {cell['tokens_per_s']:.1f} tok/s",
-                          file=sys.stderr)
+                    count = max(args.min_requests, args.requests_per_stream * level)
+                    order = servers if turn % 2 == 0 else servers[::-1]
+                    turn += 1
+                    for name, max_batch, url in order:
+                        records, wall_s = asyncio.run(run_cell(url, headers, request_bodies(
+                            kind, prompts, count, mode, args), level))
+                        cell = {"kind": kind, "mode": mode, "concurrency": level, "server": name,
+                                "max_batch": max_batch, **summarize(records, wall_s, args, references)}
+                        cells.append(cell)
+                        print(f"{kind} {mode} streams={level} {name}: {cell['tokens_per_s']:.1f} tok/s, "
+                              f"failed {cell['failed']}, altered {cell['altered']}", file=sys.stderr, flush=True)
     finally:
-        if process is not None:
+        for process in processes:
             process.terminate()
             process.wait(60)
-    table = markdown(cells, args)
-    report = {"url": url, "bundle": args.bundle, "requests": args.requests, "max_tokens": args.max_tokens,
-              "num_draft_tokens": args.num_draft_tokens, "temperature": args.temperature, "cpu_count": os.cpu_count(),
-              "cells": cells}
+    cells.sort(key=lambda c: (list(kinds).index(c["kind"]), c["mode"], c["concurrency"], c["max_batch"] == 1))
+    table = markdown(cells, runs, args)
+    report = {"bundle": args.bundle, "url": args.url, "servers": [s[:2] for s in servers], "max_tokens": args.max_tokens,
+              "ignore_eos": args.ignore_eos, "speculative": args.speculative, "num_draft_tokens": args.num_draft_tokens,
+              "temperature": args.temperature, "cpu_count": os.cpu_count(), "cells": cells,
+              "run_tokens_per_s": [{"kind": k, "mode": m, "tokens_per_s": v} for (k, m), v in runs.items()]}
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(report, f, indent=2)
