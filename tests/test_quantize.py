@@ -164,3 +164,100 @@ def test_quantized_tied_export_stores_the_table_once(tmp_path, tied_llama, quant
     expected = target.num_parameters * (bits / 8 + 4 / 32) + rotary_bytes
     assert data_bytes <= 1.05 * expected
     assert load_manifest(tmp_path / "bundle", verify=True).target.quantize == quantize
+
+
+def _matmul_graph(path, rng):
+    """x [1, s, 64] -> MatMul [64, 96] -> Add (a small inline bias) -> MatMul [96, 64] -> MatMul [1, 64, 48]
+    (leading unit dim: ORT's quantizer reshapes the output back) -> y, with the large weights in model.onnx.data."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from specdeploy.export.convert import save_model
+
+    weights = {"w1": rng.normal(size=(64, 96)), "w2": rng.normal(size=(96, 64)), "w3": rng.normal(size=(1, 64, 48)),
+               "b1": rng.normal(size=(96,))}
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h1"], name="first"),
+             helper.make_node("Add", ["h1", "b1"], ["h2"], name="bias"),
+             helper.make_node("MatMul", ["h2", "w2"], ["h3"], name="second"),
+             helper.make_node("MatMul", ["h3", "w3"], ["y"], name="third")]
+    graph = helper.make_graph(nodes, "matmuls", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "s", 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(w.astype(np.float32), name) for name, w in weights.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    save_model(model, path)
+    return onnx.load(path)  # the whole model, weights included, for the reference
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_matmuls_quantized_one_at_a_time_equal_the_whole_graph_quantizer(tmp_path, bits):
+    """quantize_weights hands ORT's quantizer one MatMul at a time; the nodes and tensors equal one pass over the graph."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import numpy_helper
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+
+    from specdeploy.export.quantize import quantize_weights
+
+    path = tmp_path / "model.onnx"
+    whole = _matmul_graph(path, np.random.default_rng(bits))
+    config = DefaultWeightOnlyQuantConfig(block_size=32, is_symmetric=True, bits=bits, accuracy_level=4)
+    reference = MatMulNBitsQuantizer(whole, bits=bits, block_size=32, is_symmetric=True, accuracy_level=4,
+                                     algo_config=config)
+    reference.process()
+    expected = reference.model.model
+    quantize_weights(path, bits=bits, block_size=32, accuracy_level=4)
+
+    ours = onnx.load(path)
+    assert [n.SerializeToString() for n in ours.graph.node] == [n.SerializeToString() for n in expected.graph.node]
+    assert "Reshape" in [n.op_type for n in ours.graph.node]  # the 3-D weight's output reshape came along
+    got = {t.name: numpy_helper.to_array(t) for t in ours.graph.initializer}
+    want = {t.name: numpy_helper.to_array(t) for t in expected.graph.initializer}
+    assert got.keys() == want.keys() and not {"w1", "w2", "w3"} & got.keys()
+    for name, array in want.items():
+        assert got[name].dtype == array.dtype
+        np.testing.assert_array_equal(got[name], array)
+    x = {"x": np.random.default_rng(0).normal(size=(1, 5, 64)).astype(np.float32)}
+    ours_out = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, x)[0]
+    expected_out = ort.InferenceSession(expected.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, x)[0]
+    np.testing.assert_array_equal(ours_out, expected_out)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("chunk_rows", [1, 64, 299, 1000])  # one row, uneven pieces, all but one row, one piece
+def test_embedding_quantized_in_row_chunks_equals_one_piece(tmp_path, bits, chunk_rows):
+    import onnx
+    from onnx import numpy_helper
+
+    from specdeploy.export.convert import externalize
+    from specdeploy.export.quantize import quantize_weights
+
+    table = np.random.default_rng(chunk_rows).normal(size=(300, 72)).astype(np.float32)
+    table[7] = 0.0
+    path = tmp_path / "model.onnx"
+    _tied_graph(table, path)
+    externalize(path)
+    quantize_weights(path, bits=bits, block_size=32, accuracy_level=0, chunk_rows=chunk_rows)
+    stored = {t.name: numpy_helper.to_array(t) for t in onnx.load(path).graph.initializer}
+    data, scales = quantize_blockwise(table, bits, 32)
+    np.testing.assert_array_equal(stored[f"table_Q{bits}"], data)
+    np.testing.assert_array_equal(stored["table_scales"], scales)
+
+
+def test_quantization_never_loads_every_weight(tmp_path, monkeypatch):
+    """The graph is read without its weights: loading the external data (the whole model in memory) is an error."""
+    import onnx.external_data_helper
+
+    from specdeploy.export.quantize import quantize_weights
+
+    path = tmp_path / "model.onnx"
+    _matmul_graph(path, np.random.default_rng(1))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("quantization loaded the whole model")
+
+    monkeypatch.setattr(onnx.external_data_helper, "load_external_data_for_model", refuse)
+    monkeypatch.setattr(onnx, "load_external_data_for_model", refuse)
+    quantize_weights(path, bits=8, block_size=32)
+    ops = {n.op_type for n in onnx.load(path, load_external_data=False).graph.node}
+    assert "MatMulNBits" in ops and "MatMul" not in ops

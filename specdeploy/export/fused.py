@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from .convert import weights_path
+from .weights import DataWriter
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM")
 GEMMA3 = "Gemma3ForCausalLM"
@@ -129,8 +130,8 @@ class _Graph:
     """Nodes, and initializers written straight into the external data file as they come.
 
     A weight never sits in the protobuf: each is copied once (transposed to [in, out]) and
-    written, so exporting takes about one model's worth of memory beyond PyTorch's copy rather
-    than three. Large tensors start on 4 KiB boundaries, where ONNX Runtime can map them directly."""
+    written (weights.DataWriter), so exporting takes about one model's worth of memory beyond
+    PyTorch's copy rather than three."""
 
     def __init__(self, data_path: Path):
         from onnx import helper
@@ -139,31 +140,14 @@ class _Graph:
         self.nodes: list = []
         self.initializers: list = []
         self._count = 0
-        self._data_path = data_path
-        self._data = open(data_path, "wb")
+        self._data = DataWriter(data_path)
 
     def weight(self, name: str, array: np.ndarray) -> str:
-        from onnx import TensorProto, helper, numpy_helper
-
-        array = np.ascontiguousarray(array)
-        if array.nbytes < 1024:
-            self.initializers.append(numpy_helper.from_array(array, name))
-            return name
-        alignment = 4096 if array.nbytes >= 65536 else 64
-        offset = -(-self._data.tell() // alignment) * alignment
-        self._data.write(b"\0" * (offset - self._data.tell()))
-        self._data.write(memoryview(array).cast("B"))
-        tensor = TensorProto(name=name, dims=array.shape, data_type=helper.np_dtype_to_tensor_dtype(array.dtype))
-        tensor.data_location = TensorProto.EXTERNAL
-        for key, value in (("location", self._data_path.name), ("offset", str(offset)), ("length", str(array.nbytes))):
-            entry = tensor.external_data.add()
-            entry.key, entry.value = key, value
-        self.initializers.append(tensor)
+        self.initializers.append(self._data.array(name, array))
         return name
 
     def close(self) -> None:
         self._data.close()
-        self._data_path.chmod(0o644)  # open() honours the umask; a bundle is for others to read
 
     def node(self, op: str, inputs: list[str], outputs: int | list[str] = 1, domain: str = "", **attrs) -> list[str]:
         self._count += 1

@@ -16,6 +16,11 @@ and points both users at that one tensor, as onnxruntime-genai's builder does fo
     FusedMatMul(hidden, table^T)    -> MatMulNBits(hidden, data, scales)      (tied head: stored once)
 
 An untied head is a plain MatMul, which the quantizer takes with the rest.
+
+Nothing holds the whole model: the graph is read without its weights, ORT's quantizer gets one
+MatMul and its weight at a time, the table is quantized in row chunks, and every result goes
+straight into a new data file (weights.py). Gemma 3 270M: 3.96 GB peak as one onnx.load'ed graph,
+0.66 GB this way, the same tensors bit for bit.
 """
 
 from __future__ import annotations
@@ -24,11 +29,16 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import SpecdeployError
+
 MS = "com.microsoft"
 BLOCK_SIZE = 32
 # accuracy_level 4: ONNX Runtime multiplies in int8 (activations quantized per block on the fly) with
 # its VNNI / AVX-512 kernels; level 0 dequantizes to fp32 first. Measured in docs/performance.md.
 ACCURACY_LEVEL = 4
+# Embedding rows quantized at a time: the table is never copied whole (Gemma 3's 262,144 x 640 fp32
+# table is 0.67 GB, and one-piece quantization made five temporaries of its size).
+EMBEDDING_CHUNK_ROWS = 8192
 
 
 def quantize_blockwise(weight: np.ndarray, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -65,25 +75,95 @@ def dequantize_blockwise(data: np.ndarray, scales: np.ndarray, bits: int, cols: 
     return values.reshape(data.shape[0], -1)[:, :cols]
 
 
-def quantize_weights(path: Path, bits: int, block_size: int = BLOCK_SIZE, accuracy_level: int = ACCURACY_LEVEL) -> None:
-    """Quantize the model at path in place: embedding and head here, every other MatMul with ORT's quantizer."""
+def quantize_weights(path: Path, bits: int, block_size: int = BLOCK_SIZE, accuracy_level: int = ACCURACY_LEVEL,
+                     chunk_rows: int = EMBEDDING_CHUNK_ROWS) -> None:
+    """Quantize the model at path in place: embedding and head here, every other MatMul with ORT's quantizer.
+
+    One weight at a time (see the module docstring): the graph is read without its weights, each
+    weight is read from the data file and its quantized form written to a new one, which
+    replaces the old at the end. chunk_rows: embedding rows quantized at a time."""
     import onnx
+
+    from .convert import weights_path
+    from .weights import DataReader, DataWriter
+
+    model = onnx.load(path, load_external_data=False)
+    graph = model.graph
+    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in graph.node for a in n.attribute):
+        raise SpecdeployError(f"{path}: weight-only quantization takes graphs without subgraphs (If, Loop, Scan)")
+    partial = path.with_name(path.name + ".data.partial")
+    reader, writer = DataReader(path.parent), DataWriter(partial, location=path.name + ".data")
+    try:
+        written: dict[str, object] = {}  # name -> TensorProto in the new data file
+        _quantize_embedding(graph, reader, writer, written, bits, block_size, accuracy_level, chunk_rows)
+        _quantize_matmuls(model, reader, writer, written, bits, block_size, accuracy_level)
+        used = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
+        # Unused initializers go (the fp32 table, the quantized MatMuls' weights), as ORT's quantizer cleans them.
+        dropped = {t.name for t in graph.initializer if t.name not in used}
+        kept = [writer.copy(t, reader.raw(t)) for t in graph.initializer if t.name in used and t.name not in written]
+        kept += [t for name, t in written.items() if name in used]
+        inputs = [i for i in graph.input if i.name not in dropped]  # an old IR lists initializers as inputs too
+        del graph.initializer[:]
+        graph.initializer.extend(kept)
+        del graph.input[:]
+        graph.input.extend(inputs)
+    finally:
+        writer.close()
+        reader.close()
+    if any(n.domain == MS for n in graph.node) and not any(o.domain == MS for o in model.opset_import):
+        model.opset_import.append(onnx.helper.make_opsetid(MS, 1))
+    data = weights_path(path)  # the old data file goes; the new one takes its name
+    partial.rename(data)
+    onnx.save_model(model, path)  # the graph only: its initializers point into the data file
+
+
+def _quantize_matmuls(model, reader, writer, written: dict, bits: int, block_size: int, accuracy_level: int) -> None:
+    """Every MatMul with a constant weight, through ONNX Runtime's MatMulNBitsQuantizer one node at a time:
+    the same quantizer, the same node and weight as a whole-graph pass (bit-equal, tests/test_quantize.py)."""
+    from onnx import helper, numpy_helper
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
-    from .convert import save_model
-
-    model = onnx.load(path)
-    _quantize_embedding(model.graph, bits, block_size, accuracy_level)
+    graph = model.graph
+    initializers = {t.name: t for t in graph.initializer}
+    # Where ORT's quantizer looks for the rank of a MatMul's input A (_get_static_rank): inputs, value_info, outputs.
+    infos: dict[str, object] = {}
+    for info in (*graph.input, *graph.value_info, *graph.output):
+        infos.setdefault(info.name, info)
     config = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=True, bits=bits,
                                           accuracy_level=accuracy_level)
-    quantizer = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=True,
-                                     accuracy_level=accuracy_level, algo_config=config)
-    quantizer.process()
-    save_model(quantizer.model.model, path)
+    new_nodes = []
+    for node in graph.node:
+        weight = initializers.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
+        if weight is None:
+            new_nodes.append(node)
+            continue
+        single = numpy_helper.from_array(reader.array(weight), weight.name)  # this weight alone, in memory a while
+        a_info = infos.get(node.input[0]) or helper.make_tensor_value_info(node.input[0], weight.data_type, None)
+        one = helper.make_model(
+            helper.make_graph([node], "one-matmul", [a_info],
+                              [helper.make_tensor_value_info(node.output[0], weight.data_type, None)], [single]),
+            opset_imports=list(model.opset_import))
+        quantizer = MatMulNBitsQuantizer(one, bits=bits, block_size=block_size, is_symmetric=True,
+                                         accuracy_level=accuracy_level, algo_config=config)
+        quantizer.process()
+        result = quantizer.model.model.graph
+        new_nodes.extend(result.node)
+        for tensor in result.initializer:
+            if tensor.name not in written and tensor.name != weight.name:
+                written[tensor.name] = writer.copy(tensor, reader.raw(tensor))
+            elif tensor.name == weight.name:  # left as it was (a shape the quantizer skips)
+                written.setdefault(tensor.name, writer.copy(weight, reader.raw(weight)))
+    del graph.node[:]
+    graph.node.extend(new_nodes)
 
 
-def _quantize_embedding(graph, bits: int, block_size: int, accuracy_level: int) -> None:
-    """The input_ids Gather onto a quantized table, and a tied head (FusedMatMul, transB) onto the same one."""
+def _quantize_embedding(graph, reader, writer, written: dict, bits: int, block_size: int, accuracy_level: int,
+                        chunk_rows: int) -> None:
+    """The input_ids Gather onto a quantized table, and a tied head (FusedMatMul, transB) onto the same one.
+
+    The table is read from the data file and quantized chunk_rows rows at a time (the blocks lie along
+    rows, so the pieces are the one-piece result cut by rows), written as they come."""
+    import onnx
     from onnx import helper, numpy_helper
 
     initializers = {t.name: t for t in graph.initializer}
@@ -92,16 +172,24 @@ def _quantize_embedding(graph, bits: int, block_size: int, accuracy_level: int) 
     if gather is None:
         return
     table_name = gather.input[0]
-    table = numpy_helper.to_array(initializers[table_name])  # [vocab, hidden]
-    if table.ndim != 2 or table.dtype != np.float32:
+    table = initializers[table_name]  # [vocab, hidden], read chunk_rows rows at a time
+    if len(table.dims) != 2 or table.data_type != onnx.TensorProto.FLOAT:
         return
-    vocab, hidden = table.shape
-    data, scales = quantize_blockwise(table, bits, block_size)
-    num_blocks = data.shape[1]
+    vocab, hidden = table.dims
+    num_blocks = -(-hidden // block_size)
+    blob = block_size * bits // 8
+    scales = np.empty((vocab, num_blocks), dtype=np.float32)  # [vocab, n_blocks]
+
+    def pieces():
+        for start in range(0, vocab, chunk_rows):
+            rows = reader.array(table, start, start + chunk_rows)  # [chunk_rows, hidden]
+            data, scales[start:start + chunk_rows] = quantize_blockwise(rows, bits, block_size)
+            yield data  # [rows, n_blocks, blob]
+
     data_name, scales_name = f"{table_name}_Q{bits}", f"{table_name}_scales"
+    written[data_name] = writer.rows(data_name, np.uint8, (vocab, num_blocks, blob), pieces())
+    written[scales_name] = writer.array(scales_name, scales)
     graph.initializer.extend([
-        numpy_helper.from_array(data, data_name),
-        numpy_helper.from_array(scales, scales_name),
         numpy_helper.from_array(np.array([vocab, num_blocks, 1], dtype=np.int64), f"{scales_name}_shape"),
         numpy_helper.from_array(np.array([0, 0, num_blocks * block_size], dtype=np.int64), f"{table_name}_rows_shape"),
     ])
@@ -129,8 +217,6 @@ def _quantize_embedding(graph, bits: int, block_size: int, accuracy_level: int) 
                                     name=node.name or "lm_head", domain=MS, K=hidden, N=vocab, bits=bits,
                                     block_size=block_size, accuracy_level=accuracy_level)
             _replace(graph, node, [head])
-    if not any(table_name in n.input for n in graph.node):
-        graph.initializer.remove(initializers[table_name])
 
 
 def _replace(graph, old, new: list) -> None:
