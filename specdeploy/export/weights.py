@@ -1,8 +1,7 @@
 """A model's external weights, one at a time: read where they lie, written as they are made.
 
 `onnx.load` reads every weight of a model into its protobuf, and saving a rewritten model then
-holds the old weights and the new ones together (Gemma 3 270M: 1.07 GB of fp32 weights, twice,
-beside PyTorch's copy). Here a model's initializers are read from its data file one at a time
+holds the old weights and the new ones together, beside PyTorch's copy. Here a model's initializers are read from its data file one at a time
 (DataReader) and new ones go straight into a data file (DataWriter), so building a graph
 (fused.py) or rewriting one (quantize.py) holds about one weight in memory at a time.
 
