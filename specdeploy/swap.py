@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from .errors import SpecdeployError
+from .manifest import MANIFEST_NAME, read_manifest_file
 
 PARTIAL, OLD = ".partial-", ".old-"
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
@@ -147,16 +148,12 @@ def _exchange(first: Path, second: Path) -> bool:
 
 
 def _is_bundle(path: Path) -> bool:
-    from .bundle import MANIFEST_NAME
-
     return (path / MANIFEST_NAME).is_file()
 
 
 def is_replaceable(out: Path) -> str | None:
     """None if --force may replace out (an empty folder, or a folder whose manifest parses as a
     specdeploy bundle's); otherwise why not, in words."""
-    from .bundle import MANIFEST_NAME, read_manifest
-
     if out.is_symlink() or not out.is_dir():
         return "is not a folder" if not out.is_symlink() else "is a symbolic link"
     if not any(out.iterdir()):
@@ -164,7 +161,7 @@ def is_replaceable(out: Path) -> str | None:
     if not (out / MANIFEST_NAME).is_file():
         return f"is not a specdeploy bundle (no {MANIFEST_NAME})"
     try:
-        read_manifest(out)
+        read_manifest_file(out / MANIFEST_NAME)
     except SpecdeployError as exc:
         return f"does not hold a specdeploy bundle ({exc})"
     return None
