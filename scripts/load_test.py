@@ -26,9 +26,10 @@ Run (from the repo root)::
     .venv/bin/python scripts/load_test.py BUNDLE --ignore-eos --max-tokens 128 --kinds code,chat \
         --json-out load.json --markdown-out load.md
 
-or against a running server (another one's too): `--url http://127.0.0.1:8080 --plain` (--plain sends
-only OpenAI fields plus ignore_eos and seed). Prints the Markdown tables, then one JSON object on the
-last line of stdout.
+Another server (llama.cpp's llama-server, say) joins the same interleaved run with `--url
+http://127.0.0.1:8080 --name llama-server --plain` (--plain: its requests carry only OpenAI fields plus
+ignore_eos and seed, and its outputs are not compared); `--max-batch none` starts no server of ours.
+Prints the Markdown tables, then one JSON object on the last line of stdout.
 """
 
 from __future__ import annotations
@@ -62,11 +63,13 @@ CHAT_PROMPTS = [  # short user turns, each asking for a reply longer than 128 to
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("bundle", nargs="?", help="Bundle to serve, and the reference for greedy outputs.")
-    parser.add_argument("--url", help="A running server's base URL instead of starting servers.")
-    parser.add_argument("--name", default=None, help="The --url server's name in the tables.")
-    parser.add_argument("--plain", action="store_true", help="Send no specdeploy extension fields (other servers).")
+    parser.add_argument("--url", action="append", default=[], help="A running server's base URL (repeatable); "
+                        "its cells alternate with those of the servers started.")
+    parser.add_argument("--name", action="append", default=[], help="Each --url server's name in the tables.")
+    parser.add_argument("--plain", action="store_true", help="Send the --url servers no specdeploy extension fields.")
     parser.add_argument("--api-key", default=None)
-    parser.add_argument("--max-batch", default="8,1", help="One server per value, comma-separated (8 is serve's default).")
+    parser.add_argument("--max-batch", default="8,1", help="With a BUNDLE, one server per value, comma-separated "
+                        "(8 is serve's default; none: start no server).")
     parser.add_argument("--concurrency", default="1,2,4,8,16", help="Concurrent clients per cell, comma-separated.")
     parser.add_argument("--requests-per-stream", type=int, default=2)
     parser.add_argument("--min-requests", type=int, default=4)
@@ -82,8 +85,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--json-out", default=None)
     parser.add_argument("--markdown-out", default=None)
     args = parser.parse_args(argv)
-    if args.bundle is None and args.url is None:
+    if args.bundle is None and not args.url:
         parser.error("name a BUNDLE to serve or the --url of a running server")
+    if len(args.name) > len(args.url):
+        parser.error("one --name per --url at most")
     if args.min_requests < 1 or args.requests_per_stream < 1 or args.max_tokens < 1:
         parser.error("--min-requests, --requests-per-stream and --max-tokens must be at least 1")
     return args
@@ -218,7 +223,7 @@ def prompt_sets(args) -> dict[str, list]:
     return {kind: {"code": code, "chat": chat}[kind] for kind in args.kinds.split(",")}
 
 
-def request_bodies(kind: str, prompts: list, count: int, mode: str, args) -> list[dict]:
+def request_bodies(kind: str, prompts: list, count: int, mode: str, args, plain: bool = False) -> list[dict]:
     bodies = []
     for i in range(count):
         index = i % len(prompts)
@@ -228,7 +233,7 @@ def request_bodies(kind: str, prompts: list, count: int, mode: str, args) -> lis
         body["messages" if kind == "chat" else "prompt"] = prompts[index]
         if args.ignore_eos:
             body["ignore_eos"] = True
-        if not args.plain:
+        if not plain:
             body.update(speculative=args.speculative == "on", num_draft_tokens=args.num_draft_tokens)
         bodies.append(body)
     return bodies
@@ -286,24 +291,25 @@ def main(argv=None) -> None:
     levels = [int(v) for v in args.concurrency.split(",")]
     kinds = prompt_sets(args)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    processes, servers = [], []  # servers: (name, max_batch or None, url)
+    processes, servers = [], []  # servers: (name, max_batch (None: a --url server), url)
     generator = None
     if args.bundle and not args.no_reference:
         import specdeploy
 
         generator = specdeploy.load(args.bundle)
     try:
-        if args.url:
-            servers.append((args.name or args.url, None, args.url.rstrip("/")))
-        else:
+        if args.bundle and args.max_batch != "none":
             for value in (int(v) for v in args.max_batch.split(",")):
                 process, url = start_server(args.bundle, max(levels) * args.requests_per_stream + 8, value)
                 processes.append(process)
                 servers.append(("sequential (1)" if value == 1 else f"batched ({value})", value, url))
+        names = args.name + args.url[len(args.name):]
+        servers += [(name, None, url.rstrip("/")) for name, url in zip(names, args.url)]
         cells, runs, turn = [], {}, 0
         for kind, prompts in kinds.items():
-            for name, _, url in servers:  # warm-up: one request of this kind
-                asyncio.run(run_cell(url, headers, request_bodies(kind, prompts, 1, "greedy", args), 1))
+            for name, max_batch, url in servers:  # warm-up: one request of this kind
+                asyncio.run(run_cell(url, headers, request_bodies(
+                    kind, prompts, 1, "greedy", args, args.plain and max_batch is None), 1))
             for mode in args.modes.split(","):
                 references = None
                 if generator is not None:
@@ -315,10 +321,11 @@ def main(argv=None) -> None:
                     order = servers if turn % 2 == 0 else servers[::-1]
                     turn += 1
                     for name, max_batch, url in order:
+                        plain = args.plain and max_batch is None  # another server: its outputs are its own
                         records, wall_s = asyncio.run(run_cell(url, headers, request_bodies(
-                            kind, prompts, count, mode, args), level))
+                            kind, prompts, count, mode, args, plain), level))
                         cell = {"kind": kind, "mode": mode, "concurrency": level, "server": name,
-                                "max_batch": max_batch, **summarize(records, wall_s, args, references)}
+                                "max_batch": max_batch, **summarize(records, wall_s, args, None if plain else references)}
                         cells.append(cell)
                         print(f"{kind} {mode} streams={level} {name}: {cell['tokens_per_s']:.1f} tok/s, "
                               f"failed {cell['failed']}, altered {cell['altered']}", file=sys.stderr, flush=True)
@@ -326,7 +333,8 @@ def main(argv=None) -> None:
         for process in processes:
             process.terminate()
             process.wait(60)
-    cells.sort(key=lambda c: (list(kinds).index(c["kind"]), c["mode"], c["concurrency"], c["max_batch"] == 1))
+    rank = {name: i for i, (name, _, _) in enumerate(servers)}
+    cells.sort(key=lambda c: (list(kinds).index(c["kind"]), c["mode"], c["concurrency"], rank[c["server"]]))
     table = markdown(cells, runs, args)
     report = {"bundle": args.bundle, "url": args.url, "servers": [s[:2] for s in servers], "max_tokens": args.max_tokens,
               "ignore_eos": args.ignore_eos, "speculative": args.speculative, "num_draft_tokens": args.num_draft_tokens,
