@@ -24,7 +24,7 @@ from specdeploy.distill.models import build_eagle_head, build_model_draft, chain
 from specdeploy.distill.train import EagleKind, HeldOut, ModelKind, kl_to_target, measure
 from specdeploy.errors import SpecdeployError
 
-TINY = dict(seq_len=32, batch_size=2, heldout_tokens=64, generate_tokens=32, eval_every=2, minutes=None)
+TINY = dict(seq_len=32, batch_size=2, heldout_tokens=64, generate_tokens=32, eval_every=2, minutes=None, threads=1)
 
 
 @pytest.fixture(scope="module")
@@ -224,7 +224,7 @@ def test_ctrl_c_keeps_a_complete_checkpoint(target, text_file, tmp_path):
     process = subprocess.Popen(
         [sys.executable, "-m", "specdeploy", "distill", "--target", str(target), "--out", str(out), "--data", str(text_file),
          "--seq-len", "32", "--batch-size", "2", "--heldout-tokens", "64", "--generate-tokens", "32", "--layers", "1",
-         "--checkpoint-steps", "1", "--eval-every", "1000"],  # fingerprint as TINY's
+         "--checkpoint-steps", "1", "--eval-every", "1000", "--threads", "1"],  # fingerprint as TINY's
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines = []

@@ -51,6 +51,8 @@ def format_event(event) -> str | None:
 @click.option("--draft-vocab", type=int, default=None,
               help="The draft's head covers the N most frequent tokens of the data (default: all).")
 @click.option("--device", default="cpu", show_default=True, help="cpu | cuda")
+@click.option("--threads", type=int, default=None,
+              help="PyTorch's CPU threads (default: its own); 1 runs faster on a CPU shared with other work.")
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its checkpoint (same options).")
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True)
 @click.option("--seq-len", type=int, default=DistillConfig.seq_len, show_default=True)
@@ -67,7 +69,7 @@ def format_event(event) -> str | None:
 @click.option("--checkpoint-minutes", type=float, default=DistillConfig.checkpoint_minutes, show_default=True)
 @click.option("--checkpoint-steps", type=int, default=None, help="Also checkpoint every N steps.")
 def distill(target, out, kind, data, generate_tokens, max_text_tokens, minutes, steps, layers, hidden_size, draft_vocab,
-            device, resume, seed, seq_len, batch_size, lr, top_k, unroll, heldout_tokens, eval_every, checkpoint_minutes,
+            device, threads, resume, seed, seq_len, batch_size, lr, top_k, unroll, heldout_tokens, eval_every, checkpoint_minutes,
             checkpoint_steps) -> None:
     """Distil a draft for a target: trained on the target's own distribution, checkpointed, resumable.
 
@@ -75,7 +77,7 @@ def distill(target, out, kind, data, generate_tokens, max_text_tokens, minutes, 
     the draft folder's path to stdout. Ctrl-C saves a checkpoint and exits 130; --resume continues it."""
     config = DistillConfig(target=target, out=out, kind=kind, data=tuple(data), generate_tokens=generate_tokens,
                            max_text_tokens=max_text_tokens, minutes=minutes, steps=steps, layers=layers,
-                           hidden_size=hidden_size, draft_vocab=draft_vocab, device=device, resume=resume, seed=seed,
+                           hidden_size=hidden_size, draft_vocab=draft_vocab, device=device, threads=threads, resume=resume, seed=seed,
                            seq_len=seq_len, batch_size=batch_size, lr=lr, top_k=top_k, unroll=unroll,
                            heldout_tokens=heldout_tokens, eval_every=eval_every, checkpoint_minutes=checkpoint_minutes,
                            checkpoint_steps=checkpoint_steps).validate()

@@ -26,6 +26,7 @@ class DistillConfig:
     hidden_size: int | None = None    # model kind: the draft's width (None: the target's, so its weights can be copied)
     draft_vocab: int | None = None    # the draft's head covers the N most frequent token ids (None: the whole vocabulary)
     device: str = "cpu"
+    threads: int | None = None        # PyTorch's CPU threads (None: its default); 1 is faster on a CPU shared with other work
     resume: bool = False
     seed: int = 0
     seq_len: int = 256                # tokens per training window
@@ -59,7 +60,7 @@ class DistillConfig:
         positive = {"--layers": self.layers, "--hidden-size": self.hidden_size, "--steps": self.steps,
                     "--seq-len": self.seq_len, "--batch-size": self.batch_size, "--eval-every": self.eval_every,
                     "--checkpoint-steps": self.checkpoint_steps, "--draft-vocab": self.draft_vocab,
-                    "--unroll": self.unroll, "--top-k": self.top_k}
+                    "--unroll": self.unroll, "--top-k": self.top_k, "--threads": self.threads}
         for flag, value in positive.items():
             if value is not None and value < 1:
                 raise SpecdeployError(f"{flag} {value}: must be at least 1")

@@ -118,10 +118,22 @@ def distill(config: DistillConfig, report: Callable = lambda event: None, stop=N
     """Distil a draft of config.kind from config.target into config.out (see docs/distill.md)."""
     import torch
 
+    config.validate()
+    previous_threads = torch.get_num_threads()
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    try:
+        return _distill(config, report, stop)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _distill(config: DistillConfig, report: Callable, stop) -> DistillResult:
+    import torch
+
     from . import models
     from .train import EagleKind, HeldOut, LoopState, ModelKind, train_loop, uniform_noise
 
-    config.validate()
     out = Path(config.out).expanduser()
     device = resolve_device(config.device)
     run = ckpt.prepare_out(out, config.resume)

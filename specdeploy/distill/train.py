@@ -37,8 +37,12 @@ def kl_to_target(draft_logits: torch.Tensor, top_ids: torch.Tensor, top_logprobs
 
 
 def feature_loss(predicted: torch.Tensor, target_features: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """EAGLE's regression: smooth L1 between predicted and true features [batch, seq, hidden] at valid [seq]."""
-    return F.smooth_l1_loss(predicted[:, valid], target_features[:, valid])
+    """EAGLE's regression: smooth L1 between predicted and true features [batch, seq, hidden] at valid [seq].
+
+    Both are divided by the true feature's RMS (per position): residual streams run at RMS 10-100
+    with a few dimensions in the thousands, and a loss on that scale would drown the KL term."""
+    scale = target_features[:, valid].pow(2).mean(-1, keepdim=True).sqrt().clamp(min=1e-6)
+    return F.smooth_l1_loss(predicted[:, valid] / scale, target_features[:, valid] / scale)
 
 
 class ModelKind:
