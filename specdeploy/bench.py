@@ -29,8 +29,12 @@ def builtin_prompts() -> list[str]:
 
 
 def read_prompts(path: str | Path) -> list[str]:
-    """A JSON list of strings, or JSONL with a "prompt" field per line."""
-    text = Path(path).read_text()
+    """A UTF-8 file of prompts (see parse_prompts)."""
+    return parse_prompts(Path(path).read_text(encoding="utf-8"), f"--prompts {path}")
+
+
+def parse_prompts(text: str, where: str) -> list[str]:
+    """A JSON list of strings, or JSONL with a "prompt" field per line; where names the text in errors."""
     try:
         data = json.loads(text)
         prompts = data if isinstance(data, list) else None
@@ -40,7 +44,7 @@ def read_prompts(path: str | Path) -> list[str]:
         except (json.JSONDecodeError, KeyError, TypeError):
             prompts = None
     if not prompts or not all(isinstance(p, str) for p in prompts):
-        raise SpecdeployError(f"--prompts {path}: expected a JSON list of strings or JSONL with a 'prompt' field")
+        raise SpecdeployError(f"{where}: expected a JSON list of strings or JSONL with a 'prompt' field")
     return prompts
 
 

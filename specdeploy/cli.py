@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from . import defaults
 from .cli_support import (DEBUG_HELP, EXIT_INTERRUPTED, ErrorMappingGroup, Utf8Text, end_text, format_stats, note_debug,
                           parse_draft_tokens, parse_prompt_tokens, require_export_extra, return_freed_memory, run_request,
                           stream_text)
@@ -47,7 +48,7 @@ SAMPLING_OPTIONS = _options(
 )
 # How `run`, `bench` and `serve` load a bundle.
 DEVICE_OPTION = click.option("--device", default="cpu", show_default=True, help="cpu | cuda | tensorrt")
-DRAFTER_OPTION = click.option("--drafter", default="hybrid", show_default=True,
+DRAFTER_OPTION = click.option("--drafter", default=defaults.DRAFTER, show_default=True,
                               help="hybrid (prompt lookup when the text repeats, else the draft model) | model | prompt-lookup")
 VERIFY_OPTION = click.option("--verify", is_flag=True, help="Re-hash every bundle file before loading (sizes are always checked).")
 
@@ -400,20 +401,22 @@ def bench(bundle, prompts_file, prompt_file, max_new_tokens, prompt_tokens, num_
 
 @main.command()
 @click.argument("bundle", type=click.Path(), required=False)
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
-@click.option("--port", type=int, default=8000, show_default=True, help="0 picks a free port (it is logged).")
-@click.option("--max-queue", type=int, default=64, show_default=True,
+@click.option("--host", default=defaults.SERVE_HOST, show_default=True,
+              help="Address to listen on (0.0.0.0: every interface).")
+@click.option("--port", type=int, default=defaults.SERVE_PORT, show_default=True, help="0 picks a free port (it is logged).")
+@click.option("--max-queue", type=int, default=defaults.SERVE_MAX_QUEUE, show_default=True,
               help="Requests that may wait for a free batch slot; one more answers 429.")
-@click.option("--max-batch", type=int, default=None,
-              help="Requests decoded together [default: 8; 1 serves one at a time].")
+@click.option("--max-batch", type=int, default=defaults.SERVE_MAX_BATCH, show_default=True,
+              help="Requests decoded together (1 serves one at a time).")
 @click.option("--num-draft-tokens", "-k", type=int, default=DEFAULTS.num_draft_tokens, show_default=True,
               help="k for requests that do not set num_draft_tokens.")
 @DRAFTER_OPTION
 @DEVICE_OPTION
 @click.option("--api-key", envvar="SPECDEPLOY_API_KEY", default=None,
               help="Require 'Authorization: Bearer KEY' on /v1/* (also read from $SPECDEPLOY_API_KEY).")
-@click.option("--max-body-bytes", type=int, default=1 << 20, show_default=True, help="Larger request bodies get 413.")
-@click.option("--drain-timeout", type=float, default=30.0, show_default=True,
+@click.option("--max-body-bytes", type=int, default=defaults.SERVE_MAX_BODY_BYTES, show_default=True,
+              help="Larger request bodies get 413.")
+@click.option("--drain-timeout", type=float, default=defaults.SERVE_DRAIN_TIMEOUT_S, show_default=True,
               help="Seconds in-flight requests get to finish after SIGTERM.")
 @click.option("--model-name", default=None, help="The model id to list (default: the bundle folder's name).")
 def serve(bundle, host, port, max_queue, max_batch, num_draft_tokens, drafter, device, api_key, max_body_bytes,
@@ -425,10 +428,9 @@ def serve(bundle, host, port, max_queue, max_batch, num_draft_tokens, drafter, d
         raise SpecdeployError(f"serving needs the serve extra (pip install 'specdeploy[serve]'): {exc}") from None
 
     return_freed_memory()
-    config = ServeConfig(bundle=resolve_bundle(bundle), host=host, port=port, max_queue=max_queue,
+    config = ServeConfig(bundle=resolve_bundle(bundle), host=host, port=port, max_queue=max_queue, max_batch=max_batch,
                          num_draft_tokens=num_draft_tokens, drafter=drafter, device=device, api_key=api_key,
-                         max_body_bytes=max_body_bytes, drain_timeout_s=drain_timeout, model_name=model_name,
-                         **({} if max_batch is None else {"max_batch": max_batch}))
+                         max_body_bytes=max_body_bytes, drain_timeout_s=drain_timeout, model_name=model_name)
     run_server(config)
 
 

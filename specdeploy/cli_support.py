@@ -16,6 +16,7 @@ from pathlib import Path
 import click
 
 from .errors import SpecdeployError, describe_unexpected
+from .runtime.config import MAX_DRAFT_TOKENS
 
 EXIT_ERROR, EXIT_INTERRUPTED = 2, 130
 DEBUG_HELP = "Show the Python traceback of an error instead of one line (also after the subcommand)."
@@ -120,12 +121,11 @@ def read_text_file(path: str, option: str) -> str:
 
 def read_prompts_file(path: str) -> list[str]:
     """A --prompts file: it must exist, be UTF-8, and hold a JSON list of strings or JSONL with 'prompt'."""
-    from .bench import read_prompts
+    from .bench import parse_prompts
 
-    read_text_file(path, "--prompts")
-    file = Path(path).expanduser()
+    text = read_text_file(path, "--prompts")
     try:
-        return read_prompts(file)
+        return parse_prompts(text, f"--prompts {path}")
     except RecursionError:
         raise SpecdeployError(f"--prompts {path}: nested too deeply to be a list of prompts") from None
 
@@ -139,7 +139,6 @@ def check_output_file(path: str, option: str) -> None:
         raise SpecdeployError(f"{option} {path}: the folder {file.parent} does not exist")
     if not os.access(file.parent, os.W_OK):
         raise SpecdeployError(f"{option} {path}: the folder {file.parent} is not writable")
-
 
 
 def require_export_extra(why: str, otherwise: str = "") -> None:
@@ -231,8 +230,8 @@ def parse_draft_tokens(value: str) -> tuple[int, ...] | None:
         ks = tuple(int(v) for v in value.split(","))
     except ValueError:
         raise SpecdeployError(f"--num-draft-tokens '{value}': expected K, a list like 2,4,8, or auto") from None
-    if not all(1 <= k <= 32 for k in ks):
-        raise SpecdeployError("--num-draft-tokens: each k must be in 1..32")
+    if not all(1 <= k <= MAX_DRAFT_TOKENS for k in ks):
+        raise SpecdeployError(f"--num-draft-tokens: each k must be in 1..{MAX_DRAFT_TOKENS}")
     return ks
 
 

@@ -163,3 +163,24 @@ def test_a_runtime_only_install_names_the_extra_it_lacks(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: no bundle named"), result.stderr
     assert "pip install 'specdeploy[export]'" in lines[0] and "transformers" in lines[0]
     assert not (tmp_path / "home" / "demo-bundle").exists()
+
+
+def test_serve_options_default_to_serve_config():
+    """`serve` without flags configures the server as ServeConfig's own defaults do (a default written
+    twice drifts), and parsing them imports no server package."""
+    import dataclasses
+
+    from specdeploy.cli import main
+    from specdeploy.serve.config import ServeConfig
+
+    options = {param.name: param.default for param in main.commands["serve"].params}
+    renamed = {"drain_timeout": "drain_timeout_s"}
+    checked = 0
+    for name, default in options.items():
+        field = next((f for f in dataclasses.fields(ServeConfig) if f.name == renamed.get(name, name)), None)
+        if field is not None and field.default is not dataclasses.MISSING:
+            assert default == field.default, name
+            checked += 1
+    assert checked >= 9
+    code = "import sys, specdeploy.cli; print(sorted({m.split('.')[0] for m in sys.modules} & {'starlette', 'uvicorn'}))"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "[]"
