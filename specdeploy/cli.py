@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -107,17 +106,9 @@ def export(target, draft, out, dtype, quantize, draft_quantize, max_context, dra
     click.echo(str(Path(out).resolve()))
 
 
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
-
-
 def _export(target: str, draft: str, out: str, **options) -> None:
     """Run the export stage with a progress display and the parity figures at the end (stderr)."""
-    import signal
-
     require_export_extra("exporting")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    signal.signal(signal.SIGTERM, _interrupt)  # a terminated export cleans up like Ctrl-C
     from rich.console import Console
 
     try:
@@ -237,7 +228,6 @@ def run(bundle, prompt, prompt_file, chat, system, messages_file, max_new_tokens
     request = run_request(prompt, prompt_file, chat, system, messages_file)
     if logprobs is not None and not as_json:
         raise SpecdeployError("--logprobs needs --json (the log-probabilities are printed in its JSON object)")
-    return_freed_memory()
     generator = load(resolve_bundle(bundle), device=device, drafter=drafter, verify=verify)
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                    repetition_penalty=repetition_penalty, seed=seed, num_draft_tokens=num_draft_tokens, draft_confidence=draft_confidence,
@@ -302,7 +292,6 @@ def chat(bundle, system, max_new_tokens, temperature, top_k, top_p, min_p, repet
                                   num_draft_tokens=num_draft_tokens, draft_confidence=draft_confidence,
                                   speculative=not no_speculative, stop=stop)
     generation.validate()
-    return_freed_memory()
     bundle = resolve_bundle(bundle)
     generator = load(bundle, device=device, drafter=drafter, verify=verify)
     if generator.chat_template is None:
@@ -358,7 +347,6 @@ def bench(bundle, prompts_file, prompt_file, max_new_tokens, prompt_tokens, num_
         prompts = [read_text_file(prompt_file, "--prompt-file")]
     else:
         prompts = read_prompts_file(prompts_file) if prompts_file else builtin_prompts()
-    return_freed_memory()
     bundle = resolve_bundle(bundle)
     generator = load(bundle, device=device, drafter=drafter, verify=verify)
     lengths = parse_prompt_tokens(prompt_tokens, max_new_tokens, generator.max_context)
@@ -427,7 +415,6 @@ def serve(bundle, host, port, max_queue, max_batch, num_draft_tokens, drafter, d
     except ImportError as exc:
         raise SpecdeployError(f"serving needs the serve extra (pip install 'specdeploy[serve]'): {exc}") from None
 
-    return_freed_memory()
     config = ServeConfig(bundle=resolve_bundle(bundle), host=host, port=port, max_queue=max_queue, max_batch=max_batch,
                          num_draft_tokens=num_draft_tokens, drafter=drafter, device=device, api_key=api_key,
                          max_body_bytes=max_body_bytes, drain_timeout_s=drain_timeout, model_name=model_name)

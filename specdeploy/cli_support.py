@@ -10,8 +10,11 @@ their offset, never replaced, so what is generated from is exactly what was give
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
+from typing import Callable
 
 import click
 
@@ -22,6 +25,8 @@ EXIT_ERROR, EXIT_INTERRUPTED = 2, 130
 DEBUG_HELP = "Show the Python traceback of an error instead of one line (also after the subcommand)."
 # The modules of the export extra that exporting imports first (optimum-onnx installs `optimum`).
 EXPORT_MODULES = ("torch", "transformers", "optimum", "onnx")
+SIGTERM_AS_INTERRUPT = frozenset({"export"})  # a terminated export deletes its partial folder as on Ctrl-C
+RETURN_FREED_MEMORY = frozenset({"run", "chat", "bench", "serve"})  # the commands that decode (see return_freed_memory)
 
 
 def fail(message: str, code: int = EXIT_ERROR):
@@ -35,13 +40,39 @@ def note_debug(ctx: click.Context, param, value: bool) -> None:
         ctx.find_root().command.debug_requested = True
 
 
+def command_line_process(command: str) -> Callable[[], None]:
+    """The process-wide settings of a command-line process about to run `command`, made here and
+    nowhere else; returns what undoes those that can be undone (the console entry's main calls both).
+
+    A program that imports specdeploy keeps its own environment, signal handlers and allocator:
+    neither `specdeploy.load` nor `create_app` changes any of them.
+    - HF_HUB_OFFLINE=1 unless set: an export reads local checkpoints only, and Hugging Face's
+      libraries read the variable when they are imported;
+    - SIGTERM raises KeyboardInterrupt in an export (SIGTERM_AS_INTERRUPT), so that it cleans up;
+    - glibc returns freed large blocks to the system in the commands that decode (RETURN_FREED_MEMORY)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    undo = []
+    if command in SIGTERM_AS_INTERRUPT and threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _interrupt)
+        undo.append(lambda: signal.signal(signal.SIGTERM, previous))
+    if command in RETURN_FREED_MEMORY:
+        return_freed_memory()
+    return lambda: [step() for step in undo]
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 class ErrorMappingGroup(click.Group):
-    """A click group whose every failure is one line (see the module docstring).
+    """A click group whose every failure is one line (see the module docstring), and whose main is
+    the one place that sets up the process (command_line_process).
 
     Every command it holds takes --debug too, parsed as its own option (so `--prompt --debug` is
     still a prompt), and the group's callback only records it."""
 
     debug_requested = False
+    _undo_setup: Callable[[], None] | None = None
 
     def add_command(self, cmd: click.Command, name: str | None = None) -> None:
         if not any(param.name == "debug" for param in cmd.params):
@@ -49,9 +80,23 @@ class ErrorMappingGroup(click.Group):
                                            callback=note_debug, help=DEBUG_HELP))
         super().add_command(cmd, name)
 
+    def resolve_command(self, ctx: click.Context, args: list[str]):
+        name, command, rest = super().resolve_command(ctx, args)
+        if command is not None and self._undo_setup is None:
+            self._undo_setup = command_line_process(command.name)
+        return name, command, rest
+
     def main(self, args=None, prog_name=None, **kwargs):
         args = list(sys.argv[1:] if args is None else args)
         self.debug_requested = False
+        try:
+            return self._main(args, prog_name, **kwargs)
+        finally:
+            undo, self._undo_setup = self._undo_setup, None
+            if undo is not None:
+                undo()
+
+    def _main(self, args, prog_name, **kwargs):
         try:
             return super().main(args, prog_name, standalone_mode=False, **kwargs)
         except click.exceptions.Exit as exc:

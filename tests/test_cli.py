@@ -184,3 +184,50 @@ def test_serve_options_default_to_serve_config():
     assert checked >= 9
     code = "import sys, specdeploy.cli; print(sorted({m.split('.')[0] for m in sys.modules} & {'starlette', 'uvicorn'}))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "[]"
+
+
+def test_the_library_changes_nothing_process_wide(agreeing_bundle):
+    """Loading, generating and building the server's app leave the environment, SIGTERM's handler and
+    logging as they were; the module that sets them (for the console entry) is never imported."""
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import logging, os, signal, sys
+        import specdeploy
+        from specdeploy.serve import ServeConfig, create_app
+        from starlette.testclient import TestClient
+        specdeploy.load({str(agreeing_bundle)!r}).generate("def f(x):", max_new_tokens=4)
+        with TestClient(create_app(ServeConfig(bundle={str(agreeing_bundle)!r}))) as client:
+            client.get("/health")
+        assert "HF_HUB_OFFLINE" not in os.environ
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        assert not logging.getLogger("uvicorn").handlers and not logging.getLogger("specdeploy.serve").handlers
+        assert "specdeploy.cli_support" not in sys.modules
+        print("ok")
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def test_the_console_entry_sets_up_its_process_and_gives_it_back(monkeypatch, tmp_path):
+    """Only the CLI's main turns SIGTERM into Ctrl-C, for an export, and it restores the handler it found."""
+    import signal
+
+    from click.testing import CliRunner
+
+    import specdeploy.cli
+    from specdeploy.cli import main
+
+    seen = []
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(specdeploy.cli, "_export", lambda *args, **options: seen.append(
+        (signal.getsignal(signal.SIGTERM), os.environ.get("HF_HUB_OFFLINE"))))
+    before = signal.getsignal(signal.SIGTERM)
+    result = CliRunner().invoke(main, ["export", "--out", str(tmp_path / "bundle")])
+    assert result.exit_code == 0, result.output
+    (handler, offline), = seen
+    assert handler is not before and callable(handler) and offline == "1"
+    assert signal.getsignal(signal.SIGTERM) is before
+    with pytest.raises(KeyboardInterrupt):
+        handler(signal.SIGTERM, None)
