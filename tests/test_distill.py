@@ -204,6 +204,23 @@ def test_an_eagle_run_with_a_draft_vocab_writes_its_contract(target, text_file, 
     assert weights["fc.weight"].shape == (64, 128) and "layers.0.self_attn.q_proj.weight" in weights
 
 
+def test_a_gguf_target_distils_through_its_chat_template(tmp_path):
+    from test_gguf import write_llama_gguf
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "draft"
+    result = distill(DistillConfig(target=str(write_llama_gguf(tmp_path / "tiny.gguf")), out=str(out), layers=1, steps=1,
+                                   **{**TINY, "generate_tokens": 16, "seq_len": 16}))
+    assert result.step == 1
+    heldout = json.loads((out / "heldout.json").read_text())["documents"]
+    assert {d["kind"] for d in heldout} == {"chat", "code"}
+    chat = next(d for d in heldout if d["kind"] == "chat")
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))  # the GGUF's, saved by transformers
+    assert tokenizer.decode(chat["ids"], skip_special_tokens=False).startswith("<|im_start|>user")
+    assert AutoModelForCausalLM.from_pretrained(out).config.num_hidden_layers == 1
+
+
 def test_a_resumed_run_continues_exactly_as_an_uninterrupted_one(target, text_file, tmp_path):
     straight, split = tmp_path / "straight", tmp_path / "split"
     options = dict(kind="eagle", unroll=2, eval_every=10)
