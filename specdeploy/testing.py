@@ -21,6 +21,8 @@ SAMPLED_SETTINGS = {
     "T 0.8, top-k 50, top-p 0.95": dict(temperature=0.8, top_k=50, top_p=0.95),
     "T 0.8, min-p 0.05": dict(temperature=0.8, min_p=0.05),
     "T 0.8, top-p 0.95, repetition penalty 1.1": dict(temperature=0.8, top_p=0.95, repetition_penalty=1.1),
+    "T 0.8, presence penalty 1.5": dict(temperature=0.8, presence_penalty=1.5),
+    "T 0.8, frequency penalty 1.0": dict(temperature=0.8, frequency_penalty=1.0),
 }
 
 
@@ -34,7 +36,8 @@ def exact_continuation_probs(generator: Generator, prompt_ids: list[int], params
     prefix below it has no such continuation), and their total falls short of 1 by the rest."""
     def probs(context: list[int]) -> np.ndarray:  # [vocab]
         logits = generator.target.logits_after(context, generator.target_cache)  # [vocab]
-        return process_logits(logits[None], params, [context])[0].astype(np.float64)  # the penalty reads the context
+        generated = context[len(prompt_ids) :]  # what the presence and frequency penalties count
+        return process_logits(logits[None], params, [context], [generated])[0].astype(np.float64)
 
     result: dict[tuple[int, ...], float] = {(): 1.0}
     for _ in range(length):

@@ -164,7 +164,8 @@ SETTINGS = SAMPLED_SETTINGS
 @pytest.mark.slow
 @pytest.mark.parametrize("setting, sampler", [(name, "c") for name in SETTINGS]
                          + [("T 0.8", "numpy"), ("T 0.8, top-k 50, top-p 0.95", "numpy"),
-                            ("T 0.8, top-p 0.95, repetition penalty 1.1", "numpy")])
+                            ("T 0.8, top-p 0.95, repetition penalty 1.1", "numpy"),
+                            ("T 0.8, frequency penalty 1.0", "numpy")])
 def test_sampling_matches_the_target_distribution_at_every_setting(agreeing_bundle, monkeypatch, setting, sampler):
     """The first two tokens of 4,000 seeded k = 1 runs through the whole speculative loop (draft rows, the
     verify scan with its rejections and bonus tokens, target-only steps), against the exact joint target
@@ -287,3 +288,32 @@ def test_warm_up_leaves_the_output_and_the_caches_as_a_cold_load(agreeing_bundle
         assert (got.stats.target_calls, got.stats.draft_calls) == (expected.stats.target_calls, expected.stats.draft_calls)
         cold.reset()
         warm.reset()
+
+
+@pytest.mark.parametrize("penalties", [dict(presence_penalty=1.5), dict(frequency_penalty=0.7),
+                                       dict(presence_penalty=-0.5, frequency_penalty=1.2, repetition_penalty=1.1)])
+def test_greedy_with_openai_penalties_is_target_only_token_for_token(agreeing_bundle, penalties):
+    """Greedy with presence/frequency penalties: speculative output equals target-only output for every k,
+    and each token is the argmax of the target's logits less the penalties over the tokens generated
+    before it (not the prompt's), computed here from the definition."""
+    generator = specdeploy.load(agreeing_bundle)
+    params = sampling.SamplingParams(**penalties)
+    for prompt in PROMPTS:
+        ids = generator.codec.encode(prompt)
+        baseline = generator.generate(ids, max_new_tokens=24, speculative=False, **penalties)
+        context = list(ids)
+        for token in baseline.token_ids:
+            logits = generator.target.logits_after(context, generator.target_cache)
+            row = sampling.penalize_counts(logits, context[len(ids):], params)
+            if params.penalized:
+                row = sampling.penalize(row, np.unique(context), params.repetition_penalty)
+            assert token == int(row.argmax())
+            context.append(token)
+        for k in (1, 4):
+            out = generator.generate(ids, max_new_tokens=24, num_draft_tokens=k, **penalties)
+            assert out.token_ids == baseline.token_ids, (prompt, k)
+    plain = generator.generate(PROMPTS[0], max_new_tokens=24, speculative=False).token_ids
+    assert generator.generate(PROMPTS[0], max_new_tokens=24, speculative=False, frequency_penalty=2.0).token_ids != plain
+    for bad in (dict(presence_penalty=2.5), dict(frequency_penalty=-3.0)):
+        with pytest.raises(SpecdeployError, match="penalty"):
+            generator.generate(PROMPTS[0], max_new_tokens=2, **bad)

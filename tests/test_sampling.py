@@ -56,8 +56,10 @@ def rows(rng, vocab: int, count: int) -> np.ndarray:
     return logits
 
 
-def sampler_with_context(params, vocab, rng, length=40):
-    sampler = Sampler(params, vocab)
+def sampler_with_context(params, vocab, rng, length=40, prompt_length=10):
+    """A sampler synced to a random context whose first prompt_length tokens are the prompt (the
+    presence and frequency penalties count the rest)."""
+    sampler = Sampler(params, vocab, prompt_length=prompt_length)
     context = [int(t) for t in rng.integers(0, vocab, size=length)]
     sampler.sync(context)
     return sampler, context
@@ -115,7 +117,7 @@ def test_c_rows_equal_the_definition(name, vocab):
     for trial, logits in enumerate(rows(rng, vocab, 12)):
         extras = [int(t) for t in rng.integers(0, vocab, size=trial % 4)] + ([context[0]] if trial % 2 else [])
         ours = sampler.distribution(logits, np.empty(vocab, np.float32), extras)
-        reference = process_logits(logits[None], params, [context + extras])[0]
+        reference = process_logits(logits[None], params, [context + extras], [context[10:] + extras])[0]
         assert_same_row(ours, reference, f"{name} trial {trial}")
 
 

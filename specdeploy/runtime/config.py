@@ -22,6 +22,10 @@ class GenerationConfig:
     top_p: float = 1.0  # 1.0: off
     min_p: float = 0.0  # 0.0: off; keeps tokens at least min_p times as likely as the most likely one
     repetition_penalty: float = 1.0  # 1.0: off; HF's: divides positive / multiplies negative logits of context tokens
+    # OpenAI's, over the tokens generated so far (not the prompt, as vLLM counts): subtracted from a
+    # token's logit once if it was generated (presence), and per time it was (frequency); -2..2, 0: off.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = 0  # seeds the np.random.Generator every draw comes from
     num_draft_tokens: int = 4  # k: tokens the draft proposes per round
     speculative: bool = True  # False: target-only decoding, the baseline
@@ -48,6 +52,10 @@ class GenerationConfig:
             raise SpecdeployError(f"min_p must be in [0, 1] (got {self.min_p})")
         if not 0 < self.repetition_penalty < float("inf"):
             raise SpecdeployError(f"repetition_penalty must be a positive finite number (got {self.repetition_penalty})")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise SpecdeployError(f"{name} must be in [-2, 2] (got {value})")
         if self.top_k < 0:
             raise SpecdeployError(f"top_k must be >= 0 (got {self.top_k})")
         if self.max_new_tokens < 0:
@@ -66,7 +74,9 @@ class GenerationConfig:
     @property
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=float(self.temperature), top_k=int(self.top_k), top_p=float(self.top_p),
-                              min_p=float(self.min_p), repetition_penalty=float(self.repetition_penalty))
+                              min_p=float(self.min_p), repetition_penalty=float(self.repetition_penalty),
+                              presence_penalty=float(self.presence_penalty),
+                              frequency_penalty=float(self.frequency_penalty))
 
 
 @dataclass

@@ -84,10 +84,13 @@ def accept(sampler: Sampler, draft_token_ids: list[int], draft_probs: np.ndarray
     go to it as float32 C-contiguous rows (copied so if they are not), and target_probs must be a
     writable float32 C-contiguous buffer (a TypeError says so)."""
     if sampler.greedy:
-        return greedy_accept(draft_token_ids, target_logits, None if sampler.penalty is None else sampler.argmax)
+        plain = sampler.penalty is None and not sampler.counted
+        return greedy_accept(draft_token_ids, target_logits, None if plain else sampler.argmax)
     uniforms = rng.random(len(draft_token_ids) + 1)
     kernel = sampler.kernel
     if kernel is not None:
+        if sampler.counted:  # the kernel knows the repetition penalty only: the counts come off first
+            target_logits = sampler.counted_rows(target_logits, draft_token_ids)
         ids, mask = sampler.penalty_args()
         return kernel.verify(draft_token_ids, kernel_rows(draft_probs), kernel_rows(target_logits), uniforms,
                              target_probs, ids, mask)

@@ -1,8 +1,10 @@
-"""Logits processing (repetition penalty, temperature, top-k, top-p, min-p) and drawing tokens.
+"""Logits processing (presence/frequency and repetition penalties, temperature, top-k, top-p, min-p) and drawing tokens.
 
 The NumPy functions here are the definition, in plain NumPy that calls nothing faster:
-`process_logits` forms the distribution every sampled token is drawn from, in Hugging Face's order
-and with its names (repetition_penalty, then temperature, top_k, top_p, min_p), and `draw` /
+`process_logits` forms the distribution every sampled token is drawn from: OpenAI's presence and
+frequency penalties over the generated tokens first (as vLLM counts them), then Hugging Face's
+processors in its order and with its names (repetition_penalty, then temperature, top_k, top_p,
+min_p), and `draw` /
 `residual_draw` are the inverse-CDF draws. Speculative sampling applies the same processing to the
 draft's and the target's logits, each row with the context up to its own position, so the
 distribution it preserves is exactly the one target-only sampling draws from.
@@ -41,6 +43,8 @@ class SamplingParams:
     top_p: float = 1.0  # 1.0: off
     min_p: float = 0.0  # 0.0: off; keeps tokens at least min_p times as likely as the most likely one
     repetition_penalty: float = 1.0  # 1.0: off; > 1 discourages tokens already in the context
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from the logit of every token generated so far
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted per occurrence among the tokens generated so far
 
     @property
     def greedy(self) -> bool:
@@ -49,6 +53,11 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         return self.repetition_penalty != 1.0
+
+    @property
+    def counted(self) -> bool:
+        """Whether the presence or frequency penalty is on (they read the generated tokens' counts)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def truncated(self) -> bool:
@@ -112,10 +121,28 @@ def _nucleus(weights: np.ndarray, top_p: float, candidates: int = 64) -> np.ndar
     return keep
 
 
+def count_penalties(counts: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """What OpenAI's penalties subtract from each logit, float32 [n], for tokens generated counts [n] times
+    (frequency_penalty * count + presence_penalty where the count is not 0)."""
+    counts = np.asarray(counts, dtype=np.float32)
+    return (np.float32(params.frequency_penalty) * counts
+            + np.float32(params.presence_penalty) * (counts > 0).astype(np.float32))
+
+
+def penalize_counts(logits: np.ndarray, output_ids, params: SamplingParams) -> np.ndarray:
+    """logits [vocab] less OpenAI's presence and frequency penalties for the generated tokens output_ids [m]
+    (repeats counted); a float32 copy."""
+    counts = np.bincount(np.asarray(output_ids, dtype=np.int64), minlength=len(logits))
+    return np.asarray(logits, dtype=np.float32) - count_penalties(counts, params)
+
+
 def process_row(logits: np.ndarray, params: SamplingParams, out: np.ndarray,
-                penalized_ids: np.ndarray | None = None) -> np.ndarray:
-    """out [vocab] = the distribution params give logits [vocab] whose context holds penalized_ids [m] (distinct)."""
+                penalized_ids: np.ndarray | None = None, output_ids=None) -> np.ndarray:
+    """out [vocab] = the distribution params give logits [vocab] whose context holds penalized_ids [m] (distinct)
+    and whose generated tokens are output_ids [g] (for the presence and frequency penalties)."""
     row = np.asarray(logits, dtype=np.float32)
+    if params.counted and output_ids is not None:
+        row = penalize_counts(row, output_ids, params)
     if params.penalized and penalized_ids is not None:
         row = penalize(row, penalized_ids, params.repetition_penalty)
     if params.truncated and not np.isfinite(row.max()):  # a NaN or an infinity: no distribution (as in C)
@@ -128,9 +155,10 @@ def process_row(logits: np.ndarray, params: SamplingParams, out: np.ndarray,
     return out
 
 
-def process_logits(logits: np.ndarray, params: SamplingParams, contexts=None) -> np.ndarray:
+def process_logits(logits: np.ndarray, params: SamplingParams, contexts=None, outputs=None) -> np.ndarray:
     """Logits [n, vocab] -> probabilities [n, vocab]; contexts: the token ids before each row (n sequences),
-    whose distinct tokens the repetition penalty reads (None: no context, no penalty).
+    whose distinct tokens the repetition penalty reads (None: no context, no penalty); outputs: the
+    generated ids before each row, which the presence and frequency penalties count (None: none).
 
     float32 throughout: float32 ratios of probabilities are exact to ~1e-7, far below anything a
     100k-trial distribution test can see. Every row is computed alone, so a row's bits do not depend
@@ -139,7 +167,7 @@ def process_logits(logits: np.ndarray, params: SamplingParams, contexts=None) ->
     probs = np.empty(logits.shape, dtype=np.float32)
     for index, (row, out) in enumerate(zip(logits, probs)):
         ids = np.unique(np.asarray(contexts[index], dtype=np.int64)) if contexts is not None else None
-        process_row(row, params, out, ids)
+        process_row(row, params, out, ids, outputs[index] if outputs is not None else None)
     return probs
 
 
@@ -196,9 +224,17 @@ class Sampler:
     rows are; others are copied so), and out must be a writable float32 C-contiguous row (a TypeError
     says so). Without the kernel the NumPy definition computes the same."""
 
-    def __init__(self, params: SamplingParams, vocab: int):
+    def __init__(self, params: SamplingParams, vocab: int, prompt_length: int = 0):
         self.params, self.vocab = params, vocab
         self.greedy = params.greedy
+        # The presence and frequency penalties: each token's count among the generated tokens (the
+        # context after prompt_length), what the penalties subtract for it, and a row to subtract into.
+        self.counted = params.counted
+        if self.counted:
+            self._counts = np.zeros(vocab, dtype=np.int64)  # [vocab]
+            self._subtract = np.zeros(vocab, dtype=np.float32)  # [vocab]
+            self._counted_row = np.empty(vocab, dtype=np.float32)  # [vocab]
+            self._counted_upto = prompt_length
         self.penalty = PenaltyContext(vocab) if params.penalized else None
         self.kernel = None
         if _fastsample is not None:
@@ -212,6 +248,31 @@ class Sampler:
         if self.penalty is not None:
             self.penalty.sync(context)
             self._ids, self._mask = self.penalty.ids, self.penalty.mask
+        if self.counted and len(context) > self._counted_upto:
+            new = np.asarray(context[self._counted_upto :], dtype=np.int64)
+            np.add.at(self._counts, new, 1)
+            touched = np.unique(new)
+            self._subtract[touched] = count_penalties(self._counts[touched], self.params)
+            self._counted_upto = len(context)
+
+    def counted_rows(self, logits: np.ndarray, extras) -> np.ndarray:
+        """Rows [k + 1, vocab] of a verify pass less the presence and frequency penalties, row i counting
+        the first i extras too (a fresh array: the engine's logits are left as they are)."""
+        rows = np.empty((len(logits), self.vocab), dtype=np.float32)  # [k + 1, vocab]
+        for i in range(len(logits)):
+            rows[i] = self._count(logits[i], extras[:i])  # _count reuses one row: each is copied out
+        return rows
+
+    def _count(self, logits: np.ndarray, extras) -> np.ndarray:
+        """logits [vocab] less the penalties for the generated tokens and extras, in a row reused per call;
+        the entries of the extras are computed from their whole counts, as penalize_counts does."""
+        row = self._counted_row
+        np.subtract(np.asarray(logits, dtype=np.float32), self._subtract, out=row)
+        if len(extras):
+            tokens, repeats = np.unique(np.asarray(extras, dtype=np.int64), return_counts=True)
+            penalties = count_penalties(self._counts[tokens] + repeats, self.params)
+            row[tokens] = np.asarray(logits, dtype=np.float32)[tokens] - penalties
+        return row
 
     def penalty_args(self) -> tuple:
         """(ids [count], mask [vocab]) for the C kernel, or (None, None) without a penalty."""
@@ -222,6 +283,8 @@ class Sampler:
 
     def argmax(self, logits: np.ndarray, extras=()) -> int:
         """The greedy token of logits [vocab]: np.argmax of the penalized row (the first maximum)."""
+        if self.counted:
+            logits = self._count(logits, extras)
         if self.penalty is None:
             return int(logits.argmax())
         if self.kernel is not None:
@@ -230,6 +293,8 @@ class Sampler:
 
     def distribution(self, logits: np.ndarray, out: np.ndarray, extras=()) -> np.ndarray:
         """out [vocab] = the processed distribution of logits [vocab] (process_row's)."""
+        if self.counted:
+            logits = self._count(logits, extras)
         if self.kernel is not None:
             self.kernel.sample(kernel_rows(logits), out, None, self._ids, self._mask, extras)
             return out
@@ -239,9 +304,11 @@ class Sampler:
         """The token uniform (in [0, 1)) draws from the processed distribution of logits [vocab], which out
         [vocab] receives. The C kernel draws from the row's exponentials just before they are divided
         by their sum (the same distribution, without a second pass over the row)."""
+        if self.counted:
+            logits = self._count(logits, extras)
         if self.kernel is not None:
             return self.kernel.sample(kernel_rows(logits), out, uniform, self._ids, self._mask, extras)
-        return draw(self.distribution(logits, out, extras), uniform)
+        return draw(process_row(logits, self.params, out, self._penalized_ids(extras)), uniform)
 
 
 def kernel_rows(array: np.ndarray) -> np.ndarray:
