@@ -176,6 +176,11 @@ def test_the_backend_runs_a_sequence_to_its_end(agreeing_bundle):
     assert updates[-1].output.token_ids == expected.token_ids
     counts = [u.num_new_tokens for u in updates]
     assert counts == sorted(counts) and counts[-1] == len(expected.token_ids)
+    # Logprobs come with the updates, the new tokens' each time; together they are the output's.
+    with_logprobs = backend.add(ids, {"max_new_tokens": 12, "temperature": 0, "logprobs": 2}, lambda: False)
+    updates = run_to_end(backend, with_logprobs)
+    assert sum((u.logprobs for u in updates), ()) == tuple(updates[-1].output.logprobs)
+    assert len(updates[-1].output.logprobs) == len(expected.token_ids)
     with pytest.raises(SpecdeployError, match="max context"):  # a request the runtime refuses: add raises
         backend.add(ids * 200, {"max_new_tokens": 4}, lambda: False)
 

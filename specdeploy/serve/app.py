@@ -2,8 +2,9 @@
 
 Request flow: auth (when an API key is set) -> the body, read up to the size limit -> validation
 (400s) -> the chat template and the tokenizer, on the prompt threads -> the worker's queue (429
-when full) -> the first event, raced against the client going away. Streaming starts only once
-generation has begun, so an invalid prompt is still a plain 400.
+when full), one job for the request's n choices -> the first event, raced against the client
+going away. Streaming starts only once generation has begun, so an invalid prompt is still a
+plain 400. A client that goes away cancels every choice; one choice failing fails the request.
 
 The prompt threads share the worker's tokenizer: the `tokenizers` library encodes and decodes
 through a shared, read-only borrow of it, and nothing in the server changes its settings
@@ -31,6 +32,7 @@ from ..bundle import load_manifest
 from ..errors import SpecdeployError
 from .chat import load_chat_template
 from .config import ServeConfig
+from .logprobs import LazyTokenText
 from .metrics import Metrics
 from .protocol import ApiError, GenerationRequest, parse_request
 from .responses import Responder
@@ -56,6 +58,7 @@ class Service:
         self.chat_template = load_chat_template(Path(config.bundle) / manifest.tokenizer.path)
         self.metrics = Metrics()
         self.worker = ModelWorker(load, config.max_queue, self.metrics, on_fatal=self.fatal)
+        self.token_text = LazyTokenText(lambda: self.worker.generator.codec.tokenizer)  # names logprobs' tokens
         self.prompt_threads = concurrent.futures.ThreadPoolExecutor(PROMPT_THREADS, "specdeploy-prompt")
         self.draining = False
         self.on_fatal: Callable[[str], None] | None = None  # set by the server: stop serving
@@ -160,11 +163,15 @@ async def _generate(service: Service, request: Request, kind: str) -> Response:
     except ClientDisconnect:
         return Response(status_code=499)  # nobody reads it; the status shows in the request metrics
     parsed = parse_request(body, kind, service.config.num_draft_tokens, service.max_context)
-    prompt_ids, options = await asyncio.get_running_loop().run_in_executor(
-        service.prompt_threads, _prepare, service, parsed)
-    responder = Responder(service.model, parsed.chat, options, parsed.include_usage, parsed.continuous_usage,
-                          prompt_tokens=len(prompt_ids))
-    job = Job(prompt_ids, options, streaming=parsed.stream)
+    loop = asyncio.get_running_loop()
+    prompt_ids, options = await loop.run_in_executor(service.prompt_threads, _prepare, service, parsed)
+    choices = [{**options, "seed": seed} for seed in parsed.seeds]
+    tokens = None
+    if options.get("logprobs") is not None:  # built once, on a prompt thread: a large tokenizer's JSON
+        tokens = await loop.run_in_executor(service.prompt_threads, service.token_text.get)
+    responder = Responder(service.model, parsed.chat, choices, parsed.include_usage, parsed.continuous_usage,
+                          prompt_tokens=len(prompt_ids), tokens=tokens)
+    job = Job(prompt_ids, choices, streaming=parsed.stream)
     service.worker.submit(job)
     try:
         first_kind, value = await _first_event(job, request)
@@ -224,15 +231,18 @@ async def _first_event(job: Job, request: Request):
 
 
 async def _events(service: Service, job: Job, responder: Responder, first):
-    """The SSE body: pieces as they come, the finish chunk, [DONE]. Leaving early (disconnect) cancels the job."""
+    """The SSE body: pieces as they come, each choice's finishing chunk, [DONE]. Leaving early (disconnect)
+    cancels the job, every choice of it."""
     try:
         kind, value = first
         yield responder.first()
         while True:
             if kind == "piece":
                 yield responder.piece(value)
-            elif kind == "done":
+            elif kind == "choice":
                 yield responder.finish(value)
+            elif kind == "done":
+                yield responder.end(value)
                 return
             else:
                 yield responder.error(value.body())

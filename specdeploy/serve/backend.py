@@ -8,8 +8,9 @@ The worker (worker.py) drives a backend through four members and nothing else:
                                    (`ignore_eos` among them); `cancelled()` turns true once its client
                                    has gone, and the runtime checks it between rounds and prefill chunks;
                                    `streaming`: whether anyone reads its text before it ends
-    step() -> list[Update]         one iteration over the live sequences: what each produced; an
-                                   update whose `ended` is true is that sequence's last
+    step() -> list[Update]         one iteration over the live sequences: what each produced (text,
+                                   and the new tokens' logprobs when asked for); an update whose
+                                   `ended` is true is that sequence's last
     cancel(sequence)               the sequence leaves before the next step
 
 SchedulerBackend puts the runtime's scheduler behind that seam: every live sequence decodes in
@@ -30,6 +31,9 @@ class Update:
     sequence: object  # the handle add() returned
     text: str = ""  # text now safe to show ("" while a round's text is held back)
     num_new_tokens: int | None = None  # tokens generated so far (None: this backend cannot say)
+    # The TokenLogprobs of the tokens generated since the sequence's previous update (logprobs asked
+    # for); they may run ahead of `text`, which can hold back a piece that is not yet safe to show.
+    logprobs: tuple = ()
     output: object | None = None  # the GenerationOutput, once the sequence has finished
     error: Exception | None = None  # the sequence failed (a SpecdeployError: the request's fault)
     cancelled: bool = False  # the sequence left because its cancelled() turned true
@@ -41,12 +45,21 @@ class Update:
 
 
 class _Live:
-    """One request on SchedulerBackend: its runtime Sequence and its client's cancelled()."""
+    """One sequence on SchedulerBackend: the runtime Sequence, its client's cancelled(), and how many of
+    its logprobs earlier updates carried."""
 
-    __slots__ = ("sequence", "cancelled")
+    __slots__ = ("sequence", "cancelled", "delivered")
 
     def __init__(self, sequence, cancelled: Callable[[], bool]):
-        self.sequence, self.cancelled = sequence, cancelled
+        self.sequence, self.cancelled, self.delivered = sequence, cancelled, 0
+
+    def new_logprobs(self, count: int) -> tuple:
+        """The logprobs of tokens delivered..count (the runtime's list may hold a round's tokens past an EOS)."""
+        logprobs = self.sequence.logprobs
+        if logprobs is None:
+            return ()
+        new, self.delivered = tuple(logprobs[self.delivered : count]), count
+        return new
 
 
 class SchedulerBackend:
@@ -89,7 +102,7 @@ class SchedulerBackend:
                 if sequence.error is not None:
                     updates.append(Update(live, text, count, error=sequence.error))
                 else:
-                    updates.append(Update(live, text, count, output=sequence.output()))
+                    updates.append(Update(live, text, count, live.new_logprobs(count), output=sequence.output()))
             elif text:
-                updates.append(Update(live, text, count))
+                updates.append(Update(live, text, count, live.new_logprobs(count)))
         return updates

@@ -1,12 +1,15 @@
 """The OpenAI request bodies: validated and turned into a prompt plus GenerationConfig keyword arguments.
 
-Parameters OpenAI defines and this server cannot honour (n > 1, logprobs, penalties, tools...) are
-refused with a 400 naming them, never ignored; unknown fields are refused as OpenAI refuses them.
+Parameters OpenAI defines and this server cannot honour (penalties, tools, best_of other than n...)
+are refused with a 400 naming them, never ignored; unknown fields are refused as OpenAI refuses them.
 Sampling extensions (`top_k`, `min_p`, `repetition_penalty`, `num_draft_tokens`, `speculative`,
 `draft_confidence`) pass through to the generator by name; a name the runtime's GenerationConfig
 does not have is a 400. `ignore_eos` (vLLM's extension) generates max_tokens whatever EOS or the
-end of turn says (GenerationConfig.ignore_eos). The values are checked here, once, by
-GenerationConfig's own validation: the server passes on only options that passed it.
+end of turn says (GenerationConfig.ignore_eos). `n` asks for n choices of one prompt: n sequences,
+choice i seeded `seed + i` (mod 2**64) when the request gives a seed, each its own fresh seed
+otherwise. Completions' `logprobs` (0..5) and chat's `logprobs` + `top_logprobs` (0..20) become
+GenerationConfig.logprobs. The values are checked here, once, by GenerationConfig's own
+validation: the server passes on only options that passed it.
 """
 
 from __future__ import annotations
@@ -17,28 +20,30 @@ from dataclasses import dataclass
 
 from ..errors import SpecdeployError
 from ..runtime import GenerationConfig
-from ..runtime.generate import SEED_LIMIT
+from ..runtime.config import MAX_LOGPROBS, SEED_LIMIT
 
 # name -> the JSON type its value must have (float takes integers too)
 EXTENSIONS = {"top_k": int, "min_p": float, "repetition_penalty": float, "num_draft_tokens": int, "speculative": bool,
               "draft_confidence": float}
 COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "user",
-          "ignore_eos", *EXTENSIONS)
+          "ignore_eos", "n", "logprobs", *EXTENSIONS)
 STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")  # the ones read; others are ignored
 # name -> the values that mean "not used"; anything else is refused.
-UNSUPPORTED_COMMON = {"n": (None, 1), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-                      "logit_bias": (None, {})}
+UNSUPPORTED_COMMON = {"presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {})}
 UNSUPPORTED = {
-    "completion": {**UNSUPPORTED_COMMON, "best_of": (None, 1), "echo": (None, False), "logprobs": (None,),
-                   "suffix": (None, "")},
-    "chat": {**UNSUPPORTED_COMMON, "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []),
+    "completion": {**UNSUPPORTED_COMMON, "echo": (None, False), "suffix": (None, "")},
+    "chat": {**UNSUPPORTED_COMMON, "tools": (None, []),
              "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
              "parallel_tool_calls": (None, True, False), "functions": (None, []), "function_call": (None, "none")},
 }
-ACCEPTED = {"completion": frozenset(COMMON + ("prompt",) + tuple(UNSUPPORTED["completion"])),
-            "chat": frozenset(COMMON + ("messages", "max_completion_tokens") + tuple(UNSUPPORTED["chat"]))}
+ACCEPTED = {"completion": frozenset(COMMON + ("prompt", "best_of") + tuple(UNSUPPORTED["completion"])),
+            "chat": frozenset(COMMON + ("messages", "max_completion_tokens", "top_logprobs")
+                              + tuple(UNSUPPORTED["chat"]))}
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; chat defaults to the rest of the context
 MAX_STOP_STRINGS = 16
+MAX_CHOICES = 16  # n: sequences one request may run (each takes a KV slot while it decodes)
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's legacy completions allow 0..5 alternatives
+MAX_TOP_LOGPROBS = MAX_LOGPROBS  # chat's top_logprobs: 0..20
 
 
 class ApiError(Exception):
@@ -57,7 +62,8 @@ class ApiError(Exception):
 @dataclass(frozen=True)
 class GenerationRequest:
     prompt: str | list[int] | list[dict]  # text or token ids; chat: the messages, rendered once the model is known
-    options: dict  # GenerationConfig keyword arguments (ignore_eos among them), validated
+    options: dict  # GenerationConfig keyword arguments (ignore_eos among them), validated; choice 0's seed
+    seeds: tuple[int, ...]  # one per choice (n of them)
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk carrying usage
     continuous_usage: bool  # stream_options.continuous_usage_stats (with include_usage): usage on every chunk
@@ -82,9 +88,47 @@ def parse_request(body, kind: str, num_draft_tokens: int, max_context: int) -> G
     include_usage, continuous_usage = (
         _check_type(stream_options, name, bool, f"stream_options.{name}") or False for name in STREAM_OPTIONS)
     prompt = _messages(body) if kind == "chat" else _prompt(body)
+    n = _choices(body, kind)
     options = _checked(_options(body, kind, num_draft_tokens, max_context))
-    return GenerationRequest(prompt=prompt, options=options, stream=stream, include_usage=include_usage,
-                             continuous_usage=include_usage and continuous_usage, chat=kind == "chat")
+    return GenerationRequest(prompt=prompt, options=options, seeds=_seeds(body, options["seed"], n), stream=stream,
+                             include_usage=include_usage, continuous_usage=include_usage and continuous_usage,
+                             chat=kind == "chat")
+
+
+def _choices(body: dict, kind: str) -> int:
+    n = _check_type(body, "n", int)
+    n = 1 if n is None else n
+    if not 1 <= n <= MAX_CHOICES:
+        raise ApiError(400, f"n must be an integer in 1..{MAX_CHOICES} (got {n})", param="n")
+    best_of = _check_type(body, "best_of", int) if kind == "completion" else None
+    if best_of is not None and best_of != n:  # best_of > n ranks by likelihood: not done here
+        raise ApiError(400, f"best_of={best_of} is not supported by this server (only best_of = n)", param="best_of")
+    return n
+
+
+def _seeds(body: dict, seed: int, n: int) -> tuple[int, ...]:
+    """Each choice's seed: seed + i when the request gave one, else a fresh one each (the first is `seed`)."""
+    if body.get("seed") is not None:
+        return tuple((seed + i) % SEED_LIMIT for i in range(n))
+    return (seed,) + tuple(secrets.randbelow(SEED_LIMIT) for _ in range(n - 1))
+
+
+def _logprobs(body: dict, kind: str) -> int | None:
+    """GenerationConfig.logprobs: the alternatives asked for at each position (None: no logprobs)."""
+    if kind == "completion":
+        count = _check_type(body, "logprobs", int)
+        if count is not None and not 0 <= count <= MAX_COMPLETION_LOGPROBS:
+            raise ApiError(400, f"logprobs must be an integer in 0..{MAX_COMPLETION_LOGPROBS} (got {count})",
+                           param="logprobs")
+        return count
+    wanted = _check_type(body, "logprobs", bool)
+    top = _check_type(body, "top_logprobs", int)
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise ApiError(400, f"top_logprobs must be an integer in 0..{MAX_TOP_LOGPROBS} (got {top})",
+                       param="top_logprobs")
+    if top is not None and not wanted:
+        raise ApiError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+    return (top or 0) if wanted else None
 
 
 def _options(body: dict, kind: str, num_draft_tokens: int, max_context: int) -> dict:
@@ -102,6 +146,7 @@ def _options(body: dict, kind: str, num_draft_tokens: int, max_context: int) -> 
         "stop": _stop(body),
         "num_draft_tokens": num_draft_tokens,
         "ignore_eos": _check_type(body, "ignore_eos", bool) or False,
+        "logprobs": _logprobs(body, kind),
     }
     fields = {f.name for f in dataclasses.fields(GenerationConfig)}
     for name, kind in EXTENSIONS.items():

@@ -1,17 +1,20 @@
 """The model worker: one thread owns the model and steps its backend; requests wait in a bounded queue.
 
 Generation never runs on the event loop, so /health and /metrics answer during a long request.
-Each request is a Job; the worker hands its events to the job's asyncio queue from its thread:
-("piece", Piece) while streaming, then one terminal event, ("done", Finished) or ("error", ApiError).
+Each request is a Job of n choices, one backend sequence each (n > 1: one prompt, n seeds); the
+worker hands its events to the job's asyncio queue from its thread: while streaming, ("piece",
+Piece) and ("choice", Finished) as each choice ends, then one terminal event, ("done", the
+choices' Finished in index order) or ("error", ApiError).
 
 Every job gets its terminal event, whatever happens:
 - an exception while serving it (the runtime's, or the worker's own bookkeeping: metrics, timings)
-  fails that job, 400 when the request was at fault and 500 otherwise, and the loop goes on;
+  fails that job, 400 when the request was at fault and 500 otherwise, and the loop goes on; one
+  choice failing fails its job, whose other choices leave the backend;
 - an exception that escapes the loop all the same ends the worker: its state turns "crashed" (/health
   answers 503 with the reason), and every job it held or that arrives later gets an error;
 - stop() (shutdown) answers every job left, queued or running, with a 503.
 A cancelled job (its client went away) leaves the queue at once, or, when running, leaves the
-backend before the next step; within a step the runtime checks it between rounds.
+backend before the next step, every choice of it; within a step the runtime checks it between rounds.
 """
 
 from __future__ import annotations
@@ -36,32 +39,50 @@ LATENCY_SMOOTHING = 0.2  # weight of the newest request in the running mean behi
 
 @dataclass(frozen=True)
 class Finished:
+    """One choice, once it has ended."""
+
+    index: int  # the choice's index, 0..n-1
     output: object  # the GenerationOutput
-    queue_s: float  # arrival -> the model took it
-    first_token_s: float  # arrival -> the first text piece
-    latency_s: float  # arrival -> the last token
+    queue_s: float  # arrival -> the model took the request
+    first_token_s: float  # arrival -> this choice's first text piece
+    latency_s: float  # arrival -> this choice's last token
 
 
 @dataclass(frozen=True)
 class Piece:
+    index: int  # the choice it belongs to
     text: str
     num_new_tokens: int | None  # tokens generated so far, this piece's included (None: the backend cannot say)
+    logprobs: tuple = ()  # TokenLogprobs of the tokens generated since the choice's previous piece
 
 
 class Job:
-    """One request's prompt and options, and the channel its results come back on."""
+    """One request's prompt and its choices' options, and the channel its results come back on."""
 
-    def __init__(self, prompt_ids: list[int], options: dict, streaming: bool):
-        self.prompt_ids, self.options, self.streaming = prompt_ids, options, streaming
+    def __init__(self, prompt_ids: list[int], choices: list[dict], streaming: bool):
+        self.prompt_ids, self.choices, self.streaming = prompt_ids, choices, streaming  # choices: options each
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
         self.arrived = time.perf_counter()
         self.started: float | None = None  # the model took it
-        self.first_text: float | None = None
-        self.sequence = None  # the backend's handle while the job is live there
+        self.first_text: list[float | None] = [None] * len(choices)
+        self.sequences: list = []  # the backend's handles, by choice (None once the backend let it go)
+        self.finished: list[Finished | None] = [None] * len(choices)
         self._ended = False
         self._end_lock = threading.Lock()
+
+    @property
+    def n(self) -> int:
+        return len(self.choices)
+
+    @property
+    def live(self) -> bool:
+        """Some choice of it is live in the backend."""
+        return any(handle is not None for handle in self.sequences)
+
+    def unfinished(self) -> int:
+        return sum(done is None for done in self.finished)
 
     @property
     def ended(self) -> bool:
@@ -133,13 +154,24 @@ class ModelWorker:
             if refusal is not None:
                 raise refusal
             capacity = self.backend.capacity
-            if len(self._waiting) >= self.max_queue + max(0, capacity - len(self._live)):
+            if self._queued(job) > self.max_queue:
                 retry_after = max(1, math.ceil(self._mean_latency_s * (len(self._waiting) + 1) / capacity))
                 raise ApiError(429, f"the server is busy: {len(self._waiting)} requests are waiting; retry later",
                                kind="requests", code="rate_limit_exceeded", headers={"Retry-After": str(retry_after)})
             self._waiting.append(job)
             self.metrics.waiting.set(len(self._waiting))
             self._condition.notify()
+
+    def _queued(self, job: Job) -> int:
+        """With `job` added: the waiting jobs that would not start at the next admission (max_queue bounds them)."""
+        free = self.backend.capacity - sum(live.n for live in self._live)
+        queued = 0
+        for waiting in [*self._waiting, job]:
+            if queued == 0 and (waiting.n <= free or free == self.backend.capacity):
+                free -= waiting.n
+            else:  # in arrival order: once one waits, every later one does
+                queued += 1
+        return queued
 
     def cancel(self, job: Job) -> None:
         """The client went away: drop the job from the queue, or let it leave the backend before the next step."""
@@ -149,7 +181,7 @@ class ModelWorker:
                 self._waiting.remove(job)
                 self.metrics.waiting.set(len(self._waiting))
                 if job.end("error", gone()):
-                    self.metrics.finished.labels("abort").inc()
+                    self.metrics.finished.labels("abort").inc(job.n)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Answer every job left, queued or running, with 503; wait (up to timeout_s) for the thread to end."""
@@ -162,7 +194,7 @@ class ModelWorker:
         for job in jobs:
             job.cancelled.set()
             if job.end("error", shutting_down()):
-                self.metrics.finished.labels("abort").inc()
+                self.metrics.finished.labels("abort").inc(job.unfinished())
         self.metrics.waiting.set(0)
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout_s)
@@ -215,16 +247,22 @@ class ModelWorker:
                 self._condition.wait()
             if self.state != "ready":
                 return None
-            admitted = []
-            while self._waiting and len(self._live) < self.backend.capacity:
-                admitted.append(self._waiting.popleft())
+            admitted, used = [], sum(job.n for job in self._live)
+            # A job's choices start together (they share its prefill); one with more choices than
+            # slots starts alone, and the backend queues the rest of them.
+            while self._waiting and (used == 0 or used + self._waiting[0].n <= self.backend.capacity):
+                job = self._waiting.popleft()
+                admitted.append(job)
+                used += job.n
             self._live.extend(admitted)
             return admitted
 
     def _start(self, job: Job) -> None:
         job.started = time.perf_counter()
         self._count()
-        job.sequence = self.backend.add(job.prompt_ids, job.options, job.cancelled.is_set, streaming=job.streaming)
+        for options in job.choices:  # appended one by one: a refusal releases those already added
+            job.sequences.append(self.backend.add(job.prompt_ids, options, job.cancelled.is_set,
+                                                  streaming=job.streaming))
 
     def _step(self) -> None:
         with self._condition:
@@ -232,7 +270,7 @@ class ModelWorker:
         for job in live:
             if job.cancelled.is_set():
                 self._guarded(job, self._abort, job)
-        live = [job for job in live if job.sequence is not None and not job.cancelled.is_set()]
+        live = [job for job in live if job.live and not job.cancelled.is_set()]
         if not live:
             return
         try:
@@ -241,31 +279,40 @@ class ModelWorker:
             for job in live:
                 self._fail(job, exc)
             return
-        by_sequence = {id(job.sequence): job for job in live}
+        by_sequence = {id(handle): (job, index) for job in live for index, handle in enumerate(job.sequences)
+                       if handle is not None}
         for update in updates:
-            job = by_sequence.get(id(update.sequence))
-            if job is not None:
-                self._guarded(job, self._deliver, job, update)
+            job, index = by_sequence.get(id(update.sequence), (None, 0))
+            if job is not None and job.sequences and job.sequences[index] is update.sequence:
+                self._guarded(job, self._deliver, job, index, update)
 
-    def _deliver(self, job: Job, update: Update) -> None:
+    def _deliver(self, job: Job, index: int, update: Update) -> None:
         now = time.perf_counter()
         if update.ended:
-            job.sequence = None  # the backend has let it go
+            job.sequences[index] = None  # the backend has let it go
         if update.text:
-            job.first_text = job.first_text or now
+            job.first_text[index] = job.first_text[index] or now
             if job.streaming:
-                job.post("piece", Piece(update.text, update.num_new_tokens))
+                job.post("piece", Piece(index, update.text, update.num_new_tokens, update.logprobs))
         if update.error is not None:
             self._fail(job, update.error)
         elif update.cancelled:
             self._abort(job)
         elif update.output is not None:
-            self._retire(job)
-            if not job.ended:  # unless shutdown answered it already
-                done = Finished(output=update.output, queue_s=job.started - job.arrived,
-                                first_token_s=(job.first_text or now) - job.arrived, latency_s=now - job.arrived)
-                self._observe(done)
-                job.end("done", done)
+            if job.ended:  # shutdown answered it already
+                self._retire(job)
+                return
+            done = Finished(index=index, output=update.output, queue_s=job.started - job.arrived,
+                            first_token_s=(job.first_text[index] or now) - job.arrived, latency_s=now - job.arrived)
+            job.finished[index] = done
+            stats = update.output.stats
+            self.metrics.observe_output(stats, finish_reason(stats.finish_reason))
+            if job.streaming:
+                job.post("choice", done)
+            if not job.unfinished():
+                self._retire(job)
+                self._observe(job)
+                job.end("done", tuple(job.finished))
 
     def _guarded(self, job: Job, action, *args) -> None:
         """Run one job's part of the loop; an exception fails that job alone."""
@@ -284,10 +331,10 @@ class ModelWorker:
         job.end("error", error)
 
     def _abort(self, job: Job) -> None:
-        """A job whose client went away (or that shutdown answered already) leaves."""
+        """A job whose client went away (or that shutdown answered already) leaves, every choice of it."""
         self._retire(job)
         if job.end("error", gone()):
-            self.metrics.finished.labels("abort").inc()
+            self.metrics.finished.labels("abort").inc(job.unfinished())
 
     def _retire(self, job: Job) -> None:
         with self._condition:
@@ -297,13 +344,14 @@ class ModelWorker:
         self._count()
 
     def _release(self, job: Job) -> None:
-        """Let the backend drop the job's sequence, if it still holds it."""
-        sequence, job.sequence = job.sequence, None
-        if sequence is not None:
-            try:
-                self.backend.cancel(sequence)
-            except Exception:
-                log.exception("releasing a sequence failed")
+        """Let the backend drop the job's sequences that it still holds."""
+        for index, sequence in enumerate(job.sequences):
+            job.sequences[index] = None
+            if sequence is not None:
+                try:
+                    self.backend.cancel(sequence)
+                except Exception:
+                    log.exception("releasing a sequence failed")
 
     def _count(self) -> None:
         self.metrics.waiting.set(len(self._waiting))
@@ -327,14 +375,14 @@ class ModelWorker:
         except Exception:
             pass
 
-    def _observe(self, done: Finished) -> None:
-        stats = done.output.stats
-        self.metrics.observe_output(stats, finish_reason(stats.finish_reason))
-        self.metrics.queue_time.observe(done.queue_s)
-        self.metrics.time_to_first_token.observe(done.first_token_s)
-        self.metrics.e2e_latency.observe(done.latency_s)
-        service_s = done.latency_s - done.queue_s
-        self._mean_latency_s += LATENCY_SMOOTHING * (service_s - self._mean_latency_s)
+    def _observe(self, job: Job) -> None:
+        """The request's timings, once its last choice has ended (each choice's tokens were counted as it ended)."""
+        queue_s = job.finished[0].queue_s
+        latency_s = max(done.latency_s for done in job.finished)
+        self.metrics.queue_time.observe(queue_s)
+        self.metrics.time_to_first_token.observe(min(done.first_token_s for done in job.finished))
+        self.metrics.e2e_latency.observe(latency_s)
+        self._mean_latency_s += LATENCY_SMOOTHING * (latency_s - queue_s - self._mean_latency_s)
 
 
 def finish_reason(reason: str) -> str:

@@ -1,0 +1,158 @@
+"""Log-probabilities in OpenAI's layouts: each token's text and bytes, and a stream's tokens sent with
+the text they make.
+
+The values are the runtime's (GenerationOutput.logprobs): the target's log-softmax of its raw
+logits at each emitted token, from the verify or target-only row the token came from. This module
+only names the tokens. A token's bytes are the tokenizer's own (the byte-level alphabet of GPT-2
+style tokenizers, `<0xNN>` byte fallback and `▁` spaces of SentencePiece ones); its text is those
+bytes as UTF-8, or `bytes:\\xNN...` (OpenAI's legacy spelling) when they are not whole characters.
+Special tokens (an EOS) are their own text, which the completion's text does not contain.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import re
+import threading
+
+BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+SENTENCEPIECE_SPACE = "\u2581"
+
+
+def byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte (its bytes_to_unicode, inverted)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    characters, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            characters[chr(byte)] = byte
+        else:
+            characters[chr(256 + extra)] = byte
+            extra += 1
+    return characters
+
+
+class TokenText:
+    """The bytes and text of single token ids, from a `tokenizers.Tokenizer` (cached per id; one thread
+    reads it, the event loop's)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        decoder = json.dumps(json.loads(tokenizer.to_str()).get("decoder"))
+        self._byte_level = byte_level_alphabet() if '"ByteLevel"' in decoder else None
+        self._sentencepiece = SENTENCEPIECE_SPACE in decoder
+        added = tokenizer.get_added_tokens_decoder()
+        self._added = {token_id: token.content for token_id, token in added.items()}
+        self.special = frozenset(token_id for token_id, token in added.items() if token.special)
+        self._bytes: dict[int, bytes] = {}
+
+    def bytes(self, token_id: int) -> bytes:
+        data = self._bytes.get(token_id)
+        if data is None:
+            data = self._bytes[token_id] = self._token_bytes(token_id)
+        return data
+
+    def text(self, token_id: int) -> str:
+        data = self.bytes(token_id)
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{byte:02x}" for byte in data)
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        if token_id in self._added:
+            return self._added[token_id].encode("utf-8")
+        piece = self.tokenizer.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if self._byte_level is not None and all(c in self._byte_level for c in piece):
+            return bytes(self._byte_level[c] for c in piece)
+        fallback = BYTE_FALLBACK.match(piece)
+        if fallback:
+            return bytes([int(fallback.group(1), 16)])
+        if self._sentencepiece:
+            return piece.replace(SENTENCEPIECE_SPACE, " ").encode("utf-8")
+        return self.tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+
+class LazyTokenText:
+    """A TokenText built on first use (parsing a large tokenizer's JSON once), by any thread."""
+
+    def __init__(self, tokenizer_of):
+        self._tokenizer_of, self._value, self._lock = tokenizer_of, None, threading.Lock()
+
+    def get(self) -> TokenText:
+        with self._lock:
+            if self._value is None:
+                self._value = TokenText(self._tokenizer_of())
+            return self._value
+
+
+class ChoiceLogprobs:
+    """One choice's token logprobs on their way out, each with its character offset in the choice's text.
+
+    add() takes entries as the runtime emits them; take(chars) gives those whose text lies within
+    the first `chars` characters sent so far (a stream's chunk carries the tokens of its own text;
+    text held back, an unfinished UTF-8 character or a possible stop string, holds its tokens too);
+    rest(all_entries) gives every entry not yet taken once the choice has ended."""
+
+    def __init__(self, tokens: TokenText):
+        self.tokens = tokens
+        self.received = 0  # entries add() has seen
+        self._pending: list[list] = []  # [TokenLogprob, start, end] not yet taken (end None: bytes still open)
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._chars = 0
+
+    def add(self, entries) -> None:
+        for entry in entries:
+            start, data = self._chars, self.tokens.bytes(entry.token_id)
+            if data and entry.token_id not in self.tokens.special:  # special tokens write no text
+                # The first byte settles where this token starts: the characters it lets out before
+                # its own are the replacements of earlier bytes that could not be completed.
+                out = self._decoder.decode(data[:1])
+                start += len(out) if self._decoder.getstate()[0] else len(out) - 1
+                self._chars += len(out) + len(self._decoder.decode(data[1:]))
+            self._pending.append([entry, start, None])
+            if not self._decoder.getstate()[0]:  # no bytes left open: every token so far has its end
+                for item in self._pending:
+                    if item[2] is None:
+                        item[2] = self._chars
+        self.received += len(entries)
+
+    def take(self, chars: int) -> list[tuple[object, int]]:
+        count = 0
+        while count < len(self._pending) and self._pending[count][2] is not None and self._pending[count][2] <= chars:
+            count += 1
+        taken, self._pending = self._pending[:count], self._pending[count:]
+        return [(entry, start) for entry, start, _ in taken]
+
+    def rest(self, all_entries) -> list[tuple[object, int]]:
+        self.add(list(all_entries[self.received :]))
+        taken, self._pending = self._pending, []
+        return [(entry, start) for entry, start, _ in taken]
+
+
+def completion_layout(entries: list[tuple[object, int]], tokens: TokenText) -> dict:
+    """OpenAI's legacy completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+    top_logprobs = []
+    for entry, _ in entries:
+        best: dict[str, float] = {}
+        for token_id, logprob in entry.top:
+            best.setdefault(tokens.text(token_id), logprob)  # two ids may share a text: the likelier one
+        top_logprobs.append(best)
+    return {"tokens": [tokens.text(entry.token_id) for entry, _ in entries],
+            "token_logprobs": [entry.logprob for entry, _ in entries],
+            "top_logprobs": top_logprobs,
+            "text_offset": [start for _, start in entries]}
+
+
+def chat_layout(entries: list[tuple[object, int]], tokens: TokenText) -> dict:
+    """OpenAI's chat logprobs: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
+
+    def named(token_id: int, logprob: float) -> dict:
+        return {"token": tokens.text(token_id), "logprob": logprob, "bytes": list(tokens.bytes(token_id))}
+
+    return {"content": [{**named(entry.token_id, entry.logprob),
+                         "top_logprobs": [named(token_id, logprob) for token_id, logprob in entry.top]}
+                        for entry, _ in entries]}
