@@ -318,8 +318,6 @@ def kernel_rows(array: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(array, dtype=FLOAT32)
 
 
-# generate.py and sequence.py construct their generator under this name: it is numpy's own.
-BlockGenerator = np.random.default_rng
 
 
 BLOCK = 64
