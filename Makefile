@@ -1,6 +1,6 @@
 # Two commands for a fresh clone: `make demo` and `make test`. The environment lands in the clone
-# (.venv/); the demo bundle goes where `specdeploy` puts it from any shell: $SPECDEPLOY_HOME/demo-bundle,
-# default ~/.cache/specdeploy/demo-bundle (`make demo SPECDEPLOY_HOME=DIR` moves it for both).
+# (.venv/); `make demo` runs the demo bundle that ships in the package (specdeploy/demo/demo-bundle, which
+# `make demo-bundle` re-exports after the demo pair or the export stage changes).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -13,7 +13,7 @@ export TOKENIZERS_PARALLELISM := false
 
 DEMO_PROMPT ?= def fibonacci(n):\n
 
-.PHONY: demo test bench install host clean
+.PHONY: demo demo-bundle test bench install host clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,9 +28,11 @@ install: $(VENV)/.installed
 
 # The prompt goes through stdin: a command substitution would strip its trailing newline.
 demo: $(VENV)/.installed
-	$(BIN)/specdeploy export --force
-	printf '$(DEMO_PROMPT)' | $(BIN)/specdeploy run --prompt - --max-new-tokens 96
+	printf '$(DEMO_PROMPT)' | $(BIN)/specdeploy run specdeploy/demo/demo-bundle --prompt - --max-new-tokens 96
 	@echo "specdeploy is in $(BIN)/: '. $(BIN)/activate' puts it on this shell's PATH" >&2
+
+demo-bundle: $(VENV)/.installed
+	$(BIN)/python scripts/ship_demo_bundle.py
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest tests
@@ -58,6 +60,6 @@ $(BUILD)/specdeploy-host: examples/cpp/host.cpp examples/cpp/oga.h
 		-L$(GENAI_DIR) -lonnxruntime-genai -L$(BUILD)/lib -Wl,--no-as-needed -l:libonnxruntime.so.1 \
 		-Wl,-rpath,$(GENAI_DIR) -Wl,-rpath,'$$ORIGIN/lib'
 
-# The demo bundle is left where specdeploy keeps it (see the top); .specdeploy/ is where older Makefiles put it.
+# An exported default bundle (~/.cache/specdeploy/demo-bundle) is left alone; .specdeploy/ is where older Makefiles put it.
 clean:
 	rm -rf $(VENV) $(BUILD) .pytest_cache .specdeploy

@@ -58,8 +58,9 @@ VERIFY_OPTION = click.option("--verify", is_flag=True, help="Re-hash every bundl
 def main() -> None:
     """Speculative decoding bundles for ONNX Runtime: export a draft/target pair, then run it.
 
-    Without BUNDLE, every command uses the demo bundle ($SPECDEPLOY_HOME/demo-bundle, default
-    ~/.cache/specdeploy/demo-bundle), exported from the embedded demo pair on first use.
+    Without BUNDLE, every command uses the default bundle ($SPECDEPLOY_HOME/demo-bundle, default
+    ~/.cache/specdeploy/demo-bundle, where export writes without --out) or, until one is exported
+    there, the demo pair's bundle that ships with specdeploy.
     stdout carries only what was asked for (generated text, JSON, a path); progress, stats and
     errors go to stderr. Every error is one 'error: ...' line and exit code 2 (Ctrl-C: 130)."""
 
@@ -91,15 +92,14 @@ def main() -> None:
 def export(target, draft, out, dtype, quantize, draft_quantize, max_context, draft_window, graph, force,
            trust_remote_code, allow_pickle, allow_lossy) -> None:
     """Export a draft and a target checkpoint into a validated bundle."""
-    from .defaults import default_bundle, demo_checkpoints
-
     if (target is None) != (draft is None):
         raise SpecdeployError("pass both --target and --draft, or neither (to export the embedded demo pair)")
+    require_export_extra("exporting")
     if target is None:
-        target, draft = demo_checkpoints()
+        target, draft = defaults.demo_checkpoints()
     if out is None:
-        out = str(default_bundle())
-        default_bundle().parent.mkdir(parents=True, exist_ok=True)
+        out = str(defaults.default_bundle())
+        defaults.default_bundle().parent.mkdir(parents=True, exist_ok=True)
     _export(target, draft, out, dtype=dtype, quantize=quantize, draft_quantize=draft_quantize, max_context=max_context,
             draft_window=draft_window, graph=graph, force=force,
             trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, allow_lossy=allow_lossy)
@@ -108,7 +108,6 @@ def export(target, draft, out, dtype, quantize, draft_quantize, max_context, dra
 
 def _export(target: str, draft: str, out: str, **options) -> None:
     """Run the export stage with a progress display and the parity figures at the end (stderr)."""
-    require_export_extra("exporting")
     from rich.console import Console
 
     try:
@@ -134,20 +133,8 @@ def _export(target: str, draft: str, out: str, **options) -> None:
 
 
 def resolve_bundle(bundle: str | None) -> str:
-    """The named bundle, or the default one, exported from the demo pair on first use."""
-    if bundle is not None:
-        return bundle
-    from .defaults import default_bundle, demo_checkpoints
-
-    path = default_bundle()
-    if not (path / "specdeploy.json").is_file():
-        require_export_extra(f"no bundle named, and the demo bundle {path} is not exported yet; exporting it",
-                             otherwise=", or name a bundle")
-        click.echo(f"no bundle named; exporting the embedded demo pair to {path} (first use only)", err=True)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # Under the export's lock: a concurrent first use that got there first leaves its bundle to reuse.
-        _export(*demo_checkpoints(), str(path), force=True, reuse_existing=True)
-    return str(path)
+    """The named bundle, or the one defaults.bundle_to_run picks (the exported default, else the shipped demo)."""
+    return bundle if bundle is not None else str(defaults.bundle_to_run())
 
 
 @main.command()

@@ -186,14 +186,14 @@ def check_output_file(path: str, option: str) -> None:
         raise SpecdeployError(f"{option} {path}: the folder {file.parent} is not writable")
 
 
-def require_export_extra(why: str, otherwise: str = "") -> None:
+def require_export_extra(why: str) -> None:
     """Fail, naming the extra to install, when exporting's packages are not installed (a runtime-only install)."""
     import importlib.util
 
     missing = [name for name in EXPORT_MODULES if importlib.util.find_spec(name) is None]
     if missing:
         raise SpecdeployError(f"{why} needs the export extra, which is not installed (no {', '.join(missing)}): "
-                              f"pip install 'specdeploy[export]'{otherwise}")
+                              "pip install 'specdeploy[export]'")
 
 
 def end_text(text: str) -> None:

@@ -1,18 +1,22 @@
-"""What the user gets by naming nothing: the default bundle and the embedded demo pair, the drafter,
-the server's settings. The one definition of each: the CLI and ServeConfig read them here (this module imports nothing of the package, so the CLI reads the server's defaults without
+"""What the user gets by naming nothing: the bundle a command runs, the embedded demo pair, the
+drafter, the server's settings. The one definition of each: the CLI and ServeConfig read them here
+(this module imports only the manifest's names, so the CLI reads the server's defaults without
 importing the serve extra).
 
-One rule for every command and for the Makefile: the default bundle is $SPECDEPLOY_HOME/demo-bundle,
-$SPECDEPLOY_HOME defaulting to ~/.cache/specdeploy, so `make demo` and `specdeploy run` in any shell
-find the same bundle.
+The bundle a command runs without one named: the default bundle, $SPECDEPLOY_HOME/demo-bundle
+($SPECDEPLOY_HOME defaulting to ~/.cache/specdeploy), where `specdeploy export` with no --out writes;
+until one is exported there, the demo pair's bundle that ships with the package (SHIPPED_BUNDLE),
+so that an install without the export extra runs `specdeploy run` and `bench` with no argument.
 """
-
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+from .manifest import MANIFEST_NAME
+
 DEMO_DIR = Path(__file__).parent / "demo"  # the demo target/ and draft/ checkpoints ship with the package
+SHIPPED_BUNDLE = DEMO_DIR / "demo-bundle"  # and the pair exported (scripts/ship_demo_bundle.py writes it)
 DRAFTER = "hybrid"  # prompt lookup when the text repeats, else the draft model (see runtime.drafters.HybridDrafter)
 
 # `specdeploy serve` and ServeConfig
@@ -32,7 +36,14 @@ def home() -> Path:
 
 
 def default_bundle() -> Path:
+    """Where `specdeploy export` writes without --out."""
     return home() / "demo-bundle"
+
+
+def bundle_to_run() -> Path:
+    """The bundle a command runs when none is named: the default bundle once exported, else the shipped one."""
+    exported = default_bundle()
+    return exported if (exported / MANIFEST_NAME).is_file() else SHIPPED_BUNDLE
 
 
 def demo_checkpoints() -> tuple[str, str]:

@@ -88,22 +88,27 @@ def test_run_bad_bundles(tmp_path, agreeing_bundle):
     assert result.returncode != 0 and "max context" in result.stderr and "Traceback" not in result.stderr
 
 
-@pytest.mark.slow
-def test_run_without_a_bundle_exports_the_demo_pair_once(tmp_path):
-    env_home = {"SPECDEPLOY_HOME": str(tmp_path / "home")}
+def test_without_a_bundle_run_takes_the_shipped_one_until_one_is_exported(tmp_path, agreeing_bundle):
+    import shutil
 
-    def run_default(*args):
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", **env_home}
-        return subprocess.run([sys.executable, "-m", "specdeploy", "run", *args], capture_output=True, text=True, env=env)
+    from specdeploy.defaults import SHIPPED_BUNDLE
 
-    first = run_default("--prompt", "def add(a, b):\n", "--max-new-tokens", "16", "--json")
-    assert first.returncode == 0, first.stderr
-    assert "exporting the embedded demo pair" in first.stderr
-    assert (tmp_path / "home" / "demo-bundle" / "specdeploy.json").is_file()
-    assert len(json.loads(first.stdout)["token_ids"]) <= 16
-    second = run_default("--prompt", "def add(a, b):\n", "--max-new-tokens", "16", "--json")
-    assert second.returncode == 0 and "exporting" not in second.stderr
-    assert json.loads(second.stdout)["token_ids"] == json.loads(first.stdout)["token_ids"]
+    env = {**os.environ, "SPECDEPLOY_HOME": str(tmp_path / "home")}
+
+    def run_default():
+        result = subprocess.run([sys.executable, "-m", "specdeploy", "run", "--prompt", "def add(a, b):\n",
+                                 "--max-new-tokens", "12", "--json"], capture_output=True, text=True, env=env)
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)["token_ids"]
+
+    def run_named(bundle):
+        return json.loads(run(str(bundle), "--prompt", "def add(a, b):\n", "--max-new-tokens", "12", "--json").stdout)[
+            "token_ids"]
+
+    assert run_default() == run_named(SHIPPED_BUNDLE)
+    assert not (tmp_path / "home").exists()  # nothing exported, nothing written
+    shutil.copytree(agreeing_bundle, tmp_path / "home" / "demo-bundle")  # as `specdeploy export` would put one
+    assert run_default() == run_named(agreeing_bundle) != run_named(SHIPPED_BUNDLE)
 
 
 def test_stdout_is_exactly_the_generated_text(agreeing_bundle):
@@ -152,17 +157,27 @@ def test_debug_is_accepted_after_the_subcommand(agreeing_bundle):
     assert prompt.returncode == 0 and json.loads(prompt.stdout)["stats"]["prompt_tokens"] > 0
 
 
-def test_a_runtime_only_install_names_the_extra_it_lacks(tmp_path):
-    """No bundle named, none exported yet, and no transformers: one error line with the pip command."""
-    code = ("import sys; sys.modules['transformers'] = None; from specdeploy.cli import main; "
-            "main(['run', '--prompt', 'x'])")
+def test_a_runtime_only_install_runs_and_benches_with_no_argument(tmp_path):
+    """torch, transformers, optimum and onnx missing, no bundle named, none exported: run and bench take the
+    shipped demo bundle; export fails with one line naming the extra to install."""
+    (tmp_path / "prompts.json").write_text('["def fib(n):"]')
+    hide = "import sys\nfor name in ('torch', 'transformers', 'optimum', 'onnx'):\n    sys.modules[name] = None\n"
     env = {**os.environ, "SPECDEPLOY_HOME": str(tmp_path / "home")}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    assert result.returncode == 2 and result.stdout == ""
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: no bundle named"), result.stderr
-    assert "pip install 'specdeploy[export]'" in lines[0] and "transformers" in lines[0]
-    assert not (tmp_path / "home" / "demo-bundle").exists()
+
+    def cli(*args):
+        code = hide + f"from specdeploy.cli import main\nmain({list(args)!r})\n"
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+
+    ran = cli("run", "--prompt", "def fib(n):", "--max-new-tokens", "8")
+    assert ran.returncode == 0 and ran.stdout, ran.stderr
+    benched = cli("bench", "--prompts", str(tmp_path / "prompts.json"), "--max-new-tokens", "4", "-k", "2", "--json")
+    assert benched.returncode == 0, benched.stderr
+    assert json.loads(benched.stdout.splitlines()[-1])["identical_outputs"] is True
+    exported = cli("export")
+    lines = exported.stderr.strip().splitlines()
+    assert exported.returncode == 2 and exported.stdout == "" and len(lines) == 1, exported.stderr
+    assert lines[0].startswith("error: exporting needs the export extra") and "pip install 'specdeploy[export]'" in lines[0]
+    assert not (tmp_path / "home").exists()
 
 
 def test_serve_options_default_to_serve_config():

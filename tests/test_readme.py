@@ -1,8 +1,8 @@
 """The README's quickstart, run as a newcomer runs it: its fenced commands, in order, in a plain shell.
 
-The shell starts without the environment on its PATH and with a fresh home, so the demo bundle goes
-where a user's would (~/.cache/specdeploy/demo-bundle) and nothing of the user's is touched. `make
-demo` runs whole except the install step (the environment running this test is the one it would
+The shell starts without the environment on its PATH and with a fresh home, so nothing of the user's
+is touched and no default bundle is there: every command takes the demo bundle shipped in the package.
+`make demo` runs whole except the install step (the environment running this test is the one it would
 make); `make test` is the suite running this test, so it is only checked to exist (`make -n`). A
 command of a kind this file does not know fails the test, so the README cannot drift past it.
 """
@@ -83,7 +83,7 @@ def test_the_quickstart_runs_as_written(tmp_path):
         elif command == "make demo":
             result = shell("make demo -o .venv/.installed", env, activated)  # everything but the install
             assert result.returncode == 0, result.stderr
-            assert (demo_bundle / "specdeploy.json").is_file()  # where a plain shell's specdeploy looks
+            assert not demo_bundle.exists()  # the shipped bundle ran: nothing was exported
             assert ". .venv/bin/activate" in result.stderr
             # the demo prompt reaches the model byte for byte, its trailing newline included
             (tmp_path / "prompt.txt").write_bytes(b"def fibonacci(n):\n")
@@ -98,4 +98,4 @@ def test_the_quickstart_runs_as_written(tmp_path):
         else:
             result = shell(command, env, activated)
             assert result.returncode == 0, result.stderr
-            assert "exporting" not in result.stderr  # the bundle make demo exported, not a second one
+            assert "exporting" not in result.stderr and not demo_bundle.exists()  # the shipped bundle again
