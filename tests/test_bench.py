@@ -1,12 +1,12 @@
-"""`specdeploy bench`: the cost model's math, prompt handling, and a smoke run (no timing assertions)."""
+"""`specdeploy bench`: the cost model's math, prompt handling, the context sweep, and a smoke run (no timing assertions)."""
 
 import json
 
 import pytest
 from click.testing import CliRunner
 
-from specdeploy.bench import (choose_num_draft, fit_alpha, lengthen_prompts, memory_budget, read_prompts,
-                              tokens_per_round)
+from specdeploy.bench import (choose_num_draft, context_sweep, fit_alpha, lengthen_prompts, memory_budget,
+                              read_prompts, tokens_per_round)
 from specdeploy.bundle import load_manifest
 from specdeploy.cli import main
 from specdeploy.errors import SpecdeployError
@@ -32,6 +32,20 @@ def test_read_prompts_json_and_jsonl(tmp_path):
     (tmp_path / "c.json").write_text('{"prompt": 1}')
     with pytest.raises(SpecdeployError, match="JSON list"):
         read_prompts(tmp_path / "c.json")
+
+
+def test_context_sweep_compares_each_length_with_the_first():
+    def report(length, target, speculative):
+        return {"prompt_tokens": length, "target_only": {"tokens_per_s": target},
+                "speculative": {"tokens_per_s": speculative}, "acceptance_rate": 0.5, "mean_accepted_tokens": 2.0,
+                "peak_rss_mb": 100.0}
+
+    sweep = context_sweep([report(128, 400.0, 800.0), report(1920, 250.0, 600.0), report(4000, 0.0, 0.0)])
+    assert sweep["prompt_tokens"] == 128 and len(sweep["by_prompt_tokens"]) == 3  # the first report leads
+    short, long, stalled = sweep["context_sweep"]
+    assert (long["target_only_vs_first"], long["speculative_vs_first"]) == (0.625, 0.75)
+    assert long["target_only_ms_per_token"] == 4.0 and short["target_only_ms_per_token"] == 2.5
+    assert stalled["target_only_ms_per_token"] is None and stalled["target_only_vs_first"] == 0.0
 
 
 def test_lengthen_prompts_ends_with_each_prompt():
@@ -109,9 +123,12 @@ def test_bench_context_sweep_in_one_run(agreeing_bundle, tmp_path):
     report = json.loads(result.output.strip().splitlines()[-1])
     assert [r["prompt_tokens"] for r in report["by_prompt_tokens"]] == [40, 90]
     assert report["target_only"] == report["by_prompt_tokens"][0]["target_only"]  # the first length leads
-    first, second = report["context_sweep"]
-    assert first["target_only_vs_first"] == 1.0 and second["target_only_vs_first"] > 0
-    assert second["target_only_ms_per_token"] == pytest.approx(1000 / second["target_only_tokens_per_s"])
+    sweep = report["context_sweep"]  # each row from its own length's run, in the order asked
+    assert [row["prompt_tokens"] for row in sweep] == [40, 90]
+    assert [row["target_only_tokens_per_s"] for row in sweep] == [
+        r["target_only"]["tokens_per_s"] for r in report["by_prompt_tokens"]]
+    assert [row["speculative_tokens_per_s"] for row in sweep] == [
+        r["speculative"]["tokens_per_s"] for r in report["by_prompt_tokens"]]
     table = runner.invoke(main, args + ["--prompt-tokens", "40,60"])
     assert table.exit_code == 0 and "decode speed against prompt length" in table.output
     for bad in ("40,x", "0", "40,4000"):

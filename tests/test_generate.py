@@ -116,14 +116,31 @@ def test_a_generator_switching_settings_matches_fresh_ones(agreeing_bundle):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_stats_identities(agreeing_bundle, temperature):
-    generator = specdeploy.load(agreeing_bundle)
-    stats = generator.generate(PROMPTS[0], max_new_tokens=48, temperature=temperature, num_draft_tokens=4).stats
-    assert 0 < stats.accepted <= stats.drafted
-    assert stats.mean_accepted_tokens == pytest.approx((stats.accepted + stats.rounds) / stats.rounds)
+def test_stats_count_what_happened(agreeing_bundle, temperature):
+    """The stats against counts taken outside them: the tokens returned, and the target passes seen at the
+    engine (the prefill's, then one per round). Every round emits its accepted draft tokens and one token of
+    the target's, and a round's draft is sized to the budget, so only an end token cuts a round short."""
+    from specdeploy.runtime.engine import PREFILL_CHUNK
+
+    generator = specdeploy.load(agreeing_bundle, warm_up=False)
+    passes = []
+    run = generator.target.run  # every pass of one sequence goes through it (run_batch of one row included)
+    generator.target.run = lambda token_ids, cache: passes.append(len(token_ids)) or run(token_ids, cache)
+    output = generator.generate(PROMPTS[0], max_new_tokens=48, temperature=temperature, num_draft_tokens=4)
+    stats = output.stats
+    assert stats.new_tokens == len(output.token_ids) and stats.prompt_tokens == len(generator.codec.encode(PROMPTS[0]))
+    prefill_passes = -(-(stats.prompt_tokens - 1) // PREFILL_CHUNK)
+    assert len(passes) == prefill_passes + stats.rounds
+    assert max(passes[prefill_passes:]) <= 4 + 1  # a round's pass: the pending token and at most k drafts
+    if stats.finish_reason == "length":
+        assert stats.accepted + stats.rounds == stats.new_tokens == 48
+        assert stats.mean_accepted_tokens == pytest.approx(stats.new_tokens / stats.rounds)
+    else:
+        assert stats.finish_reason == "eos" and output.token_ids[-1] in generator.eos_token_ids
+        assert stats.new_tokens <= stats.accepted + stats.rounds
+    assert 0 < stats.accepted <= stats.drafted <= 4 * stats.rounds
     assert sum(stats.accepted_by_position) == stats.accepted
     assert all(a >= b for a, b in zip(stats.accepted_by_position, stats.accepted_by_position[1:]))
-    assert stats.new_tokens == 48 or stats.finish_reason == "eos"
     assert stats.draft_ms > 0 and stats.target_ms > 0 and stats.tokens_per_s > 0
     assert stats.decode_ms >= stats.draft_ms + stats.target_ms
 
