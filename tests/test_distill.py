@@ -55,6 +55,12 @@ def tiny(target, out, text_file, **options) -> DistillConfig:
     return DistillConfig(target=str(target), out=str(out), data=(str(text_file),), **{**TINY, **options})
 
 
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def invoke(*args):
     result = CliRunner().invoke(main, list(args))
     return result.exit_code, result.stdout, result.stderr
@@ -179,6 +185,7 @@ def test_a_model_run_writes_a_checkpoint_folder_transformers_loads(model_run, ta
     assert draft.config.num_hidden_layers == 1 and draft.config.specdeploy_draft["kind"] == "model"
     assert (out / "tokenizer.json").read_bytes() == (target / "tokenizer.json").read_bytes()
     assert not list(out.glob(".*"))  # no temporary file left
+    assert {oct((out / name).stat().st_mode & 0o777) for name in run["draft_files"]} == {oct(0o666 & ~current_umask())}
 
 
 def test_a_model_draft_exports(model_run, target, tmp_path):

@@ -150,6 +150,7 @@ def _move_files(folder: Path, out: Path) -> list[str]:
     names = []
     for file in sorted(Path(folder).iterdir()):
         if file.is_file():
+            os.chmod(file, 0o666 & ~_umask())
             os.replace(file, out / file.name)
             names.append(file.name)
     return names
