@@ -205,6 +205,20 @@ def memory_budget(manifest) -> dict:
     return {**models, "total_mb": total / 2**20}
 
 
+def _auto_num_draft(generator: Generator, config: BenchConfig, options: dict, spec_options: dict, progress) -> int:
+    """k for "auto": the cost model's best, from a pilot of k = 4 on the first three prompts."""
+    pilot = KResult(4, ModeTotals(), None)
+    pilot_base = ModeTotals()
+    for prompt in config.prompts[:3]:
+        pilot_base.add(generator.generate(prompt, speculative=False, seed=config.seed, **options).stats)
+        pilot.speculative.add(generator.generate(prompt, num_draft_tokens=4, seed=config.seed, **spec_options).stats)
+    figures = pilot.summary(pilot_base)
+    k = choose_num_draft(figures["fitted_alpha"], figures["cost_ratio_c"], (figures["verify_cost_v"] - 1) / 4)
+    progress(f"auto: alpha {figures['fitted_alpha']:.2f}, c {figures['cost_ratio_c']:.3f}, "
+             f"v(4) {figures['verify_cost_v']:.2f} -> k = {k}")
+    return k
+
+
 def run_bench(generator: Generator, config: BenchConfig, progress=None) -> dict:
     """Interleaved target-only / speculative runs over every prompt, after a warm-up; returns a JSON-ready dict."""
     progress = progress or (lambda message: None)
@@ -217,17 +231,7 @@ def run_bench(generator: Generator, config: BenchConfig, progress=None) -> dict:
     generator.generate(first, speculative=False, **options)  # warm-up: sessions, allocator arenas, caches
     generator.generate(first, num_draft_tokens=4, **spec_options)
 
-    ks = config.num_draft_tokens
-    if ks is None:
-        pilot = KResult(4, ModeTotals(), None)
-        pilot_base = ModeTotals()
-        for prompt in config.prompts[:3]:
-            pilot_base.add(generator.generate(prompt, speculative=False, seed=config.seed, **options).stats)
-            pilot.speculative.add(generator.generate(prompt, num_draft_tokens=4, seed=config.seed, **spec_options).stats)
-        figures = pilot.summary(pilot_base)
-        ks = (choose_num_draft(figures["fitted_alpha"], figures["cost_ratio_c"], (figures["verify_cost_v"] - 1) / 4),)
-        progress(f"auto: alpha {figures['fitted_alpha']:.2f}, c {figures['cost_ratio_c']:.3f}, "
-                 f"v(4) {figures['verify_cost_v']:.2f} -> k = {ks[0]}")
+    ks = config.num_draft_tokens or (_auto_num_draft(generator, config, options, spec_options, progress),)
 
     baseline = ModeTotals()
     results = {k: KResult(k, ModeTotals(), True if greedy else None) for k in ks}

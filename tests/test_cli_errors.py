@@ -228,7 +228,7 @@ def test_format_size():
 def test_inspect_and_verify_default_to_the_demo_bundle(bundle, home):
     import shutil
 
-    shutil.copytree(bundle, home / "demo-bundle")  # as if exported on first use
+    shutil.copytree(bundle, home / "demo-bundle")  # as `specdeploy export` would put one there
     code, stdout, stderr = invoke("inspect")
     assert code == 0, stderr
     assert stdout.startswith(f"bundle: {home / 'demo-bundle'}\n") and "exporting" not in stderr
