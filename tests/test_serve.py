@@ -106,7 +106,8 @@ class GatedModel:
     def wait(self, condition, what: str) -> None:
         """Wait until condition(self) holds (checked whenever the gate's state changes)."""
         with self.condition:
-            assert self.condition.wait_for(lambda: condition(self), timeout=30), f"timed out waiting for {what}"
+            assert self.condition.wait_for(lambda: condition(self), timeout=30), \
+                f"timed out waiting for {what} (held {self.held}, passed {self.passed}, allowed {self.allowed}, streams {self.streams})"
 
     def new_sequence(self, prompt, **options):
         options["streaming"] = True  # every request's text comes out as it decodes, to be gated

@@ -99,12 +99,12 @@ def token_text(generator, token_id: int) -> str | None:
 def check_completion_layout(layout: dict, expected, generator, top: int) -> None:
     """A completions `logprobs` object against the runtime's TokenLogprobs for the same request."""
     entries = expected.logprobs
-    assert layout["token_logprobs"] == pytest.approx([e.logprob for e in entries], abs=1e-5)
+    assert layout["token_logprobs"] == pytest.approx([e.logprob for e in entries], abs=1e-4)
     for name, entry in zip(layout["tokens"], entries):
         assert token_text(generator, entry.token_id) in (None, name)
     for best, entry in zip(layout["top_logprobs"], entries):
         assert len(best) == top
-        assert list(best.values()) == pytest.approx([logprob for _, logprob in entry.top], abs=1e-5)
+        assert list(best.values()) == pytest.approx([logprob for _, logprob in entry.top], abs=1e-4)
     offsets = layout["text_offset"]
     assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] <= len(expected.text)
     for index, offset in enumerate(offsets):  # where the prefix decodes to whole characters, exactly its length
@@ -116,14 +116,14 @@ def check_completion_layout(layout: dict, expected, generator, top: int) -> None
 def check_chat_layout(layout: dict, expected, generator, top: int) -> None:
     """A chat `logprobs` object: the same values, each token's bytes the tokenizer's."""
     content = layout["content"]
-    assert [c["logprob"] for c in content] == pytest.approx([e.logprob for e in expected.logprobs], abs=1e-5)
+    assert [c["logprob"] for c in content] == pytest.approx([e.logprob for e in expected.logprobs], abs=1e-4)
     special = generator.codec.special_token_ids()
     text_bytes = b"".join(bytes(c["bytes"]) for c, e in zip(content, expected.logprobs) if e.token_id not in special)
     assert text_bytes.decode("utf-8", errors="replace") == expected.text  # the bytes are the text's
     for item, entry in zip(content, expected.logprobs):
         assert token_text(generator, entry.token_id) in (None, item["token"])
         assert len(item["top_logprobs"]) == top
-        assert [t["logprob"] for t in item["top_logprobs"]] == pytest.approx([lp for _, lp in entry.top], abs=1e-5)
+        assert [t["logprob"] for t in item["top_logprobs"]] == pytest.approx([lp for _, lp in entry.top], abs=1e-4)
         assert all(isinstance(t["token"], str) and isinstance(t["bytes"], list) for t in item["top_logprobs"])
 
 
@@ -220,7 +220,7 @@ def test_n_choices_decode_together_each_exact(batched, generator):
                                                  "logprobs": 0})
     for choice in response["choices"]:  # greedy: every choice is run's output, token for token
         assert choice["text"] == greedy.text
-        assert choice["logprobs"]["token_logprobs"] == pytest.approx([e.logprob for e in greedy.logprobs], abs=1e-5)
+        assert choice["logprobs"]["token_logprobs"] == pytest.approx([e.logprob for e in greedy.logprobs], abs=1e-4)
     sampled = post(batched, "/v1/completions", {"prompt": PROMPT, "max_tokens": 16, "temperature": 1.0, "seed": 3,
                                                 "n": 4})
     assert len({c["text"] for c in sampled["choices"]}) == 4
@@ -246,6 +246,28 @@ def test_n_chat_choices_stream_interleaved_with_their_index(batched, generator):
     assert indices != sorted(indices)  # interleaved: the choices decoded together
     assert chunks[-1]["usage"]["completion_tokens"] == 3 * len(expected.token_ids)
     assert chunks[-1]["usage"]["prompt_tokens"] == len(generator.encode_chat(MESSAGES))
+
+
+def test_the_openai_client_reads_choices_and_logprobs(batched):
+    client = batched.client()
+    out = client.completions.create(model="x", prompt=PROMPT, max_tokens=8, n=2, seed=1, logprobs=2)
+    assert [c.index for c in out.choices] == [0, 1]
+    assert all(len(c.logprobs.token_logprobs) == len(c.logprobs.tokens) == len(c.logprobs.text_offset) >= 1
+               for c in out.choices)
+    # Greedy, so that the stream is the same reply (sampled choices decoding together are exact samples,
+    # not always the same ones: see docs/serve.md on seed).
+    reply = client.chat.completions.create(model="x", messages=MESSAGES, max_tokens=8, n=2, temperature=0,
+                                           logprobs=True, top_logprobs=3)
+    assert all(len(t.top_logprobs) == 3 and t.bytes for c in reply.choices for t in c.logprobs.content)
+    streamed: dict[int, list] = {0: [], 1: []}
+    for chunk in client.chat.completions.create(model="x", messages=MESSAGES, max_tokens=8, n=2, temperature=0,
+                                                logprobs=True, top_logprobs=3, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.logprobs.content if choice.logprobs else []
+    for choice in reply.choices:  # the same tokens; rows from passes of other shapes agree within 1e-4
+        assert [t.token for t in streamed[choice.index]] == [t.token for t in choice.logprobs.content]
+        assert [t.logprob for t in streamed[choice.index]] == pytest.approx(
+            [t.logprob for t in choice.logprobs.content], abs=1e-4)
 
 
 @pytest.mark.parametrize("path, body, param", [
