@@ -117,7 +117,9 @@ class OrtEngine:
         batched = (len(caches) > 1 and pool is not None and all(cache.pool is pool for cache in caches)
                    and len({cache.slot_index for cache in caches}) == len(caches)
                    and all(cache.length < cache.capacity for cache in pool.caches[:rows]))
-        if not batched:
+        if len(caches) == 1:  # the pass alone, its logits as they are (a view the next pass may overwrite)
+            return self.run([token_ids[0]], caches[0])[-1:]
+        if not batched:  # each row copied out: the next pass may overwrite a scratch row
             return np.stack([self.run([token], cache)[-1] for token, cache in zip(token_ids, caches)])
         ids, logits, logits_value = self._batch_buffers(rows)
         ids[:] = 0

@@ -281,8 +281,9 @@ class Generator:
         for sequence in sequences:
             self.scheduler.submit(sequence)
         try:
-            while not all(sequence.finished for sequence in sequences):
-                self.scheduler.step()
+            for sequence in sequences:
+                while not sequence.finished:
+                    self.scheduler.step()
         except KeyboardInterrupt:
             for sequence in sequences:
                 self.scheduler.cancel(sequence, "interrupted")

@@ -196,11 +196,15 @@ class Scheduler:
             return None
 
     def _decode(self, rows: list[Sequence]) -> None:
+        wanted = []  # each row's draft tokens this round, before the policy's limit
         for row in rows:
-            row.sampler.sync(row.context)  # the repetition penalty's context (nothing to do without one)
-        max_k = max(row.num_draft_tokens() for row in rows)
-        speculative = [row for row in rows if row.num_draft_tokens() > 0]
-        limit = self.policy.draft_limit(speculative, max_k) if speculative else 0
+            row.sampler.sync(row.context)  # the penalties' context (nothing to do without one)
+            wanted.append(row.num_draft_tokens())
+        speculative = [row for row, k in zip(rows, wanted) if k > 0]
+        if not speculative:
+            self._target_round(rows)
+            return
+        limit = self.policy.draft_limit(speculative, max(wanted))
         drafting = [row for row in speculative if row.num_draft_tokens(limit) > 0]
         plain = [row for row in rows if row not in drafting]
         if drafting:
@@ -212,12 +216,13 @@ class Scheduler:
         """One token per row from one batched target pass."""
         target, tokens, caches, ready = self.target, [], [], []
         for row in rows:
-            pending = self._guarded(row, row.pending_tokens)
-            if pending is None:
+            try:
+                pending = row.pending_tokens()
+                if len(pending) > 1:  # a catch-up (not after a round of this loop): its own pass first
+                    target.run(pending[:-1], row.slot.target_cache)
+            except Exception as exc:  # noqa: BLE001 - fails this row only
+                row.fail(exc)
                 continue
-            if len(pending) > 1:  # a catch-up (not after a round of this loop): its own pass first
-                if self._guarded(row, target.run, pending[:-1], row.slot.target_cache) is None:
-                    continue
             tokens.append(pending[-1])
             caches.append(row.slot.target_cache)
             ready.append(row)
@@ -235,11 +240,12 @@ class Scheduler:
         for row, row_logits in zip(ready, logits):
             row.stats.target_ms += spent
             row.stats.target_calls += target.calls - calls
-            token = self._guarded(row, row.sample_target, row_logits)
-            if token is None:
-                continue
-            row.record_round(0, 0)
-            self._guarded(row, row.emit, [token], row_logits[None])
+            try:
+                token = row.sample_target(row_logits)
+                row.record_round(0, 0)
+                row.emit([token], row_logits[None])
+            except Exception as exc:  # noqa: BLE001 - fails this row only
+                row.fail(exc)
 
     def _speculative_round(self, rows: list[Sequence], limit: int) -> list[Sequence]:
         """Draft for every row together, verify each; returns the rows that proposed nothing."""
