@@ -284,3 +284,34 @@ def test_draft_quantize_options_and_fallback(checkpoints, tmp_path, monkeypatch)
     manifest = export_pair(pair, tmp_path / "c", quantize="int8", draft_quantize="none", allow_lossy=True)
     assert not manifest.target.parity.passed and manifest.export_options["allow_lossy"] is True
     assert load_manifest(tmp_path / "c").target.quantize == "int8"
+
+
+def test_parity_lets_the_pytorch_model_go_before_onnx_runtime_loads(checkpoints, bundles, monkeypatch):
+    """The reference is computed, then the model is dropped: its weights and ONNX Runtime's are never resident together."""
+    import gc
+    import weakref
+
+    from specdeploy.export import parity
+    from specdeploy.export.convert import load_torch_model
+
+    bundle, pair = bundles("llama"), checkpoints("llama")
+    spec = load_manifest(bundle).target
+    loaded = []
+
+    def load_model():
+        model = load_torch_model(pair["target"], "target", False)
+        loaded.append(weakref.ref(model))
+        return model
+
+    engines = []
+
+    class CheckedEngine(OrtEngine):
+        def __init__(self, *args, **kwargs):
+            gc.collect()
+            engines.append([alive() is not None for alive in loaded])
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(parity, "OrtEngine", CheckedEngine)
+    report = parity.check_parity(load_model, bundle / spec.onnx_path, spec, bundle / "tokenizer" / "tokenizer.json")
+    assert engines == [[False]] and report.passed
+    assert report.check == "max_abs_diff" and report.prefill_max_abs_diff <= parity.FP32_MAX_ABS_DIFF

@@ -26,6 +26,24 @@ def quiet_export_logs() -> None:
     transformers.logging.set_verbosity_error()
 
 
+def release_freed_memory() -> None:
+    """Collect garbage and hand the C heap's free pages back to the system (glibc's malloc_trim).
+
+    Parsing a GGUF, dequantizing it and reading large tokenizers leave many small freed blocks that
+    the allocator keeps for reuse; without this they stay resident for the rest of the export, under
+    the peaks that come later (docs/performance.md)."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    library = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(library).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):  # not glibc (musl, macOS): nothing to hand back this way
+        pass
+
+
 def load_torch_model(path: Path, role: str, trust_remote_code: bool):
     """The checkpoint in fp32, eager, as PyTorch sees it: the reference for parity."""
     import torch

@@ -10,12 +10,14 @@ check repairs the folder from (special_tokens.py).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SpecdeployError
+from .convert import release_freed_memory
 
 MAGIC = b"GGUF"
 
@@ -29,6 +31,7 @@ class GgufTokens:
     pad_token_id: int | None
     add_bos_token: bool | None
     chat_template: str | None
+    control_tokens: tuple[str, ...] = ()  # the tokens typed CONTROL (<start_of_turn>, <end_of_turn>, ...)
 
 
 def is_gguf(path: Path) -> bool:
@@ -49,7 +52,7 @@ def _first_line(exc: Exception) -> str:
 def read_tokens(path: Path, role: str) -> tuple[str, GgufTokens]:
     """The architecture and the special-token metadata, read with gguf's GGUFReader."""
     try:
-        from gguf import GGUFReader
+        from gguf import GGUFReader, TokenType
     except ImportError:
         raise SpecdeployError(f"--{role} {path}: reading GGUF needs the gguf package (pip install 'specdeploy[export]')") from None
     with open(path, "rb") as handle:
@@ -78,12 +81,16 @@ def read_tokens(path: Path, role: str) -> tuple[str, GgufTokens]:
         raise SpecdeployError(f"--{role} {path}: the GGUF file has no general.architecture")
     add_bos = value("tokenizer.ggml.add_bos_token")
     template = value("tokenizer.chat_template")
+    tokens, types = value("tokenizer.ggml.tokens"), value("tokenizer.ggml.token_type")
+    control = () if tokens is None or types is None else tuple(
+        str(t) for t, kind in zip(tokens, types) if kind == TokenType.CONTROL)
     return architecture, GgufTokens(
         bos_token_id=token_id("tokenizer.ggml.bos_token_id"),
         eos_token_id=token_id("tokenizer.ggml.eos_token_id"),
         pad_token_id=token_id("tokenizer.ggml.padding_token_id"),
         add_bos_token=None if add_bos is None else bool(add_bos),
         chat_template=template if isinstance(template, str) else None,
+        control_tokens=control,
     )
 
 
@@ -97,45 +104,54 @@ def gguf_to_folder(path: Path, role: str, work_dir: Path) -> tuple[Path, GgufTok
     """Dequantize the GGUF into a Hugging Face folder under work_dir (once per file); returns it and the metadata.
 
     The folder's config.json and generation_config.json take their special tokens from the GGUF
-    metadata; the tokenizer files are transformers' conversion, left for the special-token check."""
+    metadata; the tokenizer files are transformers' conversion, left for the special-token check.
+
+    Every read of a GGUF parses all its metadata, every token of the vocabulary included, so this
+    module reads the file once (the special tokens and control tokens together), the model's config
+    comes with the model, and the same file as draft reuses the folder and the metadata. The model
+    goes before the tokenizer, and what each leaves freed goes back to the system before the next
+    (release_freed_memory), so the conversion's peak is transformers' dequantization of the model."""
     path = path.resolve()
+    key = hashlib.sha256(str(path).encode()).hexdigest()[:12]
+    folder, saved_tokens = work_dir / f"gguf-{key}", work_dir / f"gguf-{key}.tokens.json"
+    if (folder / "config.json").is_file() and saved_tokens.is_file():  # the same file as target and draft
+        return folder, GgufTokens(**{k: tuple(v) if isinstance(v, list) else v
+                                     for k, v in json.loads(saved_tokens.read_text()).items()})
     architecture, tokens = read_tokens(path, role)
+    release_freed_memory()
     if not _supported(architecture):
         raise SpecdeployError(
             f"--{role} {path}: transformers' GGUF loader does not read the architecture '{architecture}'"
         )
-    key = hashlib.sha256(str(path).encode()).hexdigest()[:12]
-    folder = work_dir / f"gguf-{key}"
-    if (folder / "config.json").is_file():
-        return folder, tokens  # the same file as target and draft: converted once
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # the dequantization bar would cut through the CLI's progress lines
     where, name = path.parent, path.name
-    try:
-        config = AutoConfig.from_pretrained(where, gguf_file=name, local_files_only=True)
-        tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32, local_files_only=True)
-    except Exception as exc:  # noqa: BLE001 - transformers raises many kinds for a GGUF it cannot convert
-        raise SpecdeployError(f"--{role} {path}: transformers cannot load the GGUF: {_first_line(exc)}") from None
     ids = {"bos_token_id": tokens.bos_token_id, "eos_token_id": tokens.eos_token_id,
            "pad_token_id": tokens.pad_token_id}
-    for name_, value in ids.items():  # the config's own values are the model class's defaults
-        setattr(config, name_, value)
-        setattr(model.config, name_, value)
-    _keep_control_tokens(path, tokenizer)
-    model.generation_config = GenerationConfig(**{k: v for k, v in ids.items() if v is not None})
     partial = work_dir / f"gguf-{key}.partial"
-    model.save_pretrained(partial)
-    config.save_pretrained(partial)  # the loaded config, with architectures and the ids above
-    model.generation_config.save_pretrained(partial)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32, local_files_only=True)
+        for name_, value in ids.items():  # the config's own values are the model class's defaults
+            setattr(model.config, name_, value)
+        model.generation_config = GenerationConfig(**{k: v for k, v in ids.items() if v is not None})
+        model.save_pretrained(partial)  # config.json: the loaded config, with architectures and the ids above
+        del model
+        release_freed_memory()
+        tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name, local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - transformers raises many kinds for a GGUF it cannot convert
+        raise SpecdeployError(f"--{role} {path}: transformers cannot load the GGUF: {_first_line(exc)}") from None
+    _keep_control_tokens(tokens.control_tokens, tokenizer)
     tokenizer.save_pretrained(partial)
+    del tokenizer
+    release_freed_memory()
     if tokens.chat_template is not None and not (partial / "chat_template.jinja").is_file():
         _set_template(partial / "tokenizer_config.json", tokens.chat_template)
     partial.rename(folder)
+    saved_tokens.write_text(json.dumps(dataclasses.asdict(tokens)))
     return folder, tokens
 
 
@@ -145,17 +161,10 @@ def _set_template(tokenizer_config: Path, template: str) -> None:
     tokenizer_config.write_text(json.dumps(data, indent=2, ensure_ascii=False))
 
 
-def _keep_control_tokens(path: Path, tokenizer) -> None:
+def _keep_control_tokens(control_tokens: tuple[str, ...], tokenizer) -> None:
     """The GGUF's control tokens as special added tokens: some of transformers' converters (Gemma's) keep only
     BOS/EOS/pad/unk, which leaves <start_of_turn> and <end_of_turn> as plain pieces that text never encodes to."""
-    from gguf import GGUFReader, TokenType
-
-    reader = GGUFReader(str(path))
-    tokens, types = reader.get_field("tokenizer.ggml.tokens"), reader.get_field("tokenizer.ggml.token_type")
-    if tokens is None or types is None:
-        return
     special = set(tokenizer.all_special_tokens) | {str(t) for t in tokenizer.added_tokens_decoder.values()}
-    control = [t for t, kind in zip(tokens.contents(), types.contents())
-               if kind == TokenType.CONTROL and t not in special]
+    control = [t for t in control_tokens if t not in special]
     if control:
         tokenizer.add_special_tokens({"additional_special_tokens": control}, replace_additional_special_tokens=False)

@@ -19,6 +19,7 @@ import numpy as np
 from ..bundle import ModelSpec, ParityReport
 from ..runtime import OrtEngine, SessionConfig, global_pool_active
 from ..runtime.engine import PREFILL_CHUNK
+from .convert import release_freed_memory
 
 # Natural text makes the greedy check meaningful for trained models (on random ids every model is
 # unsure, and rounding flips near-ties that no user would see): code, prose, a chat, other scripts.
@@ -77,7 +78,7 @@ def overall_agreement(prefill_tokens: int, prefill_agreement: float, verify_toke
 
 
 def check_parity(
-    torch_model,
+    load_model: Callable,
     onnx_path: Path,
     spec: ModelSpec,
     tokenizer_json: Path,
@@ -86,11 +87,16 @@ def check_parity(
 ) -> ParityReport:
     """Compare the ONNX model with PyTorch; prefill_tokens defaults to parity_length (256 or past the window).
 
+    load_model() gives the PyTorch model; it is let go once its reference is computed, before ONNX
+    Runtime loads the graph, so that the two copies of the weights are not resident together
+    (reference_logits keeps only the hidden states and a copy of the output head).
+
     The prefill runs in chunks of at most PREFILL_CHUNK tokens on one cache, as the runtime prefills,
     and each chunk's logits are compared with PyTorch's rows and dropped before the next: no array of
     [prefill, vocab] logits exists (581 x 262,144 fp32 for Gemma 3 is 0.6 GB, three times over)."""
     # A short --max-context caps the check (the fused graph's rotary tables end there).
     verify_tokens = min(verify_tokens, max(1, spec.max_context // 2))
+    torch_model = load_model()
     if prefill_tokens is None:
         prefill_tokens = parity_length(torch_model.config, spec.max_context, verify_tokens)
     if spec.attention_window:  # a windowed draft equals full attention only within its window
@@ -98,12 +104,19 @@ def check_parity(
     prefill_tokens = min(prefill_tokens, spec.max_context - verify_tokens)
     ids = parity_tokens(tokenizer_json, spec.vocab_size, prefill_tokens + verify_tokens)
     reference = reference_logits(torch_model, ids)
+    del torch_model
+    release_freed_memory()
 
     # Per-session threads leave the process free for optimum's own sessions, unless a runtime in this
     # process already switched ONNX Runtime to the shared pool (then optimum cannot run here either).
     # Each chunk's logits are read before the next pass, so they may land in the engine's scratch buffer.
-    engine = OrtEngine(onnx_path, spec, SessionConfig(device="cpu", shared_threads=global_pool_active()),
-                       scratch_logits=True)
+    # An fp32 graph runs its MatMuls unpacked, without a second (repacked) copy of every weight: the same
+    # kernels' arithmetic in another order. A quantized graph keeps packing: unpacked, MatMulNBits takes
+    # another path (dequantized fp32 instead of accuracy_level's int8 arithmetic), and the check must
+    # measure the kernels the runtime runs.
+    prepack = not (spec.dtype == "fp32" and spec.quantize == "none")
+    engine = OrtEngine(onnx_path, spec, SessionConfig(device="cpu", shared_threads=global_pool_active(),
+                                                      prepack_weights=prepack), scratch_logits=True)
     cache = engine.new_cache(prefill_tokens + verify_tokens)
     # Equal chunks, none of a single token (a one-row pass takes other kernels than the runtime's prefill).
     chunks = np.array_split(np.arange(prefill_tokens), -(-prefill_tokens // PREFILL_CHUNK))
@@ -170,7 +183,7 @@ def reference_logits(torch_model, ids: np.ndarray) -> Callable[[int, int], np.nd
     input_ids = torch.from_numpy(ids)[None]
     head = torch_model.get_output_embeddings() if hasattr(torch_model, "get_output_embeddings") else None
     softcap = getattr(torch_model.config, "final_logit_softcapping", None)
-    if isinstance(head, torch.nn.Module):
+    if isinstance(head, torch.nn.Linear):
         captured = []
 
         def keep_last_row(module, args):  # the head sees the hidden states; it computes the last row only
@@ -186,9 +199,13 @@ def reference_logits(torch_model, ids: np.ndarray) -> Callable[[int, int], np.nd
         finally:
             handle.remove()
 
+        # The head's own weights, copied: a view would keep the whole model's mapped file resident.
+        weight = head.weight.detach().clone()
+        bias = None if head.bias is None else head.bias.detach().clone()
+
         def rows(start: int, stop: int) -> np.ndarray:
             with torch.no_grad():
-                logits = head(captured[0][:, start:stop])
+                logits = torch.nn.functional.linear(captured[0][:, start:stop], weight, bias)
                 if softcap is not None:  # as Gemma 2 / 3 compute it (Gemma3ForCausalLM.forward)
                     logits = logits / softcap
                     logits = torch.tanh(logits)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -162,10 +163,15 @@ def _model_spec(role: str, checkpoint: ckpt.Checkpoint, onnx_path: Path, root: P
     )
 
 
-def _build_model(role: str, quantize: str, model, checkpoint, root: Path, config: ExportConfig, max_context: int,
-                 num_parameters: int, graph: str, tokenizer_dir: Path, report: Reporter,
+def _build_model(role: str, quantize: str, load_model: Callable, checkpoint, root: Path, config: ExportConfig,
+                 max_context: int, num_parameters: int, graph: str, tokenizer_dir: Path, report: Reporter,
                  fallback_to_fp32: bool = False) -> ModelSpec:
     """Export one model into root/role, optimize it, and measure its parity (the spec carries the figures).
+
+    load_model() gives the PyTorch model, loaded for each stage that reads it and let go after: a
+    safetensors checkpoint is memory-mapped (loading it again costs a fraction of a second), and
+    its pages, once read, stay resident for as long as the model lives; held from export to parity,
+    they would sit under quantization and under ONNX Runtime's own copy of the weights.
 
     fallback_to_fp32 (the draft under --draft-quantize auto): if quantizing fails, or the quantized
     model fails its parity check, the fp32 export made just before is kept instead. The draft's
@@ -173,11 +179,14 @@ def _build_model(role: str, quantize: str, model, checkpoint, root: Path, config
     report("export", f"{role}: {num_parameters / 1e6:.1f}M parameters -> ONNX ({graph} graph)")
     model_dir = root / role
     model_dir.mkdir()
+    model = load_model()
     if graph == "fused":
         window = config.draft_window if role == "draft" else None
         onnx_path = fused.build_fused(model, model_dir / convert.ONNX_NAME, max_context, window)
     else:
         onnx_path = convert.export_onnx(model, model_dir, config.opset)
+    del model
+    convert.release_freed_memory()
     if config.dtype == "fp16":
         report("optimize", f"{role}: fp16")
         convert.convert_fp16(onnx_path)
@@ -187,7 +196,8 @@ def _build_model(role: str, quantize: str, model, checkpoint, root: Path, config
     def validate(quantized: str) -> ModelSpec:
         spec = _model_spec(role, checkpoint, onnx_path, root, config, max_context, num_parameters, graph, quantized)
         report("validate", f"{role}: ONNX Runtime vs PyTorch")
-        return dataclasses.replace(spec, parity=check_parity(model, onnx_path, spec, tokenizer_dir / "tokenizer.json"))
+        parity = check_parity(load_model, onnx_path, spec, tokenizer_dir / "tokenizer.json")
+        return dataclasses.replace(spec, parity=parity)
 
     if quantize == "none":
         return validate("none")
@@ -303,7 +313,8 @@ def _build_bundle(config: ExportConfig, checkpoints: dict, max_context: int, wor
     for role in ROLES:
         checkpoint = checkpoints[role]
         report("load", f"{role}: {checkpoint.path.name}")
-        model = convert.load_torch_model(checkpoint.path, role, config.trust_remote_code)
+        load_model = functools.partial(convert.load_torch_model, checkpoint.path, role, config.trust_remote_code)
+        model = load_model()
         num_parameters = sum(p.numel() for p in model.parameters())
         graph = _choose_graph(model, role, config.graph, max_context)
         if role == "draft" and config.draft_window is not None and graph != "fused":
@@ -311,10 +322,11 @@ def _build_bundle(config: ExportConfig, checkpoints: dict, max_context: int, wor
                 f"--draft-window needs the fused graph for the draft, which cannot take it: "
                 f"{fused.unsupported_reason(model, max_context) or '--graph optimum was asked for'}"
             )
-        quantize, chosen_by_auto = _quantize_for(role, config)
-        specs[role] = _build_model(role, quantize, model, checkpoint, root, config, max_context, num_parameters, graph,
-                                   tokenizer_dirs["target"], report, fallback_to_fp32=chosen_by_auto)
         del model
+        convert.release_freed_memory()  # and what reading the checkpoints and tokenizers left behind
+        quantize, chosen_by_auto = _quantize_for(role, config)
+        specs[role] = _build_model(role, quantize, load_model, checkpoint, root, config, max_context, num_parameters,
+                                   graph, tokenizer_dirs["target"], report, fallback_to_fp32=chosen_by_auto)
         parity = specs[role].parity
         if not parity.passed and role == "target" and config.allow_lossy and parity.check == "greedy_agreement":
             report("validate", f"target: {_parity_failure(parity)}; kept (--allow-lossy)")

@@ -120,6 +120,7 @@ def quantize_weights(path: Path, bits: int, block_size: int = BLOCK_SIZE, accura
 def _quantize_matmuls(model, reader, writer, written: dict, bits: int, block_size: int, accuracy_level: int) -> None:
     """Every MatMul with a constant weight, through ONNX Runtime's MatMulNBitsQuantizer one node at a time:
     the same quantizer, the same node and weight as a whole-graph pass (bit-equal, tests/test_quantize.py)."""
+    import onnx
     from onnx import helper, numpy_helper
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
@@ -147,7 +148,10 @@ def _quantize_matmuls(model, reader, writer, written: dict, bits: int, block_siz
                                          accuracy_level=accuracy_level, algo_config=config)
         quantizer.process()
         result = quantizer.model.model.graph
-        new_nodes.extend(result.node)
+        for made in result.node:  # copies: a reference to a node would keep its whole one-node model alive
+            copy = onnx.NodeProto()
+            copy.CopyFrom(made)
+            new_nodes.append(copy)
         for tensor in result.initializer:
             if tensor.name not in written and tensor.name != weight.name:
                 written[tensor.name] = writer.copy(tensor, reader.raw(tensor))
