@@ -26,10 +26,10 @@ from ..runtime.config import MAX_LOGPROBS, SEED_LIMIT
 EXTENSIONS = {"top_k": int, "min_p": float, "repetition_penalty": float, "num_draft_tokens": int, "speculative": bool,
               "draft_confidence": float}
 COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "user",
-          "ignore_eos", "n", "logprobs", *EXTENSIONS)
+          "ignore_eos", "n", "logprobs", "presence_penalty", "frequency_penalty", *EXTENSIONS)
 STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")  # the ones read; others are ignored
 # name -> the values that mean "not used"; anything else is refused.
-UNSUPPORTED_COMMON = {"presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {})}
+UNSUPPORTED_COMMON = {"logit_bias": (None, {})}
 UNSUPPORTED = {
     "completion": {**UNSUPPORTED_COMMON, "echo": (None, False), "suffix": (None, "")},
     "chat": {**UNSUPPORTED_COMMON, "tools": (None, []),
@@ -147,6 +147,8 @@ def _options(body: dict, kind: str, num_draft_tokens: int, max_context: int) -> 
         "num_draft_tokens": num_draft_tokens,
         "ignore_eos": _check_type(body, "ignore_eos", bool) or False,
         "logprobs": _logprobs(body, kind),
+        "presence_penalty": _number(body, "presence_penalty", 0.0),  # OpenAI's, over the generated tokens
+        "frequency_penalty": _number(body, "frequency_penalty", 0.0),
     }
     fields = {f.name for f in dataclasses.fields(GenerationConfig)}
     for name, kind in EXTENSIONS.items():
