@@ -45,6 +45,13 @@ SAMPLING_OPTIONS = _options(
     click.option("--draft-confidence", type=float, default=DEFAULTS.draft_confidence, show_default=True,
                  help="Stop drafting once the draft's top probability falls below this (0: always draft k)."),
 )
+# OpenAI's penalties, for `run` and `chat`.
+PENALTY_OPTIONS = _options(
+    click.option("--presence-penalty", type=float, default=DEFAULTS.presence_penalty, show_default=True,
+                 help="Subtracted once from the logit of each token generated so far (OpenAI's); -2..2, 0 is off."),
+    click.option("--frequency-penalty", type=float, default=DEFAULTS.frequency_penalty, show_default=True,
+                 help="Subtracted per occurrence among the tokens generated so far (OpenAI's); -2..2, 0 is off."),
+)
 # How `run`, `bench` and `serve` load a bundle.
 DEVICE_OPTION = click.option("--device", default="cpu", show_default=True, help="cpu | cuda | tensorrt")
 DRAFTER_OPTION = click.option("--drafter", default=defaults.DRAFTER, show_default=True,
@@ -191,6 +198,7 @@ def verify(bundle) -> None:
                    'user, assistant, tool).')
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
 @SAMPLING_OPTIONS
+@PENALTY_OPTIONS
 @click.option("--num-draft-tokens", "-k", type=int, default=DEFAULTS.num_draft_tokens, show_default=True)
 @click.option("--no-speculative", is_flag=True, help="Target-only decoding (the baseline).")
 @click.option("--stop", multiple=True, type=TEXT, help="Stop before this string (repeatable).")
@@ -203,7 +211,7 @@ def verify(bundle) -> None:
               help="With --json: each token's log-probability under the target and the N most likely tokens (0-20).")
 def run(bundle, prompt, prompt_file, chat, system, messages_file, max_new_tokens, temperature, top_k, top_p, min_p,
         repetition_penalty, seed, num_draft_tokens, draft_confidence, no_speculative, stop, device, drafter, verify,
-        stream, as_json, logprobs) -> None:
+        stream, as_json, logprobs, presence_penalty, frequency_penalty) -> None:
     """Generate from a prompt (--prompt, --prompt-file) or a conversation (--chat, --messages) with
     speculative decoding (BUNDLE defaults to the demo bundle).
 
@@ -218,7 +226,8 @@ def run(bundle, prompt, prompt_file, chat, system, messages_file, max_new_tokens
     generator = load(resolve_bundle(bundle), device=device, drafter=drafter, verify=verify)
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                    repetition_penalty=repetition_penalty, seed=seed, num_draft_tokens=num_draft_tokens, draft_confidence=draft_confidence,
-                   speculative=not no_speculative, stop=stop, logprobs=logprobs)
+                   speculative=not no_speculative, stop=stop, logprobs=logprobs, presence_penalty=presence_penalty,
+                   frequency_penalty=frequency_penalty)
     interrupted, shown = False, []
     pieces = generator.stream(**request, **options)  # JSON and --no-stream read the pieces without printing them
     try:
@@ -255,6 +264,7 @@ def run(bundle, prompt, prompt_file, chat, system, messages_file, max_new_tokens
 @click.option("--system", default=None, type=TEXT, help="The system message the conversation starts with.")
 @click.option("--max-new-tokens", type=int, default=256, show_default=True, help="Tokens per reply at most.")
 @SAMPLING_OPTIONS
+@PENALTY_OPTIONS
 @click.option("--num-draft-tokens", "-k", type=int, default=DEFAULTS.num_draft_tokens, show_default=True)
 @click.option("--no-speculative", is_flag=True, help="Target-only decoding (the baseline).")
 @click.option("--stop", multiple=True, type=TEXT, help="End a reply before this string (repeatable).")
@@ -263,7 +273,8 @@ def run(bundle, prompt, prompt_file, chat, system, messages_file, max_new_tokens
 @VERIFY_OPTION
 @click.option("--stats", is_flag=True, help="Print the stats line (stderr) after each reply.")
 def chat(bundle, system, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed,
-         num_draft_tokens, draft_confidence, no_speculative, stop, device, drafter, verify, stats) -> None:
+         num_draft_tokens, draft_confidence, no_speculative, stop, device, drafter, verify, stats, presence_penalty,
+         frequency_penalty) -> None:
     """Chat with a bundle on its tokenizer's chat template, the reply streaming as it decodes
     (BUNDLE defaults to the demo bundle).
 
@@ -277,7 +288,8 @@ def chat(bundle, system, max_new_tokens, temperature, top_k, top_p, min_p, repet
     generation = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                   min_p=min_p, repetition_penalty=repetition_penalty, seed=seed,
                                   num_draft_tokens=num_draft_tokens, draft_confidence=draft_confidence,
-                                  speculative=not no_speculative, stop=stop)
+                                  speculative=not no_speculative, stop=stop, presence_penalty=presence_penalty,
+                                  frequency_penalty=frequency_penalty)
     generation.validate()
     bundle = resolve_bundle(bundle)
     generator = load(bundle, device=device, drafter=drafter, verify=verify)

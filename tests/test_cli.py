@@ -246,3 +246,25 @@ def test_the_console_entry_sets_up_its_process_and_gives_it_back(monkeypatch, tm
     assert signal.getsignal(signal.SIGTERM) is before
     with pytest.raises(KeyboardInterrupt):
         handler(signal.SIGTERM, None)
+
+
+def test_run_takes_the_openai_penalties_and_logprobs(agreeing_bundle):
+    """--presence-penalty/--frequency-penalty reach the generation (as Python's generate gives it), and
+    --logprobs N puts each token's log-probability and N alternatives into --json's object."""
+    from click.testing import CliRunner
+
+    import specdeploy
+    from specdeploy.cli import main
+
+    args = ["run", str(agreeing_bundle), "--prompt", "def f(x):", "--max-new-tokens", "12", "--temperature", "0",
+            "--frequency-penalty", "1.5", "--presence-penalty", "0.5", "--json", "--logprobs", "2"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    expected = specdeploy.load(agreeing_bundle).generate("def f(x):", max_new_tokens=12, frequency_penalty=1.5,
+                                                         presence_penalty=0.5, logprobs=2)
+    assert record["token_ids"] == expected.token_ids
+    assert [entry["token_id"] for entry in record["logprobs"]] == expected.token_ids
+    assert all(len(entry["top_logprobs"]) == 2 for entry in record["logprobs"])
+    refused = CliRunner().invoke(main, args[:-3] + ["--logprobs", "2"])  # without --json
+    assert refused.exit_code == 2 and "--logprobs needs --json" in refused.stderr and refused.stdout == ""
