@@ -222,3 +222,35 @@ def test_sequences_with_one_prompt_prefill_it_once(agreeing_bundle, alone):
                                                   temperature=0.8).token_ids
     greedy = generator.generate_many([prompt] * 3, max_new_tokens=20)
     assert all(o.token_ids == alone.generate(prompt, max_new_tokens=20, speculative=False).token_ids for o in greedy)
+
+
+def test_caches_outside_one_pool_are_stepped_one_by_one_with_their_own_logits(agreeing_bundle):
+    """run_batch over caches it cannot batch (no shared pool) runs one pass each and keeps each row's logits."""
+    generator = specdeploy.load(agreeing_bundle)
+    target = generator.target
+    prompts = [generator.codec.encode(p) for p in PROMPTS[:3]]
+    caches, expected = [], []
+    for prompt in prompts:
+        alone = target.new_cache(generator.max_context)
+        target.prefill(prompt, alone)
+        expected.append(target.run([5], alone)[-1].copy())
+        cache = target.new_cache(generator.max_context)
+        target.prefill(prompt, cache)
+        caches.append(cache)
+    logits = target.run_batch([5, 5, 5], caches)
+    for row, one in zip(logits, expected):
+        assert np.array_equal(row, one)
+
+
+def test_a_quantized_target_keeps_its_two_token_steps_under_batching(tmp_path_factory, checkpoints):
+    """An int8 target runs single tokens beside the previous one (min_pass_tokens 2); batched target-only
+    rounds must keep that arithmetic, so greedy outputs equal decoding each prompt alone."""
+    from conftest import export_pair
+
+    out = tmp_path_factory.mktemp("int8") / "bundle"
+    export_pair(checkpoints("llama"), out, quantize="int8", allow_lossy=True)
+    alone = specdeploy.load(out)
+    assert alone.target.min_pass_tokens == 2
+    expected = [alone.generate(p, max_new_tokens=20, speculative=False).token_ids for p in PROMPTS[:3]]
+    generator = specdeploy.load(out, max_batch=3, policy="never")
+    assert [o.token_ids for o in generator.generate_many(PROMPTS[:3], max_new_tokens=20, speculative=False)] == expected

@@ -11,7 +11,6 @@ MAX_DRAFT_TOKENS = 32
 MAX_LOGPROBS = 20  # alternatives per position, as OpenAI's top_logprobs allows
 SEED_LIMIT = 2**64  # seeds are 64-bit: 0 .. SEED_LIMIT - 1 (the CLI and the server take the same)
 MIN_TEMPERATURE = 1e-6  # below this, logits / temperature can overflow float32
-WARM_UP_PROMPT_TOKENS = 16  # the prefill Generator.warm_up runs: about a short prompt's length
 
 
 @dataclass(frozen=True)

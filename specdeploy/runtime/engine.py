@@ -110,17 +110,22 @@ class OrtEngine:
         Caches that are rows of one KVSlots run in one pass over its first rows (every row up to the
         highest one given): a row that is not given writes its pending slot (the position at its
         length, past its valid ones) and keeps its length. A pass of n rows computes each row as a
-        pass of that row alone with two or more tokens would, bit for bit. Anything else runs one
-        pass per cache. The rows are valid until the next pass."""
+        one-token pass of that row alone would, bit for bit; so an engine whose single tokens run
+        beside another (min_pass_tokens > 1: fp16 and quantized targets, see the class docstring)
+        runs one pass per cache instead, as does anything else. The rows are valid until the next pass."""
         pool = getattr(caches[0], "pool", None)
         rows = 1 + max(cache.slot_index for cache in caches) if pool is not None else 0
-        batched = (len(caches) > 1 and pool is not None and all(cache.pool is pool for cache in caches)
+        batched = (len(caches) > 1 and pool is not None and self.min_pass_tokens == 1
+                   and all(cache.pool is pool for cache in caches)
                    and len({cache.slot_index for cache in caches}) == len(caches)
                    and all(cache.length < cache.capacity for cache in pool.caches[:rows]))
         if len(caches) == 1:  # the pass alone, its logits as they are (a view the next pass may overwrite)
             return self.run([token_ids[0]], caches[0])[-1:]
-        if not batched:  # each row copied out: the next pass may overwrite a scratch row
-            return np.stack([self.run([token], cache)[-1] for token, cache in zip(token_ids, caches)])
+        if not batched:  # each row copied out as it comes: the next pass may overwrite a scratch row
+            out = np.empty((len(caches), self.spec.vocab_size), dtype=np.float32)  # [n, vocab]
+            for row, (token, cache) in enumerate(zip(token_ids, caches)):
+                out[row] = self.run([token], cache)[-1]
+            return out
         ids, logits, logits_value = self._batch_buffers(rows)
         ids[:] = 0
         for token, cache in zip(token_ids, caches):

@@ -248,8 +248,8 @@ class Generator:
                 yield from sequence.take_pieces()
                 if sequence.finished:
                     break
-        except (KeyboardInterrupt, GeneratorExit):  # Ctrl-C, or a stream closed early: keep what came out
-            self.scheduler.cancel(sequence, "interrupted")
+        except BaseException as exc:  # Ctrl-C or a stream closed early (keep what came out), or an error: free the slot
+            self.scheduler.cancel(sequence, _reason(exc))
             raise
         if sequence.error is not None:
             raise sequence.error
@@ -284,14 +284,18 @@ class Generator:
             for sequence in sequences:
                 while not sequence.finished:
                     self.scheduler.step()
-        except KeyboardInterrupt:
+        except BaseException as exc:  # Ctrl-C, or an error out of a step: none of them keeps its slot
             for sequence in sequences:
-                self.scheduler.cancel(sequence, "interrupted")
+                self.scheduler.cancel(sequence, _reason(exc))
             raise
         for sequence in sequences:
             if sequence.error is not None:
                 raise sequence.error
         return [sequence.output() for sequence in sequences]
+
+
+def _reason(exc: BaseException) -> str:
+    return "interrupted" if isinstance(exc, (KeyboardInterrupt, GeneratorExit)) else "error"
 
 
 def _step_back(engine: OrtEngine, caches: list, length: int) -> None:

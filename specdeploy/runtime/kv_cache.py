@@ -4,8 +4,9 @@ Two layouts, named by the manifest's `kv_cache.shared_buffer`:
 
 - shared buffer (the fused graphs): one preallocated [1, kv_heads, capacity, head_dim] tensor per
   layer's keys and values. Each pass gets the buffer as its past input and the same buffer as its
-  present output; GroupQueryAttention writes the new positions in place. Nothing is copied, ever:
-  accepting tokens and rejecting them are both a change of `length`.
+  present output; GroupQueryAttention writes the new positions in place. Accepting tokens and
+  rejecting them are both a change of `length` (only a prompt shared between sequences is copied,
+  once: copy_prefix). KVSlots holds many such caches as rows of one buffer per layer.
 - concat (optimum's graphs): `past_key_values.N.key` of [1, kv_heads, past, head_dim] in,
   `present.N.key` of [1, kv_heads, past + n, head_dim] out. The cache keeps the presents a pass
   returned as OrtValues and binds them as the next pass's past as they are; rejected positions
@@ -28,8 +29,8 @@ class _Cache:
     """What both layouts share: the tokens a cache holds, and rollback as a shorter valid length.
 
     `tokens` are the tokens whose keys and values the cache holds, `length` its valid positions;
-    they agree between passes (`OrtEngine.run` appends to both). Batch 1: a batched cache would
-    keep one length per row, which is what the fused graphs read (GroupQueryAttention's per-row
+    they agree between passes (`OrtEngine.run` appends to both). Each cache is one sequence's;
+    a batched pass over KVSlots rows keeps one length per row (GroupQueryAttention's per-row
     sequence lengths come from the mask's per-row sum)."""
 
     shared_buffer: bool

@@ -3,8 +3,9 @@
 One `step` is one iteration:
   1. waiting sequences take free KV slots (the slot whose caches share the longest prefix with the
      prompt first), up to the generator's slots;
-  2. every sequence still prefilling runs one chunk (PREFILL_CHUNK tokens), so a long prompt
-     delays the others by one chunk per iteration, not by its whole length;
+  2. every sequence still prefilling runs one chunk of the target's prefill (PREFILL_CHUNK tokens),
+     so a long prompt delays the others by one chunk per iteration, not by its whole length (the
+     draft's prefill, a fraction of the target's cost, runs in one iteration after it);
   3. every prefilled sequence decodes one round. Target-only rows share one batched target pass
      ([rows, 1], OrtEngine.run_batch). Speculative rows share batched draft passes (propose_many),
      then each runs its own verify pass: ONNX Runtime's CPU GroupQueryAttention refuses a batch
@@ -14,9 +15,12 @@ One `step` is one iteration:
 
 Whether a round speculates, and with how many draft tokens, is the policy's choice
 (SpeculationPolicy): at a large batch a verify pass per row can cost more than it saves, where
-one batched target pass serves every row. The choice changes speed, never a greedy output;
-a sampled output is an exact sample either way, and the same seed gives the same output for the
-same sequence of choices (always, run alone).
+one batched target pass serves every row. A batched row computes as a one-token pass alone
+does, bit for bit; a verify row as a multi-token pass, which in fp32 differs from it in the last
+bits (see OrtEngine: fp16 and quantized targets never batch target-only rows for that reason).
+So the choice changes speed, and a greedy output only where fp32 rounding splits a near-tie, as
+speculative against target-only decoding alone can; a sampled output is an exact sample either
+way, and the same seed gives the same output for the same sequence of choices (always, run alone).
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ drafter, whose cache is the draft's row of the same slot), its sampler and rando
 text stream and stop rules, its stats and why it finished. Nothing about a generation lives
 anywhere else: a Generator runs one sequence, the scheduler many, through the same object.
 
-Invariant between rounds: the target's cache holds a prefix of context[:-1] (all of it once
-prefilled); the last token is pending, and the next pass runs it first.
+Invariant between rounds: the target's cache holds context[:-1] and maybe, after a rejection,
+rejected draft tokens behind it (the next pass's start drops them); the last token is pending,
+and the next pass runs it first.
 """
 
 from __future__ import annotations
@@ -24,14 +25,17 @@ from .text import TextCodec, TextStream
 
 def token_logprobs(logits: np.ndarray, token_ids: list[int], top: int) -> list[TokenLogprob]:
     """The log-softmax of each row of logits [n, vocab] at token_ids [n], with the `top` most likely
-    tokens of each row (ties to the lower id), computed in float64."""
-    rows = logits.astype(np.float64)
-    shifted = rows - rows.max(axis=1, keepdims=True)
-    logprobs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))  # [n, vocab]
+    tokens of each row (ties to the lower id): float32 rows, their log-sum-exp summed in float64."""
     result = []
-    for row, token in zip(logprobs, token_ids):
-        best = np.argsort(-row, kind="stable")[:top] if top else ()
-        result.append(TokenLogprob(int(token), float(row[token]), tuple((int(i), float(row[i])) for i in best)))
+    for row, token in zip(np.asarray(logits, dtype=np.float32), token_ids):
+        peak = row.max()
+        log_total = float(peak) + float(np.log(np.exp(row - peak).sum(dtype=np.float64)))
+        best: tuple = ()
+        if top:
+            candidates = np.argpartition(-row, top - 1)[:top] if top < len(row) else np.arange(len(row))
+            best = tuple(sorted(candidates.tolist(), key=lambda i: (-row[i], i)))
+        result.append(TokenLogprob(int(token), float(row[token]) - log_total,
+                                   tuple((int(i), float(row[i]) - log_total) for i in best)))
     return result
 
 

@@ -106,10 +106,10 @@ def global_pool_active() -> bool:
 
 
 def _use_global_pool(threads: int) -> None:
-    from onnxruntime.capi import _pybind_state as ort_c
+    import onnxruntime as ort
 
     if not _GLOBAL_POOL:
-        ort_c.set_global_thread_pool_sizes(threads, 1)
+        ort.set_global_thread_pool_sizes(threads, 1)
         _GLOBAL_POOL.append(threads)
 
 
