@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 
@@ -81,8 +80,6 @@ def distill(target, out, kind, data, generate_tokens, max_text_tokens, minutes, 
                            seq_len=seq_len, batch_size=batch_size, lr=lr, top_k=top_k, unroll=unroll,
                            heldout_tokens=heldout_tokens, eval_every=eval_every, checkpoint_minutes=checkpoint_minutes,
                            checkpoint_steps=checkpoint_steps).validate()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         from . import pipeline
         from .train import TrainingStarted
@@ -104,6 +101,7 @@ def distill(target, out, kind, data, generate_tokens, max_text_tokens, minutes, 
         if line:
             click.echo(line, err=True)
 
+    # Scoped to the run and restored after it: Ctrl-C and SIGTERM become "checkpoint, then stop".
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         result = pipeline.distill(config, report, stop)
