@@ -88,11 +88,14 @@ def prepare(args) -> None:
             result = subprocess.run(["/usr/bin/time", "-v", *command], capture_output=True, text=True)
             peak = next((line.split(":")[-1].strip() for line in result.stderr.splitlines()
                          if "Maximum resident set size" in line), "?")
+            cpu = sum(float(line.split(":")[-1]) for line in result.stderr.splitlines()
+                      if line.strip().startswith(("User time (seconds)", "System time (seconds)")))
             if result.returncode:
                 errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
                 print(f"{model} {precision}: export failed: {errors[-1] if errors else result.stderr[-2000:]}", flush=True)
                 continue
-            print(f"{model} {precision}: export {time.perf_counter() - start:.0f} s, peak RSS "
+            # CPU time beside wall time: on a shared host the wall clock also counts other processes' turns.
+            print(f"{model} {precision}: export {time.perf_counter() - start:.0f} s ({cpu:.0f} s CPU), peak RSS "
                   f"{int(peak) / 1e6:.2f} GB" if peak.isdigit() else peak, flush=True)
 
 
