@@ -235,6 +235,32 @@ def test_gemma3_gguf_converts_with_its_metadata(tmp_path):
     assert tokenizer.encode("x", add_special_tokens=True).ids[0] == 2
 
 
+def test_one_gguf_as_target_and_draft_is_read_and_converted_once(tmp_path, monkeypatch):
+    """Each read of a GGUF parses every token of its vocabulary: the draft reuses the target's folder and metadata."""
+    from gguf import GGUFReader, TokenType
+
+    from specdeploy.export import checkpoint as ckpt
+    from specdeploy.export import gguf
+
+    reads = []
+    monkeypatch.setattr(gguf, "read_tokens", lambda path, role, read=gguf.read_tokens: reads.append(role) or read(path, role))
+    path = write_gemma3_gguf(tmp_path / "gemma.gguf")
+    work = tmp_path / "work"
+    work.mkdir()
+    target = ckpt.load_checkpoint(str(path), "target", work_dir=work)
+    draft = ckpt.load_checkpoint(str(path), "draft", work_dir=work)
+    assert reads == ["target"]
+    assert draft.path == target.path and draft.gguf_tokens == target.gguf_tokens
+    # The control tokens come from that one read: every CONTROL-typed token of the file, in its order.
+    reader = GGUFReader(str(path))
+    types = reader.get_field("tokenizer.ggml.token_type").contents()
+    control = [t for t, kind in zip(reader.get_field("tokenizer.ggml.tokens").contents(), types)
+               if kind == TokenType.CONTROL]
+    assert list(target.gguf_tokens.control_tokens) == control and "<end_of_turn>" in control
+    # The config is the loaded model's: it names the model class (the manifest's architecture).
+    assert json.loads((target.path / "config.json").read_text())["architectures"] == ["Gemma3ForCausalLM"]
+
+
 def test_bad_gguf_is_one_error_line(tmp_path, checkpoints):
     from specdeploy.export import checkpoint as ckpt
 
