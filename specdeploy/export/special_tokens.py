@@ -175,140 +175,183 @@ def _agree(name: str, sources: list[tuple[str, Any]], authority: tuple[str, Any]
                           "nothing in the checkpoint says which is right (fix the files to agree)")
 
 
-def check_special_tokens(checkpoint, tokenizer_dir: Path, work_dir: Path,
-                         report: Callable[[str, str], None]) -> Checked:
-    """Check (and where settled, repair) the special tokens of one checkpoint; see the module docstring."""
-    role = checkpoint.role
-    where = f"--{role} {checkpoint.source or checkpoint.path}"
-    tokenizer = _Tokenizer(tokenizer_dir)
-    tokenizer_config = _read_json(tokenizer_dir / "tokenizer_config.json")
-    special_map = _read_json(tokenizer_dir / "special_tokens_map.json")
-    config = _read_json(checkpoint.path / "config.json")
-    config = config.get("text_config", config) if "vocab_size" not in config else config
-    generation = _read_json(checkpoint.path / "generation_config.json")
-    gguf = checkpoint.gguf_tokens
+@dataclass
+class _Statements:
+    """Everything one checkpoint's files state about its special tokens, and the repairs found so far."""
+    role: str
+    where: str  # the flag and path that errors name
+    tokenizer: _Tokenizer
+    tokenizer_config: dict
+    special_map: dict
+    config: dict
+    generation: dict
+    gguf: Any  # the GGUF's own special tokens, or None
+    repairs: list[str] = dataclasses.field(default_factory=list)
 
-    head_rows = getattr(checkpoint.config, "vocab_size", None) or config.get("vocab_size")
-    num_tokens = max(tokenizer.vocab.values()) + 1
-    if head_rows and num_tokens > head_rows:
-        raise SpecdeployError(f"{where}: the tokenizer has ids up to {num_tokens - 1} ({len(tokenizer.vocab)} tokens) "
-                              f"but the model's head has {head_rows} rows (config.json vocab_size)")
+    @classmethod
+    def read(cls, checkpoint, tokenizer_dir: Path) -> "_Statements":
+        config = _read_json(checkpoint.path / "config.json")
+        return cls(role=checkpoint.role, where=f"--{checkpoint.role} {checkpoint.source or checkpoint.path}",
+                   tokenizer=_Tokenizer(tokenizer_dir),
+                   tokenizer_config=_read_json(tokenizer_dir / "tokenizer_config.json"),
+                   special_map=_read_json(tokenizer_dir / "special_tokens_map.json"),
+                   config=config.get("text_config", config) if "vocab_size" not in config else config,
+                   generation=_read_json(checkpoint.path / "generation_config.json"),
+                   gguf=checkpoint.gguf_tokens)
 
-    def token_id(text: str | None):
+    def token_id(self, text: str | None):
         if text is None:
             return None
-        return tokenizer.vocab.get(text, text)  # an unknown string stays a string: it disagrees with every id
+        return self.tokenizer.vocab.get(text, text)  # an unknown string stays a string: it disagrees with every id
 
-    def show(value) -> str:
-        return tokenizer.show(value) if isinstance(value, int) else repr(value)
+    def show(self, value) -> str:
+        return self.tokenizer.show(value) if isinstance(value, int) else repr(value)
 
-    prepended = tokenizer.prepended()
-    repairs: list[str] = []
+    def refuse(self, what: str) -> SpecdeployError:
+        return SpecdeployError(f"{self.where}: the special tokens disagree: {what}; "
+                               "nothing in the checkpoint says which is right (fix the files to agree)")
+
+
+def _agree_bos_pad(stated: _Statements, prepended: list[str] | None) -> dict[str, Any]:
+    """BOS and pad as every file states them, settled by the GGUF or by both configs together."""
     agreed: dict[str, Any] = {}
     for field in ("bos", "pad"):
-        sources = [(f"tokenizer_config.json {field}_token", token_id(_token_text(tokenizer_config.get(f"{field}_token")))),
-                   (f"tokenizer_config.json {field}_token_id", tokenizer_config.get(f"{field}_token_id")),
-                   (f"special_tokens_map.json {field}_token", token_id(_token_text(special_map.get(f"{field}_token")))),
-                   (f"config.json {field}_token_id", config.get(f"{field}_token_id")),
-                   (f"generation_config.json {field}_token_id", generation.get(f"{field}_token_id"))]
+        sources = [(f"tokenizer_config.json {field}_token",
+                    stated.token_id(_token_text(stated.tokenizer_config.get(f"{field}_token")))),
+                   (f"tokenizer_config.json {field}_token_id", stated.tokenizer_config.get(f"{field}_token_id")),
+                   (f"special_tokens_map.json {field}_token",
+                    stated.token_id(_token_text(stated.special_map.get(f"{field}_token")))),
+                   (f"config.json {field}_token_id", stated.config.get(f"{field}_token_id")),
+                   (f"generation_config.json {field}_token_id", stated.generation.get(f"{field}_token_id"))]
         if field == "bos" and prepended:
-            sources.append(("tokenizer.json post-processor's first token", token_id(prepended[0])))
+            sources.append(("tokenizer.json post-processor's first token", stated.token_id(prepended[0])))
         key = {"bos": "bos_token_id", "pad": "padding_token_id"}[field]
-        authority = None if gguf is None else (f"GGUF tokenizer.ggml.{key}", getattr(gguf, f"{field}_token_id"))
-        value, repair = _agree(field, sources, authority, (sources[3][1], sources[4][1]), where, show)
+        authority = None if stated.gguf is None else (f"GGUF tokenizer.ggml.{key}", getattr(stated.gguf, f"{field}_token_id"))
+        value, repair = _agree(field, sources, authority, (sources[3][1], sources[4][1]), stated.where, stated.show)
         agreed[field] = value
         if repair:
-            wrong = [f"{s} {show(v)}" for s, v in sources if v is not None and v != value]
+            wrong = [f"{s} {stated.show(v)}" for s, v in sources if v is not None and v != value]
             origin = authority[0] if authority and authority[1] is not None else "config.json and generation_config.json"
-            repairs.append(f"{role}: {field} {show(value)} from {origin}, was {', '.join(wrong)}")
+            stated.repairs.append(f"{stated.role}: {field} {stated.show(value)} from {origin}, was {', '.join(wrong)}")
+    return agreed
 
-    # EOS: config.json and generation_config.json may list several; the tokenizer names one.
-    config_eos, generation_eos = _ids(config.get("eos_token_id")), _ids(generation.get("eos_token_id"))
-    if gguf is not None and gguf.eos_token_id is not None:
-        stop = [gguf.eos_token_id, *[i for i in generation_eos + config_eos if i != gguf.eos_token_id]]
+
+def _agree_eos(stated: _Statements) -> tuple[int | None, list[int]]:
+    """The primary EOS and the stop set. config.json and generation_config.json may list several EOS
+    ids; the tokenizer names one, which must be among them (the GGUF's, where there is one)."""
+    config_eos, generation_eos = _ids(stated.config.get("eos_token_id")), _ids(stated.generation.get("eos_token_id"))
+    gguf_eos = None if stated.gguf is None else stated.gguf.eos_token_id
+    if gguf_eos is not None:
+        stop = [gguf_eos, *[i for i in generation_eos + config_eos if i != gguf_eos]]
     else:
         if config_eos and generation_eos and not set(config_eos) & set(generation_eos):
-            raise SpecdeployError(f"{where}: the special tokens disagree: eos: config.json eos_token_id "
-                                  f"{list(config_eos)}, generation_config.json eos_token_id {list(generation_eos)}; "
-                                  "nothing in the checkpoint says which is right (fix the files to agree)")
+            raise stated.refuse(f"eos: config.json eos_token_id {list(config_eos)}, "
+                                f"generation_config.json eos_token_id {list(generation_eos)}")
         stop = list(dict.fromkeys(generation_eos + config_eos))
-    tokenizer_eos = [(f"tokenizer_config.json eos_token", token_id(_token_text(tokenizer_config.get("eos_token")))),
-                     ("tokenizer_config.json eos_token_id", tokenizer_config.get("eos_token_id")),
-                     ("special_tokens_map.json eos_token", token_id(_token_text(special_map.get("eos_token"))))]
+    tokenizer_eos = [("tokenizer_config.json eos_token",
+                      stated.token_id(_token_text(stated.tokenizer_config.get("eos_token")))),
+                     ("tokenizer_config.json eos_token_id", stated.tokenizer_config.get("eos_token_id")),
+                     ("special_tokens_map.json eos_token", stated.token_id(_token_text(stated.special_map.get("eos_token"))))]
     wrong_eos = [(s, v) for s, v in tokenizer_eos if v is not None and v not in stop]
-    if gguf is not None and gguf.eos_token_id is not None:
-        primary, origin = gguf.eos_token_id, "GGUF tokenizer.ggml.eos_token_id"
+    if gguf_eos is not None:
+        primary, origin = gguf_eos, "GGUF tokenizer.ggml.eos_token_id"
         wrong_eos = [(s, v) for s, v in tokenizer_eos if v is not None and v != primary]
     elif config_eos and generation_eos:
         primary, origin = next(i for i in config_eos if i in generation_eos), "config.json and generation_config.json"
     else:
         primary, origin = (stop[0] if stop else None), None
     if wrong_eos and origin is None and stop:  # with no EOS in either config, the tokenizer's is the stop token
-        listed = ", ".join(f"{s} {show(v)}" for s, v in wrong_eos)
+        listed = ", ".join(f"{s} {stated.show(v)}" for s, v in wrong_eos)
         theirs = "config.json" if config_eos else "generation_config.json"
-        raise SpecdeployError(f"{where}: the special tokens disagree: eos: {listed}, {theirs} eos_token_id "
-                              f"{list(stop)}; nothing in the checkpoint says which is right (fix the files to agree)")
+        raise stated.refuse(f"eos: {listed}, {theirs} eos_token_id {list(stop)}")
     if not stop:
         stop = [v for _, v in tokenizer_eos if isinstance(v, int)][:1]
         primary = stop[0] if stop else None
     if wrong_eos:
-        repairs.append(f"{role}: eos {show(primary)} from {origin}, was "
-                       + ", ".join(f"{s} {show(v)}" for s, v in wrong_eos))
-    agreed["eos"] = primary
+        stated.repairs.append(f"{stated.role}: eos {stated.show(primary)} from {origin}, was "
+                              + ", ".join(f"{s} {stated.show(v)}" for s, v in wrong_eos))
+    return primary, stop
 
-    # add_bos_token: tokenizer_config.json's flag and what the post-processor does (what the runtime does).
-    add_sources = [("tokenizer_config.json add_bos_token", tokenizer_config.get("add_bos_token")),
+
+def _agree_add_bos(stated: _Statements, prepended: list[str] | None, bos: int | None) -> bool | None:
+    """add_bos_token: tokenizer_config.json's flag against what the post-processor does (what the runtime does)."""
+    add_sources = [("tokenizer_config.json add_bos_token", stated.tokenizer_config.get("add_bos_token")),
                    ("tokenizer.json post-processor prepends BOS", bool(prepended))]
-    authority = None if gguf is None else ("GGUF tokenizer.ggml.add_bos_token", gguf.add_bos_token)
-    add_bos, repair = _agree("add_bos_token", add_sources, authority, (None, None), where, repr)
-    if add_bos and agreed["bos"] is None:
-        raise SpecdeployError(f"{where}: the tokenizer prepends BOS but no file names a BOS token")
-    if prepended and add_bos and token_id(prepended[0]) != agreed["bos"]:
+    authority = None if stated.gguf is None else ("GGUF tokenizer.ggml.add_bos_token", stated.gguf.add_bos_token)
+    add_bos, repair = _agree("add_bos_token", add_sources, authority, (None, None), stated.where, repr)
+    if add_bos and bos is None:
+        raise SpecdeployError(f"{stated.where}: the tokenizer prepends BOS but no file names a BOS token")
+    if prepended and add_bos and stated.token_id(prepended[0]) != bos:
         repair = True
     if repair:
         wrong = [f"{s} {v!r}" for s, v in add_sources if v is not None and v != add_bos]
-        repairs.append(f"{role}: add_bos_token {add_bos!r} from {authority[0] if authority else 'the tokenizer'}"
-                       + (f", was {', '.join(wrong)}" if wrong else f" (prepending {show(agreed['bos'])})"))
+        stated.repairs.append(f"{stated.role}: add_bos_token {add_bos!r} from {authority[0] if authority else 'the tokenizer'}"
+                              + (f", was {', '.join(wrong)}" if wrong else f" (prepending {stated.show(bos)})"))
+    return add_bos
 
-    stop_additions: list[str] = []
-    template = _chat_template(tokenizer_dir, tokenizer_config)
-    if template is not None:
-        bos_text = tokenizer.by_id.get(agreed["bos"]) if agreed["bos"] is not None else None
-        eos_text = tokenizer.by_id.get(agreed["eos"]) if agreed["eos"] is not None else None
-        try:
-            closing = end_of_turn_tokens(template, tokenizer.special, bos_text, eos_text)
-        except Exception as exc:  # noqa: BLE001 - a template is arbitrary Jinja
-            raise SpecdeployError(f"{where}: cannot render the chat template to find its end-of-turn token: "
-                                  f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
-        for text in closing:
-            token = tokenizer.vocab[text]
-            if token not in stop:
-                stop_additions.append(f"{role}: eos_token_ids + {show(token)}: the chat template ends an assistant "
-                                      f"turn with it, and the stop set was {list(stop)}")
-                stop.append(token)
 
-    if primary is not None and primary not in stop:
-        stop.insert(0, primary)
+def _template_stops(stated: _Statements, tokenizer_dir: Path, agreed: dict, stop: list[int]) -> list[str]:
+    """Adds to stop every end-of-turn token the chat template writes after an assistant turn; one line each."""
+    template = _chat_template(tokenizer_dir, stated.tokenizer_config)
+    if template is None:
+        return []
+    by_id = stated.tokenizer.by_id
+    bos_text = by_id.get(agreed["bos"]) if agreed["bos"] is not None else None
+    eos_text = by_id.get(agreed["eos"]) if agreed["eos"] is not None else None
+    try:
+        closing = end_of_turn_tokens(template, stated.tokenizer.special, bos_text, eos_text)
+    except Exception as exc:  # noqa: BLE001 - a template is arbitrary Jinja
+        raise SpecdeployError(f"{stated.where}: cannot render the chat template to find its end-of-turn token: "
+                              f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+    additions = []
+    for text in closing:
+        token = stated.tokenizer.vocab[text]
+        if token not in stop:
+            additions.append(f"{stated.role}: eos_token_ids + {stated.show(token)}: the chat template ends an "
+                             f"assistant turn with it, and the stop set was {list(stop)}")
+            stop.append(token)
+    return additions
+
+
+def check_special_tokens(checkpoint, tokenizer_dir: Path, work_dir: Path,
+                         report: Callable[[str, str], None]) -> Checked:
+    """Check (and where settled, repair) the special tokens of one checkpoint; see the module docstring."""
+    stated = _Statements.read(checkpoint, tokenizer_dir)
+    head_rows = getattr(checkpoint.config, "vocab_size", None) or stated.config.get("vocab_size")
+    vocab = stated.tokenizer.vocab
+    num_tokens = max(vocab.values()) + 1
+    if head_rows and num_tokens > head_rows:
+        raise SpecdeployError(f"{stated.where}: the tokenizer has ids up to {num_tokens - 1} ({len(vocab)} tokens) "
+                              f"but the model's head has {head_rows} rows (config.json vocab_size)")
+
+    prepended = stated.tokenizer.prepended()
+    agreed = _agree_bos_pad(stated, prepended)
+    agreed["eos"], stop = _agree_eos(stated)
+    add_bos = _agree_add_bos(stated, prepended, agreed["bos"])
+    stop_additions = _template_stops(stated, tokenizer_dir, agreed, stop)
+    if agreed["eos"] is not None and agreed["eos"] not in stop:
+        stop.insert(0, agreed["eos"])
     for token in (agreed["bos"], agreed["pad"], *stop):
         if isinstance(token, str):
-            raise SpecdeployError(f"{where}: the special token {token!r} is not in the tokenizer's vocabulary")
+            raise SpecdeployError(f"{stated.where}: the special token {token!r} is not in the tokenizer's vocabulary")
         if token is not None and head_rows and not 0 <= token < head_rows:
-            raise SpecdeployError(f"{where}: special token id {token} has no row in the model's head ({head_rows} rows)")
+            raise SpecdeployError(f"{stated.where}: special token id {token} has no row in the model's head "
+                                  f"({head_rows} rows)")
 
-    for line in repairs + stop_additions:
+    for line in stated.repairs + stop_additions:
         report("load", line)
     checked = dataclasses.replace(checkpoint, bos_token_id=agreed["bos"], eos_token_ids=tuple(stop),
                                   pad_token_id=agreed["pad"])
-    if not repairs:  # nothing in the tokenizer files to rewrite: the stop set lives in the manifest
+    if not stated.repairs:  # nothing in the tokenizer files to rewrite: the stop set lives in the manifest
         return Checked(checked, tokenizer_dir, tuple(stop_additions))
-    folder = work_dir / f"{role}-tokenizer-checked"
+    folder = work_dir / f"{stated.role}-tokenizer-checked"
     folder.mkdir()
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).is_file():
             shutil.copy2(tokenizer_dir / name, folder / name)
-    texts = {field: tokenizer.by_id.get(agreed[field]) if agreed[field] is not None else None for field in FIELDS}
+    texts = {field: stated.tokenizer.by_id.get(agreed[field]) if agreed[field] is not None else None for field in FIELDS}
     _write_tokenizer(folder, texts, agreed, add_bos)
-    return Checked(checked, folder, tuple(repairs + stop_additions))
+    return Checked(checked, folder, tuple(stated.repairs + stop_additions))
 
 
 def _write_tokenizer(folder: Path, texts: dict, ids: dict, add_bos: bool | None) -> None:
