@@ -23,51 +23,23 @@ import dataclasses
 import itertools
 import json
 import shutil
-import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from ..bundle import FileEntry, HostTokenizerCheck, Manifest, file_entry
+from .tokenizer_readers import (NODE_DIR, TEXT_SAMPLES, Reading, compare, distance,  # noqa: F401 - the check's API
+                                genai_version, node_version, quote, read_genai, read_node, read_reference,
+                                sample_texts)
 
 HOSTS = ("genai", "node")
-NODE_DIR = Path(__file__).resolve().parents[2] / "examples" / "node"  # the Node host in a source checkout
-MAX_SPECIAL_SAMPLES = 24  # special tokens sampled one by one (a tokenizer may add hundreds)
-NODE_TIMEOUT_S = 120
-
-TEXT_SAMPLES = (
-    "def fibonacci(n):",
-    "def fibonacci(n):\n    if n == 1:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
-    "class Stack:\n\tdef push(self, item):\n\t\tself.items.append(item)  # O(1)\n",
-    "for (int i = 0; i < 10; ++i) { x[i] = i * 2; }",
-    "The quick brown fox jumps over the lazy dog. It's 3.14 o'clock; isn't it?",
-    "naïve café, Grüße aus Köln, ¿qué tal? — “quotes” … ½ °C",
-    "你好，世界。日本語のテキスト、カタカナ。한국어 문장입니다.",
-    "Emoji: 🙂 👍🏽 👨‍👩‍👧 🚀🔥!",
-    "a  b   c\n\n\n\t\t  \r\n  end   ",
-    "   leading spaces",
-    "trailing spaces   ",
-    " ",
-    "12345678901234567890 0.000001 -42",
-)
-CHAT = ({"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4 🙂"})
-
 # A byte-level BPE decodes through ByteLevel; SentencePiece's byte fallback and decoder do not belong to it.
 BYTE_LEVEL_DECODER = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
 # Classes that read tokenizer.json as it is (transformers) and a byte-level BPE as one (onnxruntime-genai).
 BYTE_LEVEL_CLASS = "PreTrainedTokenizerFast"
 BYTE_LEVEL_CLASSES = ("PreTrainedTokenizerFast", "GPT2Tokenizer", "GPT2TokenizerFast")
 EDITABLE = ("tokenizer.json", "tokenizer_config.json")  # the files a repair may rewrite
-
-
-@dataclass(frozen=True)
-class Reading:
-    """One library's reading of the sample: ids per text (as a prompt), text per reference id list (as output)."""
-
-    ids: tuple[tuple[int, ...], ...]
-    texts: tuple[str, ...]
-    streamed: tuple[str, ...] | None = None  # token-by-token decoding, where the host streams
 
 
 @dataclass(frozen=True)
@@ -90,155 +62,6 @@ class CheckReport:
     repair: str | None  # what was rewritten (None: the files kept as they were)
     changed: dict[str, dict[str, Any]]  # file name -> its repaired JSON (empty: no repair)
     hosts: dict[str, HostTokenizerCheck]
-
-
-def sample_texts(folder: Path) -> tuple[str, ...]:
-    """The fixed sample plus the tokenizer's own special tokens and its chat template, rendered."""
-    data = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
-    specials = [t["content"] for t in data.get("added_tokens", []) if t.get("special")][:MAX_SPECIAL_SAMPLES]
-    samples = list(TEXT_SAMPLES)
-    samples += [f"{token}hello {token}\n" for token in specials]
-    chat = _render_chat(folder)
-    if chat:
-        samples.append(chat)
-    return tuple(dict.fromkeys(samples))  # in order, once each
-
-
-def _render_chat(folder: Path) -> str | None:
-    """The chat template applied to a two-turn conversation (None: no template, or it does not render)."""
-    template = None
-    config_path = folder / "tokenizer_config.json"
-    if (folder / "chat_template.jinja").is_file():
-        template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
-    elif config_path.is_file():
-        template = json.loads(config_path.read_text(encoding="utf-8")).get("chat_template")
-    if not isinstance(template, str):
-        return None
-    try:
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(template).render(messages=list(CHAT), add_generation_prompt=True,
-                                                bos_token="", eos_token="") or None
-    except Exception:  # noqa: BLE001 - a template that needs transformers' helpers is left out of the sample
-        return None
-
-
-def read_reference(tokenizer_json: dict[str, Any], samples: tuple[str, ...], decode: tuple[tuple[int, ...], ...] | None = None) -> Reading:
-    """HF tokenizers, as the Python runtime calls it (runtime/text.py)."""
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_str(json.dumps(tokenizer_json))
-    ids = tuple(tuple(tokenizer.encode(text, add_special_tokens=True).ids) for text in samples)
-    decode = ids if decode is None else decode
-    return Reading(ids, tuple(tokenizer.decode(list(item), skip_special_tokens=True) for item in decode))
-
-
-def genai_version() -> str | None:
-    try:
-        import onnxruntime_genai as og
-    except ImportError:
-        return None
-    return getattr(og, "__version__", "unknown")
-
-
-def read_genai(folder: Path, samples: tuple[str, ...], decode: tuple[tuple[int, ...], ...]) -> Reading:
-    """onnxruntime-genai's tokenizer on folder (a genai_config.json beside the tokenizer files)."""
-    import numpy as np
-    import onnxruntime_genai as og
-
-    tokenizer = og.Tokenizer(str(folder))
-    ids = tuple(tuple(int(t) for t in tokenizer.encode(text)) for text in samples)
-    texts = tuple(tokenizer.decode(np.asarray(item, dtype=np.int32)) for item in decode)
-    streamed = []
-    for item in decode:  # as the C++ host prints: one piece per token
-        stream = tokenizer.create_stream()
-        streamed.append("".join(stream.decode(int(token)) for token in item))
-    return Reading(ids, texts, tuple(streamed))
-
-
-def node_version(node_dir: Path = NODE_DIR) -> str | None:
-    """@huggingface/tokenizers' version in the Node host's packages (None: node or the packages are missing)."""
-    package = node_dir / "node_modules" / "@huggingface" / "tokenizers" / "package.json"
-    if shutil.which("node") is None or not package.is_file():
-        return None
-    return json.loads(package.read_text()).get("version", "unknown")
-
-
-# As examples/node/host.mjs loads, encodes and prints; run from node_dir so that the import resolves there.
-_NODE_SCRIPT = """
-import { Tokenizer } from "@huggingface/tokenizers";
-import fs from "node:fs";
-const job = JSON.parse(fs.readFileSync(0, "utf8"));
-const read = (p) => JSON.parse(fs.readFileSync(p, "utf8"));
-const tokenizer = new Tokenizer(read(job.tokenizer), job.config ? read(job.config) : {});
-process.stdout.write(JSON.stringify({
-  ids: job.texts.map((text) => tokenizer.encode(text, { add_special_tokens: true }).ids.map(Number)),
-  texts: job.decode.map((ids) => tokenizer.decode(ids, { skip_special_tokens: true })),
-}));
-"""
-
-
-def read_node(folder: Path, samples: tuple[str, ...], decode: tuple[tuple[int, ...], ...], node_dir: Path = NODE_DIR) -> Reading:
-    config = folder / "tokenizer_config.json"
-    job = {"tokenizer": str(folder / "tokenizer.json"), "config": str(config) if config.is_file() else None,
-           "texts": list(samples), "decode": [list(item) for item in decode]}
-    result = subprocess.run([shutil.which("node") or "node", "--input-type=module", "-e", _NODE_SCRIPT], cwd=node_dir,
-                            input=json.dumps(job), capture_output=True, text=True, encoding="utf-8",
-                            timeout=NODE_TIMEOUT_S)
-    if result.returncode != 0:
-        lines = [line for line in result.stderr.splitlines() if line.strip()]
-        raise RuntimeError(next((line for line in lines if "Error" in line), lines[-1] if lines else "node failed"))
-    out = json.loads(result.stdout)
-    return Reading(tuple(tuple(item) for item in out["ids"]), tuple(out["texts"]))
-
-
-def compare(reference: Reading, reading: Reading, samples: tuple[str, ...]) -> str | None:
-    """The first difference and how many samples differ, in one line (None: the readings agree)."""
-    problems = []
-    for text, want, got in zip(samples, reference.ids, reading.ids):
-        if want != got:
-            problems.append(_id_difference(text, want, got))
-    for name, texts in (("decodes", reading.texts), ("streams", reading.streamed)):
-        for want_ids, want, got in zip(reference.ids, reference.texts, texts or ()):
-            if want != got:
-                problems.append(f"{name} {_ids(want_ids)} as {_quote(got)} where tokenizers gives {_quote(want)}")
-    if not problems:
-        return None
-    differing = sum(1 for i in range(len(samples)) if _differs(reference, reading, i))
-    return f"{problems[0]} ({differing} of {len(samples)} samples differ)"
-
-
-def _id_difference(text: str, want: tuple[int, ...], got: tuple[int, ...]) -> str:
-    if want[1:] == got:  # a start token the post-processor adds: the prompt's framing, not its text
-        return f"encodes {_quote(text)} without the start token {want[0]} tokenizers adds ({_ids(got)})"
-    if got[1:] == want:
-        return f"encodes {_quote(text)} with a start token {got[0]} tokenizers does not add ({_ids(want)})"
-    return f"encodes {_quote(text)} as {_ids(got)} where tokenizers gives {_ids(want)}"
-
-
-def _differs(reference: Reading, reading: Reading, i: int) -> bool:
-    streamed = reading.streamed[i] if reading.streamed else reference.texts[i]
-    return (reference.ids[i] != reading.ids[i] or reference.texts[i] != reading.texts[i]
-            or reference.texts[i] != streamed)
-
-
-def _distance(reference: Reading, reading: Reading, i: int) -> int:
-    """0 when sample i reads alike; 1 for each of: other ids, ids beyond a start token, other text, other streamed text."""
-    want, got = reference.ids[i], reading.ids[i]
-    streamed = reading.streamed[i] if reading.streamed else reference.texts[i]
-    return ((want != got) + (want != got and want[1:] != got and got[1:] != want)
-            + (reference.texts[i] != reading.texts[i]) + (reference.texts[i] != streamed))
-
-
-def _quote(text: str, limit: int = 40) -> str:
-    shown = json.dumps(text, ensure_ascii=False)
-    return shown if len(shown) <= limit else shown[: limit - 4] + '..."'
-
-
-def _ids(ids, limit: int = 10) -> str:
-    ids = list(ids)
-    return "[" + ", ".join(map(str, ids[:limit])) + (", ...]" if len(ids) > limit else "]")
 
 
 def _host_readers(node_dir: Path) -> dict[str, tuple[str | None, str, Callable]]:
@@ -272,7 +95,7 @@ def read_hosts(folder: Path, files: dict[str, dict[str, Any]], samples: tuple[st
                 results[host] = HostResult(host, version, None, f"cannot read the tokenizer: {first[:200]}",
                                            differing=4 * len(samples) + 1)
                 continue
-            differing = sum(_distance(reference, reading, i) for i in range(len(samples)))
+            differing = sum(distance(reference, reading, i) for i in range(len(samples)))
             results[host] = HostResult(host, version, reading, compare(reference, reading, samples), differing)
     return results
 
@@ -438,11 +261,11 @@ def main(argv: list[str] | None = None) -> int:
     config = minimal_genai_config(vocab)
     result = check_tokenizer(args.folder, config)
     for i, text in enumerate(result.samples[: args.show]):
-        print(f"{_quote(text, 60)}\n  tokenizers      {list(result.reference.ids[i])}")
+        print(f"{quote(text, 60)}\n  tokenizers      {list(result.reference.ids[i])}")
         for stage, results in (("before", result.before), ("after", result.after)):
             for host, host_result in results.items():
                 if host_result.reading is not None:
-                    print(f"  {host:<6} {stage:<8} {list(host_result.reading.ids[i])}  {_quote(host_result.reading.texts[i], 40)}")
+                    print(f"  {host:<6} {stage:<8} {list(host_result.reading.ids[i])}  {quote(host_result.reading.texts[i], 40)}")
     print(f"repair: {result.repair or 'none'}")
     for host, record in result.hosts.items():
         print(f"{host}: {record.status}" + (f": {record.reason}" if record.reason else ""))
