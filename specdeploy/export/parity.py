@@ -107,27 +107,7 @@ def check_parity(
     del torch_model
     release_freed_memory()
 
-    # Per-session threads leave the process free for optimum's own sessions, unless a runtime in this
-    # process already switched ONNX Runtime to the shared pool (then optimum cannot run here either).
-    # Each chunk's logits are read before the next pass, so they may land in the engine's scratch buffer.
-    # An fp32 graph runs its MatMuls unpacked, without a second (repacked) copy of every weight: the same
-    # kernels' arithmetic in another order. A quantized graph keeps packing: unpacked, MatMulNBits takes
-    # another path (dequantized fp32 instead of accuracy_level's int8 arithmetic), and the check must
-    # measure the kernels the runtime runs.
-    prepack = not (spec.dtype == "fp32" and spec.quantize == "none")
-    engine = OrtEngine(onnx_path, spec, SessionConfig(device="cpu", shared_threads=global_pool_active(),
-                                                      prepack_weights=prepack), scratch_logits=True)
-    cache = engine.new_cache(prefill_tokens + verify_tokens)
-    # Equal chunks, none of a single token (a one-row pass takes other kernels than the runtime's prefill).
-    chunks = np.array_split(np.arange(prefill_tokens), -(-prefill_tokens // PREFILL_CHUNK))
-    prefill = _Agreement()
-    for rows in chunks:
-        start, stop = int(rows[0]), int(rows[-1]) + 1
-        prefill.add(engine.run(ids[start:stop], cache), reference(start, stop))
-    verify = _Agreement()
-    verify.add(engine.run(ids[prefill_tokens:], cache), reference(prefill_tokens, len(ids)))
-    del engine, cache
-
+    prefill, verify = _onnx_agreements(onnx_path, spec, ids, prefill_tokens, reference)
     check, tolerance = tolerance_for(spec.dtype, spec.quantize, spec.role)
     if check == "max_abs_diff":
         passed = max(prefill.max_abs_diff, verify.max_abs_diff) <= tolerance
@@ -146,6 +126,32 @@ def check_parity(
         tolerance=tolerance,
         passed=bool(passed),
     )
+
+
+def _onnx_agreements(onnx_path: Path, spec: ModelSpec, ids: np.ndarray,  # ids: [prefill + verify]
+                     prefill_tokens: int, reference: Callable) -> tuple["_Agreement", "_Agreement"]:
+    """ONNX Runtime's prefill (in chunks, on one cache) and verify pass over ids, each compared with
+    reference(start, stop), PyTorch's logits rows [stop - start, vocab]."""
+    # Per-session threads leave the process free for optimum's own sessions, unless a runtime in this
+    # process already switched ONNX Runtime to the shared pool (then optimum cannot run here either).
+    # Each chunk's logits are read before the next pass, so they may land in the engine's scratch buffer.
+    # An fp32 graph runs its MatMuls unpacked, without a second (repacked) copy of every weight: the same
+    # kernels' arithmetic in another order. A quantized graph keeps packing: unpacked, MatMulNBits takes
+    # another path (dequantized fp32 instead of accuracy_level's int8 arithmetic), and the check must
+    # measure the kernels the runtime runs.
+    prepack = not (spec.dtype == "fp32" and spec.quantize == "none")
+    engine = OrtEngine(onnx_path, spec, SessionConfig(device="cpu", shared_threads=global_pool_active(),
+                                                      prepack_weights=prepack), scratch_logits=True)
+    cache = engine.new_cache(len(ids))
+    # Equal chunks, none of a single token (a one-row pass takes other kernels than the runtime's prefill).
+    chunks = np.array_split(np.arange(prefill_tokens), -(-prefill_tokens // PREFILL_CHUNK))
+    prefill = _Agreement()
+    for rows in chunks:
+        start, stop = int(rows[0]), int(rows[-1]) + 1
+        prefill.add(engine.run(ids[start:stop], cache), reference(start, stop))
+    verify = _Agreement()
+    verify.add(engine.run(ids[prefill_tokens:], cache), reference(prefill_tokens, len(ids)))
+    return prefill, verify
 
 
 class _Agreement:
