@@ -330,9 +330,9 @@ def bench(bundle, prompts_file, prompt_file, max_new_tokens, prompt_tokens, num_
     """Target-only vs speculative decoding on the same prompts: speed, acceptance, cost model."""
     from rich.console import Console
 
-    from .bench import BenchConfig, builtin_prompts, context_sweep, lengthen_prompts, run_bench
+    from .bench import BenchConfig, context_sweep, lengthen_prompts, run_bench
     from .bench_output import machine_description
-    from .cli_support import check_output_file, read_prompts_file, read_text_file
+    from .cli_support import bench_prompts, check_output_file
     from .runtime import load
 
     if repeat < 1 or max_new_tokens < 1:
@@ -340,12 +340,7 @@ def bench(bundle, prompts_file, prompt_file, max_new_tokens, prompt_tokens, num_
     ks = parse_draft_tokens(num_draft_tokens)
     if plot:
         check_output_file(plot, "--plot")  # before the benchmark, not after it
-    if prompts_file and prompt_file:
-        raise SpecdeployError("pass --prompts or --prompt-file, not both")
-    if prompt_file:
-        prompts = [read_text_file(prompt_file, "--prompt-file")]
-    else:
-        prompts = read_prompts_file(prompts_file) if prompts_file else builtin_prompts()
+    prompts = bench_prompts(prompts_file, prompt_file)
     bundle = resolve_bundle(bundle)
     generator = load(bundle, device=device, drafter=drafter, verify=verify)
     lengths = parse_prompt_tokens(prompt_tokens, max_new_tokens, generator.max_context)

@@ -9,6 +9,7 @@ their offset, never replaced, so what is generated from is exactly what was give
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -27,6 +28,7 @@ DEBUG_HELP = "Show the Python traceback of an error instead of one line (also af
 EXPORT_MODULES = ("torch", "transformers", "optimum", "onnx")
 SIGTERM_AS_INTERRUPT = frozenset({"export"})  # a terminated export deletes its partial folder as on Ctrl-C
 RETURN_FREED_MEMORY = frozenset({"run", "chat", "bench", "serve"})  # the commands that decode (see return_freed_memory)
+LOG_TO_STDERR = frozenset({"serve"})  # the commands whose log records are their output (see _log_to_stderr)
 
 
 def fail(message: str, code: int = EXIT_ERROR):
@@ -49,7 +51,8 @@ def command_line_process(command: str) -> Callable[[], None]:
     - HF_HUB_OFFLINE=1 unless set: an export reads local checkpoints only, and Hugging Face's
       libraries read the variable when they are imported;
     - SIGTERM raises KeyboardInterrupt in an export (SIGTERM_AS_INTERRUPT), so that it cleans up;
-    - glibc returns freed large blocks to the system in the commands that decode (RETURN_FREED_MEMORY)."""
+    - glibc returns freed large blocks to the system in the commands that decode (RETURN_FREED_MEMORY);
+    - the server's log lines and uvicorn's go to stderr (LOG_TO_STDERR)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     undo = []
     if command in SIGTERM_AS_INTERRUPT and threading.current_thread() is threading.main_thread():
@@ -57,7 +60,26 @@ def command_line_process(command: str) -> Callable[[], None]:
         undo.append(lambda: signal.signal(signal.SIGTERM, previous))
     if command in RETURN_FREED_MEMORY:
         return_freed_memory()
+    if command in LOG_TO_STDERR:
+        undo.append(_log_to_stderr())
     return lambda: [step() for step in undo]
+
+
+def _log_to_stderr() -> Callable[[], None]:
+    """Log records as plain lines on stderr: one handler on the root logger, which specdeploy's loggers and
+    uvicorn's (access log included) propagate to, and specdeploy's at INFO (uvicorn sets its own levels).
+    Returns what removes them again."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    root, ours = logging.getLogger(), logging.getLogger("specdeploy")
+    level = ours.level
+    root.addHandler(handler)
+    ours.setLevel(logging.INFO)
+
+    def undo() -> None:
+        root.removeHandler(handler)
+        ours.setLevel(level)
+    return undo
 
 
 def _interrupt(signum, frame) -> None:
@@ -162,6 +184,17 @@ def read_text_file(path: str, option: str) -> str:
     except OSError as exc:
         raise SpecdeployError(f"{option} {path}: cannot read it ({exc.strerror})") from None
     return strict_utf8(data, f"{option} {path}")
+
+
+def bench_prompts(prompts_file: str | None, prompt_file: str | None) -> list[str]:
+    """bench's prompts: --prompts' list, --prompt-file's one text, or the built-in code prompts."""
+    from .bench import builtin_prompts
+
+    if prompts_file and prompt_file:
+        raise SpecdeployError("pass --prompts or --prompt-file, not both")
+    if prompt_file:
+        return [read_text_file(prompt_file, "--prompt-file")]
+    return read_prompts_file(prompts_file) if prompts_file else builtin_prompts()
 
 
 def read_prompts_file(path: str) -> list[str]:

@@ -268,3 +268,24 @@ def test_run_takes_the_openai_penalties_and_logprobs(agreeing_bundle):
     assert all(len(entry["top_logprobs"]) == 2 for entry in record["logprobs"])
     refused = CliRunner().invoke(main, args[:-3] + ["--logprobs", "2"])  # without --json
     assert refused.exit_code == 2 and "--logprobs needs --json" in refused.stderr and refused.stdout == ""
+
+
+def test_serve_logs_to_stderr_only_from_the_console_entry():
+    """The console's serve puts one plain-line handler on the root logger (uvicorn's and specdeploy's loggers
+    propagate to it) and takes it away again; other commands leave logging alone."""
+    import logging
+
+    from specdeploy.cli_support import command_line_process
+
+    root, ours = logging.getLogger(), logging.getLogger("specdeploy")
+    handlers, level = list(root.handlers), ours.level
+    command_line_process("run")()
+    assert root.handlers == handlers
+    undo = command_line_process("serve")
+    try:
+        added = [h for h in root.handlers if h not in handlers]
+        assert len(added) == 1 and added[0].stream is sys.stderr and ours.getEffectiveLevel() == logging.INFO
+        assert not logging.getLogger("uvicorn").handlers  # uvicorn's own loggers are left as uvicorn makes them
+    finally:
+        undo()
+    assert root.handlers == handlers and ours.level == level

@@ -538,7 +538,8 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(gated_server):
 
 
 DRAIN_SCRIPT = """
-import sys, time
+import logging, sys, time
+logging.basicConfig(level=logging.INFO)  # serve() logs through the program's logging, as a library should
 sys.path.insert(0, {tests!r})
 import specdeploy
 from specdeploy.serve import ServeConfig, serve

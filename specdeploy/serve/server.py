@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import signal
 import socket
-import sys
 import threading
 from typing import Callable
 
@@ -68,13 +67,12 @@ def serve(config: ServeConfig, load: Callable[[], object] | None = None) -> None
     load: builds the Generator (default: specdeploy.load with the config's device and drafter)."""
     check_config(config)
     sock = bind(config.host, config.port)
-    _log_to_stderr()
     port = sock.getsockname()[1]
     app = create_app(config, load)
     service = app.state.service
     server = DrainingServer(uvicorn.Config(app, host=config.host, port=port, log_level="info",
                                            timeout_graceful_shutdown=config.drain_timeout_s + DRAIN_GRACE_S,
-                                           log_config=None))
+                                           log_config=None))  # logging is the program's (the CLI's: cli_support)
     server.on_drain = lambda: _drain(service, config.drain_timeout_s)
     service.on_fatal = lambda message: setattr(server, "should_exit", True)
     log.info("serving %s as '%s' on http://%s:%d (model loading; /health answers 200 once ready)",
@@ -109,14 +107,3 @@ class DrainingServer(uvicorn.Server):
             return
         self.should_exit = True
         self.on_drain()
-
-
-def _log_to_stderr() -> None:
-    """Our log lines and uvicorn's (access log included) as plain lines on stderr."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
-    for name in ("specdeploy.serve", "uvicorn", "uvicorn.error", "uvicorn.access"):
-        logger = logging.getLogger(name)
-        logger.handlers = [handler]
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
