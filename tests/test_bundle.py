@@ -1,6 +1,5 @@
-"""The manifest: round trip, validation, checksums, `specdeploy inspect`, and imports without cycles."""
+"""The manifest: round trip, validation, checksums and `specdeploy inspect`."""
 
-import ast
 import dataclasses
 import json
 import shutil
@@ -100,50 +99,3 @@ def test_dataclasses_are_frozen(bundles):
     manifest = load_manifest(bundles("llama"))
     with pytest.raises(dataclasses.FrozenInstanceError):
         manifest.max_context = 5
-
-
-def _package_imports() -> dict[str, set[str]]:
-    """specdeploy's modules -> the package modules each imports anywhere in its body (a function's
-    import included: it makes a cycle as much as a top-level one). A parent package is not an edge:
-    Python runs it before any of its modules."""
-    root = Path(specdeploy.__file__).parent
-    names = {}
-    for path in root.rglob("*.py"):
-        parts = list(path.relative_to(root.parent).with_suffix("").parts)
-        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    graph = {}
-    for name, path in names.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        imported = set()
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.ImportFrom):
-                base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
-                module = ".".join(base + ([node.module] if node.module else []))
-                targets = [f"{module}.{alias.name}" for alias in node.names if f"{module}.{alias.name}" in names] or [module]
-            elif isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            else:
-                continue
-            imported |= {t for t in targets if t in names and t != name and not name.startswith(t + ".")}
-        graph[name] = imported
-    return graph
-
-
-def test_no_import_cycles_in_the_package():
-    graph = _package_imports()
-    assert {"specdeploy.swap", "specdeploy.manifest"} <= graph["specdeploy.bundle"]  # the walk sees the imports
-    done, path = set(), []
-
-    def visit(name):  # depth first; a module met again on the current path closes a cycle
-        if name in path:
-            raise AssertionError("import cycle: " + " -> ".join(path[path.index(name):] + [name]))
-        if name in done:
-            return
-        path.append(name)
-        for imported in sorted(graph[name]):
-            visit(imported)
-        path.pop()
-        done.add(name)
-
-    for name in sorted(graph):
-        visit(name)

@@ -1,0 +1,111 @@
+"""The package's shape, checked from its source (AST): no import cycles, no function over
+MAX_FUNCTION_LINES lines and no module over MAX_MODULE_LINES lines in specdeploy/."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import specdeploy
+
+MAX_FUNCTION_LINES = 60  # a function's `def` line through its last line (decorators not counted)
+MAX_MODULE_LINES = 420
+ROOT = Path(specdeploy.__file__).parent
+
+
+def _module_names() -> dict[str, Path]:
+    names = {}
+    for path in ROOT.rglob("*.py"):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return names
+
+
+def package_imports() -> dict[str, set[str]]:
+    """specdeploy's modules -> the package modules each imports anywhere in its body (a function's
+    import included: it makes a cycle as much as a top-level one). A parent package is not an edge:
+    Python runs it before any of its modules."""
+    names = _module_names()
+    graph = {}
+    for name, path in names.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+                module = ".".join(base + ([node.module] if node.module else []))
+                targets = [f"{module}.{alias.name}" for alias in node.names if f"{module}.{alias.name}" in names] or [module]
+            elif isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                continue
+            imported |= {t for t in targets if t in names and t != name and not name.startswith(t + ".")}
+        graph[name] = imported
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as the modules along it (first == last), or None."""
+    done, path = set(), []
+
+    def visit(name):  # depth first; a module met again on the current path closes a cycle
+        if name in path:
+            return path[path.index(name):] + [name]
+        if name in done:
+            return None
+        path.append(name)
+        for imported in sorted(graph.get(name, ())):
+            cycle = visit(imported)
+            if cycle:
+                return cycle
+        path.pop()
+        done.add(name)
+        return None
+
+    for name in sorted(graph):
+        cycle = visit(name)
+        if cycle:
+            return cycle
+    return None
+
+
+def oversized(source: str, label: str) -> list[str]:
+    """The functions over MAX_FUNCTION_LINES and the module over MAX_MODULE_LINES in source, one line each."""
+    found = []
+    lines = len(source.splitlines())
+    if lines > MAX_MODULE_LINES:
+        found.append(f"{label}: {lines} lines (at most {MAX_MODULE_LINES})")
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            length = node.end_lineno - node.lineno + 1
+            if length > MAX_FUNCTION_LINES:
+                found.append(f"{label}:{node.lineno} {node.name}: {length} lines (at most {MAX_FUNCTION_LINES})")
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle_and_only_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_no_import_cycles_in_the_package():
+    graph = package_imports()
+    assert {"specdeploy.swap", "specdeploy.manifest"} <= graph["specdeploy.bundle"]  # the walk sees the imports
+    assert "specdeploy.runtime.engine" in graph["specdeploy.export.parity"]  # function-level relative imports too
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_size_check_counts_functions_and_modules():
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))  # with its def: one line too many
+    assert oversized(f"def long():\n{body}\n", "m.py") == [f"m.py:1 long: {MAX_FUNCTION_LINES + 1} lines "
+                                                           f"(at most {MAX_FUNCTION_LINES})"]
+    nested = "class C:\n    async def method(self):\n" + "\n".join("        pass" for _ in range(MAX_FUNCTION_LINES))
+    assert [line.split(" ")[1] for line in oversized(nested, "m.py")] == ["method:"]
+    assert oversized("x = 1\n" * MAX_MODULE_LINES, "m.py") == []
+    assert oversized("x = 1\n" * (MAX_MODULE_LINES + 1), "m.py") == [f"m.py: {MAX_MODULE_LINES + 1} lines (at most 420)"]
+
+
+@pytest.mark.parametrize("path", sorted(ROOT.rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT.parent)))
+def test_no_function_or_module_over_the_limits(path):
+    assert oversized(path.read_text(encoding="utf-8"), str(path.relative_to(ROOT.parent))) == []
