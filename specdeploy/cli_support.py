@@ -27,7 +27,7 @@ DEBUG_HELP = "Show the Python traceback of an error instead of one line (also af
 # The modules of the export extra that exporting imports first (optimum-onnx installs `optimum`).
 EXPORT_MODULES = ("torch", "transformers", "optimum", "onnx")
 SIGTERM_AS_INTERRUPT = frozenset({"export"})  # a terminated export deletes its partial folder as on Ctrl-C
-RETURN_FREED_MEMORY = frozenset({"run", "chat", "bench", "serve"})  # the commands that decode (see return_freed_memory)
+RETURN_FREED_MEMORY = frozenset({"export", "distill", "run", "chat", "bench", "serve"})  # see return_freed_memory
 LOG_TO_STDERR = frozenset({"serve"})  # the commands whose log records are their output (see _log_to_stderr)
 
 

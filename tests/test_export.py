@@ -286,32 +286,37 @@ def test_draft_quantize_options_and_fallback(checkpoints, tmp_path, monkeypatch)
     assert load_manifest(tmp_path / "c").target.quantize == "int8"
 
 
-def test_parity_lets_the_pytorch_model_go_before_onnx_runtime_loads(checkpoints, bundles, monkeypatch):
-    """The reference is computed, then the model is dropped: its weights and ONNX Runtime's are never resident together."""
+def test_parity_lets_onnx_runtime_go_before_the_pytorch_model_loads(checkpoints, bundles, monkeypatch):
+    """ONNX Runtime's rows go to a scratch file and its session is dropped before PyTorch's model loads:
+    the two copies of the weights are never resident together, and the scratch file is gone after."""
     import gc
     import weakref
+
+    from transformers import AutoConfig
 
     from specdeploy.export import parity
     from specdeploy.export.convert import load_torch_model
 
     bundle, pair = bundles("llama"), checkpoints("llama")
     spec = load_manifest(bundle).target
-    loaded = []
+    engines, events = [], []
 
     def load_model():
-        model = load_torch_model(pair["target"], "target", False)
-        loaded.append(weakref.ref(model))
-        return model
-
-    engines = []
+        gc.collect()
+        events.append(("model", [alive() is not None for alive in engines]))
+        return load_torch_model(pair["target"], "target", False)
 
     class CheckedEngine(OrtEngine):
         def __init__(self, *args, **kwargs):
-            gc.collect()
-            engines.append([alive() is not None for alive in loaded])
             super().__init__(*args, **kwargs)
+            engines.append(weakref.ref(self))
+            events.append(("engine", None))
 
     monkeypatch.setattr(parity, "OrtEngine", CheckedEngine)
-    report = parity.check_parity(load_model, bundle / spec.onnx_path, spec, bundle / "tokenizer" / "tokenizer.json")
-    assert engines == [[False]] and report.passed
+    onnx_path = bundle / spec.onnx_path
+    before = sorted(p.name for p in onnx_path.parent.iterdir())
+    config = AutoConfig.from_pretrained(pair["target"])
+    report = parity.check_parity(load_model, onnx_path, spec, bundle / "tokenizer" / "tokenizer.json", config)
+    assert events == [("engine", None), ("model", [False])] and report.passed
+    assert sorted(p.name for p in onnx_path.parent.iterdir()) == before
     assert report.check == "max_abs_diff" and report.prefill_max_abs_diff <= parity.FP32_MAX_ABS_DIFF

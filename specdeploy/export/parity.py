@@ -11,6 +11,7 @@ the check is how often the greedy (argmax) token agrees.
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -82,32 +83,38 @@ def check_parity(
     onnx_path: Path,
     spec: ModelSpec,
     tokenizer_json: Path,
+    model_config,
     prefill_tokens: int | None = None,
     verify_tokens: int = 5,
 ) -> ParityReport:
-    """Compare the ONNX model with PyTorch; prefill_tokens defaults to parity_length (256 or past the window).
+    """Compare the ONNX model with PyTorch; prefill_tokens defaults to parity_length (256 or past the window
+    of model_config, the checkpoint's config).
 
-    load_model() gives the PyTorch model; it is let go once its reference is computed, before ONNX
-    Runtime loads the graph, so that the two copies of the weights are not resident together
-    (reference_logits keeps only the hidden states and a copy of the output head).
-
-    The prefill runs in chunks of at most PREFILL_CHUNK tokens on one cache, as the runtime prefills,
-    and each chunk's logits are compared with PyTorch's rows and dropped before the next: no array of
-    [prefill, vocab] logits exists (581 x 262,144 fp32 for Gemma 3 is 0.6 GB, three times over)."""
+    The two copies of the weights are never resident together. ONNX Runtime runs first: the prefill
+    in chunks of at most PREFILL_CHUNK tokens on one cache, as the runtime prefills, then the verify
+    pass, each pass's logits rows written to a scratch file beside the graph as they come. Its session
+    is let go before load_model() gives the PyTorch model, which then computes its rows chunk by
+    chunk against the file's. No array of [prefill, vocab] logits exists (581 x 262,144 fp32 for
+    Gemma 3 is 0.6 GB), and PyTorch's head is the model's own, not a copy."""
     # A short --max-context caps the check (the fused graph's rotary tables end there).
     verify_tokens = min(verify_tokens, max(1, spec.max_context // 2))
-    torch_model = load_model()
     if prefill_tokens is None:
-        prefill_tokens = parity_length(torch_model.config, spec.max_context, verify_tokens)
+        prefill_tokens = parity_length(model_config, spec.max_context, verify_tokens)
     if spec.attention_window:  # a windowed draft equals full attention only within its window
         prefill_tokens = min(prefill_tokens, spec.attention_window - verify_tokens)
     prefill_tokens = min(prefill_tokens, spec.max_context - verify_tokens)
     ids = parity_tokens(tokenizer_json, spec.vocab_size, prefill_tokens + verify_tokens)
-    reference = reference_logits(torch_model, ids)
-    del torch_model
-    release_freed_memory()
-
-    prefill, verify = _onnx_agreements(onnx_path, spec, ids, prefill_tokens, reference)
+    with tempfile.TemporaryFile(dir=onnx_path.parent, prefix="parity-logits-") as onnx_rows:
+        passes = _onnx_logits(onnx_path, spec, ids, prefill_tokens, onnx_rows)
+        release_freed_memory()
+        onnx_rows.seek(0)
+        torch_model = load_model()
+        reference = reference_logits(torch_model, ids)
+        prefill, verify = _Agreement(), _Agreement()
+        for start, stop in passes:
+            ours = np.fromfile(onnx_rows, dtype=np.float32, count=(stop - start) * spec.vocab_size)
+            (verify if start == prefill_tokens else prefill).add(ours.reshape(stop - start, -1), reference(start, stop))
+        del reference, torch_model
     check, tolerance = tolerance_for(spec.dtype, spec.quantize, spec.role)
     if check == "max_abs_diff":
         passed = max(prefill.max_abs_diff, verify.max_abs_diff) <= tolerance
@@ -128,13 +135,13 @@ def check_parity(
     )
 
 
-def _onnx_agreements(onnx_path: Path, spec: ModelSpec, ids: np.ndarray,  # ids: [prefill + verify]
-                     prefill_tokens: int, reference: Callable) -> tuple["_Agreement", "_Agreement"]:
-    """ONNX Runtime's prefill (in chunks, on one cache) and verify pass over ids, each compared with
-    reference(start, stop), PyTorch's logits rows [stop - start, vocab]."""
+def _onnx_logits(onnx_path: Path, spec: ModelSpec, ids: np.ndarray,  # ids: [prefill + verify]
+                 prefill_tokens: int, out) -> list[tuple[int, int]]:
+    """ONNX Runtime's prefill (in chunks, on one cache) and verify pass over ids, each pass's logits rows
+    appended to the binary file out as float32 [rows, vocab]; returns each pass's (start, stop)."""
     # Per-session threads leave the process free for optimum's own sessions, unless a runtime in this
     # process already switched ONNX Runtime to the shared pool (then optimum cannot run here either).
-    # Each chunk's logits are read before the next pass, so they may land in the engine's scratch buffer.
+    # Each chunk's logits are written before the next pass, so they may land in the engine's scratch buffer.
     # An fp32 graph runs its MatMuls unpacked, without a second (repacked) copy of every weight: the same
     # kernels' arithmetic in another order. A quantized graph keeps packing: unpacked, MatMulNBits takes
     # another path (dequantized fp32 instead of accuracy_level's int8 arithmetic), and the check must
@@ -145,13 +152,11 @@ def _onnx_agreements(onnx_path: Path, spec: ModelSpec, ids: np.ndarray,  # ids: 
     cache = engine.new_cache(len(ids))
     # Equal chunks, none of a single token (a one-row pass takes other kernels than the runtime's prefill).
     chunks = np.array_split(np.arange(prefill_tokens), -(-prefill_tokens // PREFILL_CHUNK))
-    prefill = _Agreement()
-    for rows in chunks:
-        start, stop = int(rows[0]), int(rows[-1]) + 1
-        prefill.add(engine.run(ids[start:stop], cache), reference(start, stop))
-    verify = _Agreement()
-    verify.add(engine.run(ids[prefill_tokens:], cache), reference(prefill_tokens, len(ids)))
-    return prefill, verify
+    passes = [(int(rows[0]), int(rows[-1]) + 1) for rows in chunks] + [(prefill_tokens, len(ids))]
+    for start, stop in passes:
+        np.asarray(engine.run(ids[start:stop], cache), dtype=np.float32).tofile(out)
+    out.flush()
+    return passes
 
 
 class _Agreement:
@@ -205,9 +210,9 @@ def reference_logits(torch_model, ids: np.ndarray) -> Callable[[int, int], np.nd
         finally:
             handle.remove()
 
-        # The head's own weights, copied: a view would keep the whole model's mapped file resident.
-        weight = head.weight.detach().clone()
-        bias = None if head.bias is None else head.bias.detach().clone()
+        # The head's own weights: the caller keeps the model while it asks for rows.
+        weight = head.weight.detach()
+        bias = None if head.bias is None else head.bias.detach()
 
         def rows(start: int, stop: int) -> np.ndarray:
             with torch.no_grad():

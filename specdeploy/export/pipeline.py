@@ -196,7 +196,7 @@ def _build_model(role: str, quantize: str, load_model: Callable, checkpoint, roo
     def validate(quantized: str) -> ModelSpec:
         spec = _model_spec(role, checkpoint, onnx_path, root, config, max_context, num_parameters, graph, quantized)
         report("validate", f"{role}: ONNX Runtime vs PyTorch")
-        parity = check_parity(load_model, onnx_path, spec, tokenizer_dir / "tokenizer.json")
+        parity = check_parity(load_model, onnx_path, spec, tokenizer_dir / "tokenizer.json", checkpoint.config)
         return dataclasses.replace(spec, parity=parity)
 
     if quantize == "none":
