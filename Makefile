@@ -21,7 +21,7 @@ $(BIN)/python:
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[export,test,bench,serve,hosts]'
+	$(BIN)/python -m pip install --quiet -e '.[export,test,bench,serve,hosts,ray]'
 	touch $@
 
 install: $(VENV)/.installed

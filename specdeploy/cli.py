@@ -12,6 +12,7 @@ from . import defaults
 from .cli_support import (DEBUG_HELP, EXIT_INTERRUPTED, ErrorMappingGroup, Utf8Text, end_text, format_stats, note_debug,
                           parse_draft_tokens, parse_prompt_tokens, require_export_extra, return_freed_memory, run_request,
                           stream_text)
+from .cli_support import export_with_progress as _export
 from .errors import SpecdeployError
 from .runtime.generate import SEED_LIMIT, GenerationConfig  # the package imports the runtime already
 
@@ -111,32 +112,6 @@ def export(target, draft, out, dtype, quantize, draft_quantize, max_context, dra
             draft_window=draft_window, graph=graph, force=force,
             trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, allow_lossy=allow_lossy)
     click.echo(str(Path(out).resolve()))
-
-
-def _export(target: str, draft: str, out: str, **options) -> None:
-    """Run the export stage with a progress display and the parity figures at the end (stderr)."""
-    from rich.console import Console
-
-    try:
-        from .export import ExportConfig, export_bundle
-    except ImportError as exc:
-        raise SpecdeployError(f"exporting needs the export extra (pip install 'specdeploy[export]'): {exc}") from None
-
-    config = ExportConfig(target=target, draft=draft, out=out, **options)
-    console = Console(stderr=True, log_path=False)
-    with console.status("export", spinner="dots") as status:
-        def report(stage: str, detail: str) -> None:
-            status.update(f"[bold]{stage}[/bold] {detail}")
-            console.log(f"[bold]{stage:<8}[/bold] {detail}")
-
-        manifest = export_bundle(config, report)
-    for spec in (manifest.target, manifest.draft):
-        p = spec.parity
-        console.print(
-            f"{spec.role:<6} ({spec.graph} graph) parity: prefill max|diff| {p.prefill_max_abs_diff:.2e}, verify max|diff| "
-            f"{p.verify_max_abs_diff:.2e}, greedy agreement {p.prefill_greedy_agreement:.2f}/{p.verify_greedy_agreement:.2f} "
-            f"({p.check} tolerance {p.tolerance:g}: {'pass' if p.passed else 'below, kept (--allow-lossy)'})"
-        )
 
 
 def resolve_bundle(bundle: str | None) -> str:
@@ -401,8 +376,14 @@ def bench(bundle, prompts_file, prompt_file, max_new_tokens, prompt_tokens, num_
 @click.option("--drain-timeout", type=float, default=defaults.SERVE_DRAIN_TIMEOUT_S, show_default=True,
               help="Seconds in-flight requests get to finish after SIGTERM.")
 @click.option("--model-name", default=None, help="The model id to list (default: the bundle folder's name).")
+@click.option("--replicas", type=int, default=None, help="Serve through Ray Serve with this many replicas (the ray extra).")
+@click.option("--min-replicas", type=int, default=None, help="With --max-replicas: Ray Serve autoscales between them.")
+@click.option("--max-replicas", type=int, default=None)
+@click.option("--threads-per-replica", type=int, default=None,
+              help="ONNX Runtime threads (and Ray CPUs) per replica. Default: the cores / the most replicas.")
+@click.option("--ray-address", default=None, help="Join this Ray cluster (default: start a local one).")
 def serve(bundle, host, port, max_queue, max_batch, num_draft_tokens, drafter, device, api_key, max_body_bytes,
-          drain_timeout, model_name) -> None:
+          drain_timeout, model_name, replicas, min_replicas, max_replicas, threads_per_replica, ray_address) -> None:
     """Serve a bundle over an OpenAI-compatible HTTP API (BUNDLE defaults to the demo bundle)."""
     try:
         from .serve import ServeConfig, serve as run_server
@@ -412,7 +393,16 @@ def serve(bundle, host, port, max_queue, max_batch, num_draft_tokens, drafter, d
     config = ServeConfig(bundle=resolve_bundle(bundle), host=host, port=port, max_queue=max_queue, max_batch=max_batch,
                          num_draft_tokens=num_draft_tokens, drafter=drafter, device=device, api_key=api_key,
                          max_body_bytes=max_body_bytes, drain_timeout_s=drain_timeout, model_name=model_name)
-    run_server(config)
+    ray_options = (replicas, min_replicas, max_replicas, threads_per_replica, ray_address)
+    if all(option is None for option in ray_options):
+        return run_server(config)
+    try:
+        from .ray import RayConfig, serve_on_ray
+    except ImportError as exc:
+        raise SpecdeployError(f"--replicas needs the ray extra (pip install 'specdeploy[ray]'): {exc}") from None
+    serve_on_ray(config, RayConfig(replicas=replicas if replicas is not None else min_replicas or 1, min_replicas=min_replicas,
+                                   max_replicas=max_replicas, threads_per_replica=threads_per_replica,
+                                   address=ray_address))
 
 
 from .distill.cli import distill as _distill  # noqa: E402  (imports no torch until it runs)

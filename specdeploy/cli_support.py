@@ -327,3 +327,29 @@ def parse_prompt_tokens(value: str | None, max_new_tokens: int, max_context: int
             raise SpecdeployError(f"--prompt-tokens {length} + --max-new-tokens {max_new_tokens} exceed the bundle's "
                                   f"max context {max_context}")
     return lengths
+
+
+def export_with_progress(target: str, draft: str, out: str, **options) -> None:
+    """Run the export stage with a progress display and the parity figures at the end (stderr)."""
+    from rich.console import Console
+
+    try:
+        from .export import ExportConfig, export_bundle
+    except ImportError as exc:
+        raise SpecdeployError(f"exporting needs the export extra (pip install 'specdeploy[export]'): {exc}") from None
+
+    config = ExportConfig(target=target, draft=draft, out=out, **options)
+    console = Console(stderr=True, log_path=False)
+    with console.status("export", spinner="dots") as status:
+        def report(stage: str, detail: str) -> None:
+            status.update(f"[bold]{stage}[/bold] {detail}")
+            console.log(f"[bold]{stage:<8}[/bold] {detail}")
+
+        manifest = export_bundle(config, report)
+    for spec in (manifest.target, manifest.draft):
+        p = spec.parity
+        console.print(
+            f"{spec.role:<6} ({spec.graph} graph) parity: prefill max|diff| {p.prefill_max_abs_diff:.2e}, verify max|diff| "
+            f"{p.verify_max_abs_diff:.2e}, greedy agreement {p.prefill_greedy_agreement:.2f}/{p.verify_greedy_agreement:.2f} "
+            f"({p.check} tolerance {p.tolerance:g}: {'pass' if p.passed else 'below, kept (--allow-lossy)'})"
+        )

@@ -49,14 +49,14 @@ class ClientGone(Exception):
 class Service:
     """What the routes share: the config, the worker, the metrics and the chat template."""
 
-    def __init__(self, config: ServeConfig, load: Callable[[], object]):
+    def __init__(self, config: ServeConfig, load: Callable[[], object], metric_labels: dict[str, str] | None = None):
         manifest = load_manifest(config.bundle)
         self.config = config
         self.model = config.model_name or Path(config.bundle).resolve().name
         self.max_context = manifest.max_context
         self.created = _epoch(manifest.created)
         self.chat_template = load_chat_template(Path(config.bundle) / manifest.tokenizer.path)
-        self.metrics = Metrics()
+        self.metrics = Metrics(metric_labels)
         self.worker = ModelWorker(load, config.max_queue, self.metrics, on_fatal=self.fatal)
         self.token_text = LazyTokenText(lambda: self.worker.generator.codec.tokenizer)  # names logprobs' tokens
         self.prompt_threads = concurrent.futures.ThreadPoolExecutor(PROMPT_THREADS, "specdeploy-prompt")
@@ -103,15 +103,17 @@ def _epoch(iso_time: str) -> int:
         return 0
 
 
-def create_app(config: ServeConfig, load: Callable[[], object] | None = None) -> Starlette:
-    """The server application for `config`; `load` builds the Generator (default: specdeploy.load)."""
+def create_app(config: ServeConfig, load: Callable[[], object] | None = None,
+               metric_labels: dict[str, str] | None = None) -> Starlette:
+    """The server application for `config`; `load` builds the Generator (default: specdeploy.load).
+    metric_labels: added to every sample on /metrics (a replica's {"replica": id} under Ray Serve)."""
     if load is None:
         from ..runtime import load as load_bundle
 
         def load():
             return load_bundle(config.bundle, device=config.device, drafter=config.drafter, max_batch=config.max_batch)
 
-    service = Service(config, load)
+    service = Service(config, load, metric_labels)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -279,7 +281,8 @@ class CountRequests:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        endpoint = scope["path"] if scope["path"] in self.endpoints else "other"
+        path = route_path(scope)
+        endpoint = path if path in self.endpoints else "other"
 
         async def counting_send(message):
             if message["type"] == "http.response.start":
@@ -287,3 +290,9 @@ class CountRequests:
             await send(message)
 
         await self.app(scope, receive, counting_send)
+
+
+def route_path(scope) -> str:
+    """The request's path within the application: a mount's or proxy's prefix (root_path) taken off."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return (path[len(root):] or "/") if root and path.startswith(root) else path

@@ -8,6 +8,7 @@ the acceptance-rate formula (accepted / draft tokens) carry over.
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 
 PREFIX = "specdeploy:"
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -15,9 +16,12 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0,
 
 
 class Metrics:
+    """labels: added to every sample (a replica's {"replica": id} under Ray Serve)."""
+
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self):
+    def __init__(self, labels: dict[str, str] | None = None):
+        self.labels = dict(labels or {})
         self.registry = registry = CollectorRegistry()
 
         def counter(name, doc, labels=()):
@@ -56,5 +60,24 @@ class Metrics:
         for position, accepted in enumerate(stats.accepted_by_position):
             self.accepted_per_pos.labels(str(position)).inc(accepted)
 
+    def families(self) -> list[Metric]:
+        """Every metric family with its samples, labels added (picklable: a replica sends them to be merged)."""
+        return list(Labelled(self.registry.collect, self.labels).collect())
+
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(Labelled(self.registry.collect, self.labels) if self.labels else self.registry)
+
+
+class Labelled:
+    """A collector of the families collect() gives, each sample with labels added (for generate_latest)."""
+
+    def __init__(self, collect, labels: dict[str, str]):
+        self._collect, self.labels = collect, labels
+
+    def collect(self):
+        for family in self._collect():
+            labelled = Metric(family.name, family.documentation, family.type, family.unit)
+            for sample in family.samples:
+                labelled.add_sample(sample.name, {**sample.labels, **self.labels}, sample.value, sample.timestamp,
+                                    sample.exemplar)
+            yield labelled

@@ -1,0 +1,261 @@
+"""specdeploy's OpenAI server on Ray Serve: replicas of one bundle behind Ray's HTTP proxy.
+
+Each replica runs `specdeploy serve`'s application (serve.create_app) over its own Generator: the
+same routes (completions, chat, streaming, models, health, metrics), scheduler and worker. Ray routes
+each request to a replica, restarts a replica whose health check fails, and with a minimum and a
+maximum scales the count on the requests ongoing at each replica (queued there or decoding), aiming
+at `target_ongoing_requests` each (default: max_batch, one full batch).
+
+In your own Ray Serve application::
+
+    from ray import serve
+    from specdeploy.ray import RayConfig, deployment
+    from specdeploy.serve import ServeConfig
+
+    serve.run(deployment(ServeConfig(bundle="/models/bundle"), RayConfig(replicas=2)), route_prefix="/")
+
+From a Ray Serve config file (`serve run config.yaml`, or KubeRay's RayService)::
+
+    applications:
+      - name: specdeploy
+        route_prefix: /
+        import_path: specdeploy.ray:app_builder
+        args: {bundle: /models/bundle, min_replicas: 1, max_replicas: 4}
+
+Health: Ray calls each replica's check_health, which fails once the replica's worker has failed to
+load or died; Ray then replaces the replica. Metrics: every replica's samples keep their names and
+gain a `replica` label; /metrics through the proxy answers with every live replica's samples, which
+each replica publishes to the application's metrics board every METRICS_PUBLISH_S seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from .errors import SpecdeployError
+from .serve.app import route_path
+from .serve.config import ServeConfig
+
+log = logging.getLogger("specdeploy.serve")
+APP_NAME = "specdeploy"
+METRICS_PUBLISH_S = 2.0  # how often each replica sends its samples to the board
+METRICS_STALE_S = 3 * METRICS_PUBLISH_S  # a replica silent this long is gone from /metrics
+FAILED_STATES = ("failed", "crashed", "stopped")  # ModelWorker states that fail the health check
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    replicas: int = 1  # a fixed count (min_replicas/max_replicas set: the count autoscaling starts from)
+    min_replicas: int | None = None  # both set: autoscale between them
+    max_replicas: int | None = None
+    target_ongoing_requests: float | None = None  # per replica, queued or decoding (None: max_batch)
+    threads_per_replica: int | None = None  # ONNX Runtime threads and Ray CPUs per replica (None: all / replicas)
+    address: str | None = None  # an existing cluster ("auto", "ray://host:10001"); None: start a local one
+    upscale_delay_s: float = 5.0  # Ray's autoscaling delays (its defaults, 30 and 600 s, suit slower models)
+    downscale_delay_s: float = 30.0
+
+    @property
+    def autoscaling(self) -> bool:
+        return self.min_replicas is not None or self.max_replicas is not None
+
+    def check(self) -> None:
+        if self.autoscaling:
+            low, high = self.min_replicas, self.max_replicas
+            if low is None or high is None or not 1 <= low <= high:
+                raise SpecdeployError("autoscaling needs --min-replicas and --max-replicas with 1 <= min <= max "
+                                      f"(got {low} and {high})")
+            if not low <= self.replicas <= high:
+                raise SpecdeployError(f"--replicas {self.replicas} is outside --min-replicas {low} .. --max-replicas {high}")
+        elif self.replicas < 1:
+            raise SpecdeployError(f"--replicas must be at least 1 (got {self.replicas})")
+        if self.threads_per_replica is not None and self.threads_per_replica < 1:
+            raise SpecdeployError(f"threads per replica must be at least 1 (got {self.threads_per_replica})")
+        if self.target_ongoing_requests is not None and self.target_ongoing_requests <= 0:
+            raise SpecdeployError("target ongoing requests must be positive")
+
+    def threads(self) -> int:
+        """Threads per replica: as given, or the machine's cores shared by the most replicas there may be."""
+        if self.threads_per_replica is not None:
+            return self.threads_per_replica
+        return max(1, (os.cpu_count() or 1) // (self.max_replicas or self.replicas))
+
+
+@serve.deployment(name="metrics-board", num_replicas=1, ray_actor_options={"num_cpus": 0},
+                  logging_config={"enable_access_log": False})
+class MetricsBoard:
+    """The latest metric families of every replica, merged into one exposition on request."""
+
+    def __init__(self):
+        self.replicas: dict[str, tuple[float, list]] = {}  # replica id -> (when received, its metric families)
+
+    def publish(self, replica: str, families: list) -> None:
+        self.replicas[replica] = (time.monotonic(), families)
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+        from prometheus_client.metrics_core import Metric
+
+        now = time.monotonic()
+        self.replicas = {r: (at, f) for r, (at, f) in self.replicas.items() if now - at < METRICS_STALE_S}
+        merged: dict[str, Metric] = {}
+        for replica in sorted(self.replicas):
+            for family in self.replicas[replica][1]:
+                if family.name not in merged:
+                    merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+                merged[family.name].samples.extend(family.samples)
+        return generate_latest(_Families(list(merged.values())))
+
+
+class _Families:
+    """A collector of fixed families (generate_latest takes a registry or a collector)."""
+
+    def __init__(self, families: list):
+        self.families = families
+
+    def collect(self):
+        return iter(self.families)
+
+
+class MergedMetricsRoute:
+    """ASGI: GET /metrics answers with the board's merged samples (the replica's own if the board fails);
+    everything else goes to the server's application."""
+
+    def __init__(self, app, metrics, board: DeploymentHandle, replica: str):
+        self.app, self.metrics, self.board, self.replica = app, metrics, board, replica
+        self.state = app.state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or route_path(scope) != "/metrics" or scope["method"] != "GET":
+            return await self.app(scope, receive, send)
+        from starlette.responses import Response
+
+        try:
+            await self.board.publish.remote(self.replica, self.metrics.families())
+            body = await self.board.render.remote()
+        except Exception as exc:  # noqa: BLE001 - metrics must not fail because the board restarts
+            log.warning("metrics board unavailable (%s): this replica's samples only", type(exc).__name__)
+            body = self.metrics.render()
+        self.metrics.requests.labels("/metrics", "200").inc()
+        await Response(body, media_type=self.metrics.content_type)(scope, receive, send)
+
+
+@serve.ingress()
+class SpecdeployServer:
+    """One replica: the bundle's Generator, loaded before the replica takes requests, under create_app."""
+
+    async def __init__(self, config: ServeConfig, threads: int, board: DeploymentHandle):
+        from .runtime import SessionConfig, load
+        from .serve import create_app
+
+        self.replica = serve.get_replica_context().replica_id.unique_id
+        session = SessionConfig(device=config.device, shared_threads=True, intra_op_threads=threads)
+        generator = await asyncio.to_thread(load, config.bundle, device=config.device, drafter=config.drafter,
+                                            session=session, max_batch=config.max_batch)
+        self.server_app = create_app(config, load=lambda: generator, metric_labels={"replica": self.replica})
+        self.service = self.server_app.state.service
+        self.board = board
+        self._publisher = asyncio.get_running_loop().create_task(self._publish_metrics())
+
+    def __serve_build_asgi_app__(self):
+        return MergedMetricsRoute(self.server_app, self.service.metrics, self.board, self.replica)
+
+    async def _publish_metrics(self) -> None:
+        while True:
+            try:
+                await self.board.publish.remote(self.replica, self.service.metrics.families())
+            except Exception as exc:  # noqa: BLE001 - the board may be restarting; try again next time
+                log.debug("metrics board: %s", exc)
+            await asyncio.sleep(METRICS_PUBLISH_S)
+
+    def check_health(self) -> None:
+        """Ray's health check: fails once the worker failed to load or died, so that Ray replaces the replica."""
+        worker = self.service.worker
+        if worker.state in FAILED_STATES:
+            raise RuntimeError(f"replica {self.replica}: the model worker is {worker.state}: {worker.error}")
+
+
+def deployment(config: ServeConfig, ray_config: RayConfig = RayConfig()):
+    """The Ray Serve application for config: a bound SpecdeployServer deployment (and its metrics board),
+    ready for serve.run(...) or as the target of an application builder."""
+    from .serve.server import check_config
+
+    ray_config.check()
+    check_config(config)
+    threads = ray_config.threads()
+    options = {
+        "name": "specdeploy",
+        # our own queue answers 429 past max_queue: Ray's router may send a replica that many at most
+        "max_ongoing_requests": config.max_batch + config.max_queue,
+        "graceful_shutdown_timeout_s": config.drain_timeout_s,
+        "graceful_shutdown_wait_loop_s": 0.5,
+        "ray_actor_options": {"num_cpus": threads},
+    }
+    if ray_config.autoscaling:
+        options["autoscaling_config"] = {
+            "min_replicas": ray_config.min_replicas, "max_replicas": ray_config.max_replicas,
+            "initial_replicas": ray_config.replicas,
+            "target_ongoing_requests": ray_config.target_ongoing_requests or config.max_batch,
+            "upscale_delay_s": ray_config.upscale_delay_s, "downscale_delay_s": ray_config.downscale_delay_s,
+            "metrics_interval_s": 1.0, "look_back_period_s": 5.0,
+        }
+    else:
+        options["num_replicas"] = ray_config.replicas
+    return serve.deployment(**options)(SpecdeployServer).bind(config, threads, MetricsBoard.bind())
+
+
+def app_builder(args: dict):
+    """Ray Serve's application builder (import_path: specdeploy.ray:app_builder): args holds ServeConfig's
+    and RayConfig's fields by name (bundle is required; host, port and address belong to the cluster)."""
+    serve_fields = {f.name for f in dataclasses.fields(ServeConfig)} - {"host", "port"}
+    ray_fields = {f.name for f in dataclasses.fields(RayConfig)} - {"address"}
+    unknown = set(args) - serve_fields - ray_fields
+    if unknown or "bundle" not in args:
+        raise SpecdeployError(f"specdeploy.ray:app_builder: bundle is required; unknown arguments: {sorted(unknown)}")
+    config = ServeConfig(**{k: v for k, v in args.items() if k in serve_fields})
+    return deployment(config, RayConfig(**{k: v for k, v in args.items() if k in ray_fields}))
+
+
+def serve_on_ray(config: ServeConfig, ray_config: RayConfig) -> None:
+    """`specdeploy serve --replicas N`: the deployment on a Ray cluster (ray_config.address, or a local one
+    with this machine's cores), Ray's proxy on config.host:config.port, until SIGTERM or Ctrl-C; then the
+    application is deleted (each replica finishes its in-flight requests within drain_timeout_s) and Ray
+    Serve and a local cluster stop."""
+    import signal
+    import socket
+    import threading
+
+    import ray
+
+    application = deployment(config, ray_config)  # every check before anything starts
+    port = config.port
+    if port == 0:  # Ray's proxy takes a fixed port: pick a free one
+        with socket.socket() as probe:
+            probe.bind((config.host, 0))
+            port = probe.getsockname()[1]
+    ray.init(address=ray_config.address, num_cpus=None if ray_config.address else os.cpu_count(),
+             include_dashboard=False, log_to_driver=True)
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        serve.start(http_options={"host": config.host, "port": port})
+        serve.run(application, name=APP_NAME, route_prefix="/")
+        scaling = (f"{ray_config.min_replicas}..{ray_config.max_replicas} replicas" if ray_config.autoscaling
+                   else f"{ray_config.replicas} replica{'s' if ray_config.replicas > 1 else ''}")
+        log.info("serving %s on Ray Serve (%s, %d threads each) on http://%s:%d", config.bundle, scaling,
+                 ray_config.threads(), config.host, port)
+        stop.wait()
+        log.info("shutting down: replicas finish their in-flight requests (at most %gs)", config.drain_timeout_s)
+        serve.delete(APP_NAME)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        serve.shutdown()
+        ray.shutdown()
