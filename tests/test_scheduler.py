@@ -199,6 +199,35 @@ def test_the_policy_speculates_where_it_pays():
         SpeculationPolicy("sometimes")
 
 
+def test_the_policy_counts_each_rounds_time_outside_the_engines():
+    """A target-only round pays its Python (sampling, bookkeeping) per token; a speculative round shares it."""
+    policy = SpeculationPolicy("auto")
+    policy.target_ms.update({8: 14.0})
+    policy.verify_ms.update({k + 1: 10.0 + 1.5 * k for k in range(1, 5)})
+    policy.draft_ms.update({8: 2.5})
+
+    class Row:  # acceptance 0.8 so far
+        def __init__(self):
+            self.stats = type("S", (), {"drafted": 100})()
+            self.ended_at = [0, 0, 0, 0, 20]
+
+    rows = [Row() for _ in range(8)]
+    assert policy.draft_limit(rows, 4) == 0  # engines alone: one batched step beats 8 verify passes
+    policy.observe(policy.outside_ms["target"], 8, 40.0)  # 8 tokens per 54 ms, against ~27 per 138 ms
+    assert policy.draft_limit(rows, 4) == 4
+    policy.observe(policy.outside_ms["speculative"], 8, 400.0)
+    assert policy.draft_limit(rows, 4) == 0
+
+
+def test_the_scheduler_measures_its_rounds_outside_the_engines(agreeing_bundle):
+    generator = specdeploy.load(agreeing_bundle, max_batch=4, policy="always")  # both kinds of round, whatever the costs
+    policy = generator.scheduler.policy
+    generator.generate_many(["def f(x):", "class A:"], max_new_tokens=12, temperature=0)
+    generator.generate_many(["def f(x):", "class A:"], max_new_tokens=12, temperature=0, speculative=False)
+    for kind in ("target", "speculative"):
+        assert policy.outside_ms[kind].get(2, 0.0) > 0.0, (kind, policy.outside_ms)
+
+
 def test_bad_batch_settings(agreeing_bundle):
     with pytest.raises(SpecdeployError, match="max_batch"):
         specdeploy.load(agreeing_bundle, max_batch=0)
@@ -254,3 +283,21 @@ def test_a_quantized_target_keeps_its_two_token_steps_under_batching(tmp_path_fa
     expected = [alone.generate(p, max_new_tokens=20, speculative=False).token_ids for p in PROMPTS[:3]]
     generator = specdeploy.load(out, max_batch=3, policy="never")
     assert [o.token_ids for o in generator.generate_many(PROMPTS[:3], max_new_tokens=20, speculative=False)] == expected
+
+
+def test_a_rows_expected_tokens_come_from_its_own_rounds():
+    """Acceptance comes in runs: a row whose rounds accepted all 4 drafts or none (rate 0.5) emits
+    1 + 2 = 3 tokens a round at k = 4, where the i.i.d. formula says 1.94; at k = 2 its rounds would
+    have accepted min(j, 2)."""
+    from specdeploy.runtime.scheduler import _expected_tokens, _row_tokens
+
+    class Row:
+        def __init__(self, ended_at):
+            self.ended_at = ended_at
+            self.stats = type("S", (), {"drafted": 4 * sum(ended_at)})()
+
+    runs = Row([500, 0, 0, 0, 500])
+    assert _row_tokens(runs, 4, 0.5) == pytest.approx(3.0, abs=0.02)
+    assert _row_tokens(runs, 2, 0.5) == pytest.approx(2.0, abs=0.02)
+    assert _expected_tokens(0.5, 4) == pytest.approx(1.9375)
+    assert _row_tokens(Row([0, 0, 0, 0, 0]), 4, 0.6) == pytest.approx(_expected_tokens(0.6, 4))  # no rounds: the prior

@@ -25,6 +25,7 @@ way, and the same seed gives the same output for the same sequence of choices (a
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import numpy as np
@@ -43,9 +44,12 @@ class SpeculationPolicy:
     Language Models Using Goodput"): for a batch of B rows whose acceptance rates are a_i, a
     round of k draft tokens emits sum_i (1 - a_i^(k+1)) / (1 - a_i) tokens in about
     B * verify_ms[k + 1] + k * draft_ms[B] (a verify pass per row, k batched draft steps), and a
-    target-only round emits B tokens in target_ms[B] (one batched pass). The k in 0..K with the
-    most tokens per millisecond wins. Costs come from `calibrate` (passes timed at load) and are
-    refreshed as rounds run; a row's acceptance is its own running mean, starting from the
+    target-only round emits B tokens in target_ms[B] (one batched pass). Each kind of round also
+    costs its time outside the engines (sampling, acceptance, bookkeeping: outside_ms, measured
+    as rounds run), which a target-only round pays per token and a speculative round shares among
+    the tokens it emits; with a small model it decides. The k in 0..K with the most tokens per
+    millisecond wins. Engine costs come from `calibrate` (passes timed at load) and are refreshed
+    as rounds run; a row's acceptance is its own running mean, starting from the
     scheduler's. A row alone keeps its request's k, as generate does. "always" speculates with each
     request's k, "never" never does."""
 
@@ -56,6 +60,8 @@ class SpeculationPolicy:
         self.target_ms: dict[int, float] = {}  # rows -> one batched target step
         self.draft_ms: dict[int, float] = {}  # rows -> one batched draft step
         self.verify_ms: dict[int, float] = {}  # tokens -> one verify pass of one row
+        # round kind ("target", "speculative") -> rows -> one round's time outside the engines
+        self.outside_ms: dict[str, dict[int, float]] = {"target": {}, "speculative": {}}
         self.acceptance = 0.6  # the running mean over every round, a new row's starting estimate
 
     def draft_limit(self, rows: list[Sequence], max_k: int) -> int:
@@ -67,13 +73,14 @@ class SpeculationPolicy:
         target = _nearest(self.target_ms, count)
         if target is None:
             return max_k
-        best_k, best_rate = 0, count / target
+        best_k, best_rate = 0, count / (target + (_nearest(self.outside_ms["target"], count) or 0.0))
+        outside = _nearest(self.outside_ms["speculative"], count) or 0.0
         for k in range(1, max_k + 1):
             verify, draft = _nearest(self.verify_ms, k + 1), _nearest(self.draft_ms, count)
             if verify is None or draft is None:
                 return max_k
-            tokens = sum(_expected_tokens(_acceptance(row, self.acceptance), k) for row in rows)
-            rate = tokens / (count * verify + k * draft)
+            tokens = sum(_row_tokens(row, k, self.acceptance) for row in rows)
+            rate = tokens / (count * verify + k * draft + outside)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k
@@ -102,6 +109,20 @@ def _acceptance(row: Sequence, prior: float) -> float:
     accepted = sum(count * accepted for accepted, count in enumerate(ended_at))
     # A row's own rate once it has drafted a few tokens; the scheduler's before.
     return (accepted + 8 * prior) / (drafted + 8)
+
+
+def _row_tokens(row: Sequence, k: int, prior: float) -> float:
+    """Tokens a round of k drafts is expected to emit for this row: its own rounds so far (a round
+    that accepted j drafts of more would have accepted min(j, k) of k: acceptance stops at the first
+    rejection), blended with the i.i.d. formula at its acceptance while it has few rounds. Acceptance
+    comes in runs (a repeated span, a predictable stretch of code), so the formula alone undercounts."""
+    formula = _expected_tokens(_acceptance(row, prior), k)
+    rounds = sum(row.ended_at)
+    if not rounds:
+        return formula
+    own = 1.0 + sum(count * min(accepted, k) for accepted, count in enumerate(row.ended_at)) / rounds
+    weight = rounds / (rounds + 8)
+    return weight * own + (1.0 - weight) * formula
 
 
 def _expected_tokens(acceptance: float, k: int) -> float:
@@ -205,16 +226,24 @@ class Scheduler:
             row.sampler.sync(row.context)  # the penalties' context (nothing to do without one)
             wanted.append(row.num_draft_tokens())
         speculative = [row for row, k in zip(rows, wanted) if k > 0]
-        if not speculative:
-            self._target_round(rows)
-            return
-        limit = self.policy.draft_limit(speculative, max(wanted))
-        drafting = [row for row in speculative if row.num_draft_tokens(limit) > 0]
+        started, engines = time.perf_counter(), self._engine_seconds(rows)
+        drafting = []
+        if speculative:
+            limit = self.policy.draft_limit(speculative, max(wanted))
+            drafting = [row for row in speculative if row.num_draft_tokens(limit) > 0]
         plain = [row for row in rows if row not in drafting]
         if drafting:
             plain += self._speculative_round(drafting, limit)
         if plain:
             self._target_round(plain)
+        outside = time.perf_counter() - started - (self._engine_seconds(rows) - engines)
+        kind = "speculative" if drafting else "target"
+        self.policy.observe(self.policy.outside_ms[kind], len(rows), 1000 * outside)
+
+    def _engine_seconds(self, rows: list[Sequence]) -> float:
+        """Seconds the target and the rows' draft engine have spent in their passes so far."""
+        draft = getattr(rows[0].drafter, "engine", None)
+        return self.target.seconds + (draft.seconds if draft is not None else 0.0)
 
     def _target_round(self, rows: list[Sequence]) -> None:
         """One token per row from one batched target pass."""
