@@ -38,6 +38,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -71,6 +72,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-batch", default="8,1", help="With a BUNDLE, one server per value, comma-separated "
                         "(8 is serve's default; none: start no server).")
     parser.add_argument("--concurrency", default="1,2,4,8,16", help="Concurrent clients per cell, comma-separated.")
+    parser.add_argument("--sequential-concurrency", default=None, help="The levels at which the --max-batch 1 "
+                        "server runs (default: all; its throughput stays at its one-stream figure anyway).")
     parser.add_argument("--requests-per-stream", type=int, default=2)
     parser.add_argument("--min-requests", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -81,7 +84,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--speculative", choices=("on", "off"), default="on")
     parser.add_argument("--num-draft-tokens", type=int, default=4)
     parser.add_argument("--prompts", default=None, help="JSON list or JSONL of code prompts (default: the built-in ones).")
+    parser.add_argument("--num-prompts", type=int, default=None, help="Use the first N prompts of each kind "
+                        "(fewer reference generations on a slow model).")
     parser.add_argument("--no-reference", action="store_true", help="Skip the in-process reference generations.")
+    parser.add_argument("--repeat", type=int, default=1, help="Run every mode's cells this many times (the "
+                        "reference's timing too); tables give medians.")
     parser.add_argument("--json-out", default=None)
     parser.add_argument("--markdown-out", default=None)
     args = parser.parse_args(argv)
@@ -94,18 +101,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def start_server(bundle: str, max_queue: int, max_batch: int) -> tuple[subprocess.Popen, str]:
-    """`specdeploy serve BUNDLE --port 0 --max-batch N`, once /health answers 200; the process and its URL."""
+def start_server(bundle: str, max_queue: int, max_batch: int, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+    """`specdeploy serve BUNDLE --port 0 --max-batch N [extra]`, once /health answers 200; the process and its URL."""
     command = [sys.executable, "-m", "specdeploy", "serve", bundle, "--port", "0", "--max-queue", str(max_queue),
-               "--max-batch", str(max_batch)]
+               "--max-batch", str(max_batch), *extra]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     url = None
     while url is None:
         line = process.stderr.readline()
         if not line:
             raise SystemExit(f"error: the server exited ({process.wait()}) before listening")
-        if "http://" in line:
-            url = line.split("on ", 1)[1].split()[0]
+        if line.startswith(tuple("0123456789")) and " serving " in line and "http://" in line:  # our log line
+            url = "http://" + line.rsplit("http://", 1)[1].split()[0]
     # Keep reading the server's log (its access log) so a full pipe never blocks it.
     threading.Thread(target=lambda: [None for _ in process.stderr], daemon=True).start()
     deadline = time.monotonic() + 300
@@ -147,7 +154,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict:
                 record["text"] += text
                 usage = chunk.get("usage")
                 if choice and usage:
-                    usage_seen = True
+                    usage_seen = usage_seen or bool(text)  # usage beside text: the server counts every chunk
                     so_far = usage["completion_tokens"]
                 else:
                     counted += bool(text)
@@ -196,7 +203,12 @@ def summarize(records: list[dict], wall_s: float, args, references: dict | None)
     """One cell's figures; references maps prompt index -> the runtime's text (None: nothing to compare)."""
     ok = [r for r in records if r["ok"] and (not args.ignore_eos or r["tokens"] == args.max_tokens)]
     failures = [r.get("status", f"{r.get('tokens')} tokens") for r in records if r not in ok]
-    altered = [r["prompt"] for r in ok if references is not None and r["text"] != references[r["prompt"]]]
+    altered = [r for r in ok if references is not None and r["text"] != references[r["prompt"]]]
+    examples = []  # where the first few altered texts part from the runtime's
+    for r in altered[:3]:
+        expected = references[r["prompt"]]
+        at = next((i for i, (a, b) in enumerate(zip(expected, r["text"])) if a != b), min(len(expected), len(r["text"])))
+        examples.append({"prompt": r["prompt"], "char": at, "generate": expected[at:at + 60], "served": r["text"][at:at + 60]})
     itl = [g for r in ok for g in r["itl_s"]]
     gaps = [g for r in ok for g in r["chunk_gaps_s"]]
     extensions = [r["extension"] for r in ok if "extension" in r]
@@ -204,7 +216,8 @@ def summarize(records: list[dict], wall_s: float, args, references: dict | None)
     tokens = sum(r["tokens"] for r in records if r["ok"])
     return {
         "requests": len(records), "failed": len(failures), "failures": failures[:5], "wall_s": wall_s,
-        "compared": len(ok) if references is not None else 0, "altered": len(altered), "altered_prompts": altered,
+        "compared": len(ok) if references is not None else 0, "altered": len(altered),
+        "altered_prompts": [r["prompt"] for r in altered], "altered_examples": examples,
         "tokens_per_s": tokens / wall_s, "generated_tokens": tokens,
         "ttft_p50_s": percentile([r["first_token_s"] for r in ok], 50),
         "ttft_p99_s": percentile([r["first_token_s"] for r in ok], 99),
@@ -220,7 +233,7 @@ def summarize(records: list[dict], wall_s: float, args, references: dict | None)
 def prompt_sets(args) -> dict[str, list]:
     code = read_prompts(args.prompts) if args.prompts else builtin_prompts()
     chat = [[{"role": "user", "content": text}] for text in CHAT_PROMPTS]
-    return {kind: {"code": code, "chat": chat}[kind] for kind in args.kinds.split(",")}
+    return {kind: {"code": code, "chat": chat}[kind][:args.num_prompts] for kind in args.kinds.split(",")}
 
 
 def request_bodies(kind: str, prompts: list, count: int, mode: str, args, plain: bool = False) -> list[dict]:
@@ -260,43 +273,73 @@ def ms(value) -> str:
     return "" if value is None else f"{1000 * value:.0f}"
 
 
+def median(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return float(np.median(values)) if values else None
+
+
+def grouped(cells: list[dict]) -> dict:
+    """(kind, mode, streams, server) -> that cell's repeats, in run order."""
+    groups: dict = {}
+    for c in cells:
+        groups.setdefault((c["kind"], c["mode"], c["concurrency"], c["server"]), []).append(c)
+    return groups
+
+
 def markdown(cells: list[dict], runs: dict, args) -> str:
+    """One row per cell (medians over --repeat; x sequential: the median of each repeat's own ratio)."""
     lines = [f"{args.max_tokens}-token outputs{' (ignore_eos)' if args.ignore_eos else ''}, speculative "
              f"{args.speculative} (k = {args.num_draft_tokens}), sampled at T {args.temperature}; requests per cell: "
-             f"max({args.min_requests}, {args.requests_per_stream} x streams)", "",
+             f"max({args.min_requests}, {args.requests_per_stream} x streams)"
+             + (f"; medians of {args.repeat} repeats" if args.repeat > 1 else ""), "",
              "| prompts | mode | streams | server | gen tok/s | x sequential | p50 TTFT ms | p99 TTFT ms | p50 ITL ms "
              "| p99 ITL ms | tokens/chunk | failed | altered |",
              "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for c in cells:
-        base = [d for d in cells if (d["kind"], d["mode"], d["concurrency"]) == (c["kind"], c["mode"], c["concurrency"])
-                and d["max_batch"] == 1]
-        ratio = f"{c['tokens_per_s'] / base[0]['tokens_per_s']:.2f}" if base and c["max_batch"] != 1 else ""
-        altered = f"{c['altered']}/{c['compared']}" if c["compared"] else ""
-        lines.append(f"| {c['kind']} | {c['mode']} | {c['concurrency']} | {c['server']} | {c['tokens_per_s']:.1f} | "
-                     f"{ratio} | {ms(c['ttft_p50_s'])} | {ms(c['ttft_p99_s'])} | {c['itl_p50_ms']:.1f} | "
-                     f"{c['itl_p99_ms']:.1f} | {c['tokens_per_chunk']:.2f} | {c['failed']} | {altered} |")
+    groups = grouped(cells)
+    for (kind, mode, level, server), group in groups.items():
+        base = [g for key, g in groups.items() if key[:3] == (kind, mode, level) and g[0]["max_batch"] == 1]
+        ratio = ""
+        if base and group[0]["max_batch"] != 1:
+            ratio = f"{median(c['tokens_per_s'] / b['tokens_per_s'] for c, b in zip(group, base[0])):.2f}"
+        compared = sum(c["compared"] for c in group)
+        altered = f"{sum(c['altered'] for c in group)}/{compared}" if compared else ""
+        figure = {key: median(c[key] for c in group) for key in ("tokens_per_s", "ttft_p50_s", "ttft_p99_s",
+                                                                 "itl_p50_ms", "itl_p99_ms", "tokens_per_chunk")}
+        lines.append(f"| {kind} | {mode} | {level} | {server} | {figure['tokens_per_s']:.1f} | {ratio} | "
+                     f"{ms(figure['ttft_p50_s'])} | {ms(figure['ttft_p99_s'])} | {figure['itl_p50_ms']:.1f} | "
+                     f"{figure['itl_p99_ms']:.1f} | {figure['tokens_per_chunk']:.2f} | "
+                     f"{sum(c['failed'] for c in group)} | {altered} |")
     if runs:
-        lines += ["", "| prompts | mode | `run` end-to-end tok/s (one-stream prompts) | served, 1 stream | ratio |",
+        lines += ["", "| prompts | mode | `run` end-to-end tok/s (one-stream prompts) | served, 1 stream | x run |",
                   "|---|---|---:|---|---|"]
-        for (kind, mode), value in runs.items():
-            ones = [c for c in cells if (c["kind"], c["mode"], c["concurrency"]) == (kind, mode, 1)]
-            served = ", ".join(f"{c['server']} {c['tokens_per_s']:.1f}" for c in ones)
-            ratios = ", ".join(f"{c['tokens_per_s'] / value:.2f}" for c in ones)
-            lines.append(f"| {kind} | {mode} | {value:.1f} | {served} | {ratios} |")
+        for (kind, mode), values in runs.items():
+            ones = [g for key, g in groups.items() if key[:3] == (kind, mode, 1)]
+            served = ", ".join(f"{g[0]['server']} {median(c['tokens_per_s'] for c in g):.1f}" for g in ones)
+            ratios = ", ".join(f"{median(c['tokens_per_s'] / v for c, v in zip(g, values)):.2f}" for g in ones)
+            lines.append(f"| {kind} | {mode} | {median(values):.1f} | {served} | {ratios} |")
     return "\n".join(lines)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     levels = [int(v) for v in args.concurrency.split(",")]
+    sequential_levels = [int(v) for v in (args.sequential_concurrency or args.concurrency).split(",")]
     kinds = prompt_sets(args)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     processes, servers = [], []  # servers: (name, max_batch (None: a --url server), url)
+    cells, runs, turn, interrupted = [], {}, 0, False
+    # SIGTERM (and Ctrl-C) stop the run between requests: the servers stop, the cells so far are written.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     generator = None
     if args.bundle and not args.no_reference:
         import specdeploy
+        from specdeploy.runtime import SessionConfig
 
-        generator = specdeploy.load(args.bundle)
+        # Its own pools, parked between passes: a spinning pool in this process would take the CPU from
+        # the servers in the cells right after each reference generation.
+        generator = specdeploy.load(args.bundle, session=SessionConfig(shared_threads=False, allow_spinning=False))
+        if "chat" in kinds and generator.chat_template is None:
+            raise SystemExit(f"error: {args.bundle} has no chat template: drop 'chat' from --kinds")
     try:
         if args.bundle and args.max_batch != "none":
             for value in (int(v) for v in args.max_batch.split(",")):
@@ -305,38 +348,45 @@ def main(argv=None) -> None:
                 servers.append(("sequential (1)" if value == 1 else f"batched ({value})", value, url))
         names = args.name + args.url[len(args.name):]
         servers += [(name, None, url.rstrip("/")) for name, url in zip(names, args.url)]
-        cells, runs, turn = [], {}, 0
         for kind, prompts in kinds.items():
             for name, max_batch, url in servers:  # warm-up: one request of this kind
                 asyncio.run(run_cell(url, headers, request_bodies(
                     kind, prompts, 1, "greedy", args, args.plain and max_batch is None), 1))
-            for mode in args.modes.split(","):
-                references = None
-                if generator is not None:
-                    timed = min(len(prompts), max(args.min_requests, args.requests_per_stream))
-                    reference = reference_outputs(generator, kind, prompts, mode, args, timed)
-                    references, runs[(kind, mode)] = reference["texts"], reference["run_tokens_per_s"]
-                for level in levels:
-                    count = max(args.min_requests, args.requests_per_stream * level)
-                    order = servers if turn % 2 == 0 else servers[::-1]
-                    turn += 1
-                    for name, max_batch, url in order:
-                        plain = args.plain and max_batch is None  # another server: its outputs are its own
-                        records, wall_s = asyncio.run(run_cell(url, headers, request_bodies(
-                            kind, prompts, count, mode, args, plain), level))
-                        cell = {"kind": kind, "mode": mode, "concurrency": level, "server": name,
-                                "max_batch": max_batch, **summarize(records, wall_s, args, None if plain else references)}
-                        cells.append(cell)
-                        print(f"{kind} {mode} streams={level} {name}: {cell['tokens_per_s']:.1f} tok/s, "
-                              f"failed {cell['failed']}, altered {cell['altered']}", file=sys.stderr, flush=True)
+            for repeat in range(args.repeat):
+                for mode in args.modes.split(","):
+                    references = None
+                    if generator is not None:
+                        timed = min(len(prompts), max(args.min_requests, args.requests_per_stream))
+                        reference = reference_outputs(generator, kind, prompts, mode, args, timed)
+                        references = reference["texts"]
+                        runs.setdefault((kind, mode), []).append(reference["run_tokens_per_s"])
+                    for level in levels:
+                        turn += 1
+                        for name, max_batch, url in (servers if turn % 2 else servers[::-1]):
+                            if max_batch == 1 and level not in sequential_levels:
+                                continue
+                            plain = args.plain and max_batch is None  # another server: its outputs are its own
+                            count = max(args.min_requests, args.requests_per_stream * level)
+                            records, wall_s = asyncio.run(run_cell(url, headers, request_bodies(
+                                kind, prompts, count, mode, args, plain), level))
+                            cell = {"kind": kind, "mode": mode, "concurrency": level, "server": name,
+                                    "max_batch": max_batch, "repeat": repeat,
+                                    **summarize(records, wall_s, args, None if plain else references)}
+                            cells.append(cell)
+                            print(f"{kind} {mode} streams={level} {name}: {cell['tokens_per_s']:.1f} tok/s, "
+                                  f"failed {cell['failed']}, altered {cell['altered']}", file=sys.stderr, flush=True)
+    except (KeyboardInterrupt, SystemExit):
+        interrupted = True
+        print("interrupted: writing the cells so far", file=sys.stderr)
     finally:
         for process in processes:
             process.terminate()
             process.wait(60)
     rank = {name: i for i, (name, _, _) in enumerate(servers)}
-    cells.sort(key=lambda c: (list(kinds).index(c["kind"]), c["mode"], c["concurrency"], rank[c["server"]]))
+    cells.sort(key=lambda c: (list(kinds).index(c["kind"]), c["mode"], c["concurrency"], rank[c["server"]],
+                              c["repeat"]))
     table = markdown(cells, runs, args)
-    report = {"bundle": args.bundle, "url": args.url, "servers": [s[:2] for s in servers], "max_tokens": args.max_tokens,
+    report = {"interrupted": interrupted, "bundle": args.bundle, "url": args.url, "servers": [s[:2] for s in servers], "max_tokens": args.max_tokens,
               "ignore_eos": args.ignore_eos, "speculative": args.speculative, "num_draft_tokens": args.num_draft_tokens,
               "temperature": args.temperature, "cpu_count": os.cpu_count(), "cells": cells,
               "run_tokens_per_s": [{"kind": k, "mode": m, "tokens_per_s": v} for (k, m), v in runs.items()]}
@@ -348,6 +398,8 @@ def main(argv=None) -> None:
             f.write(table + "\n")
     print(table)
     print(json.dumps(report))
+    if interrupted:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

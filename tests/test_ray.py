@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import pytest
@@ -27,19 +26,18 @@ from ray import serve  # noqa: E402
 from specdeploy.defaults import SHIPPED_BUNDLE  # noqa: E402
 from specdeploy.ray import RayConfig, deployment  # noqa: E402
 from specdeploy.serve import ServeConfig, create_app  # noqa: E402
+from test_serve import wait_for as wait_briefly  # noqa: E402
+
+RAY_WAIT_S = 120.0  # replicas start in seconds, but a loaded 2-core machine may take much longer
+
+
+def wait_for(condition, what: str) -> None:
+    wait_briefly(condition, what, timeout_s=RAY_WAIT_S)
 
 pytestmark = pytest.mark.ray
 BUNDLE = str(SHIPPED_BUNDLE)
 PROMPT = "def fibonacci(n):\n"
 MESSAGES = [{"role": "user", "content": "Write a function that adds two numbers."}]
-
-
-def wait_for(condition, what: str, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 def free_port() -> int:
