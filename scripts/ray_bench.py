@@ -39,6 +39,8 @@ def main() -> None:
     parser.add_argument("--out", default="ray-bench")
     parser.add_argument("--kinds", default="code", help="load_test.py's --kinds")
     parser.add_argument("--modes", default="greedy,sampled", help="load_test.py's --modes")
+    parser.add_argument("--speculative", choices=("on", "off"), default="on", help="load_test.py's --speculative")
+    parser.add_argument("--num-prompts", default=None, help="load_test.py's --num-prompts")
     args = parser.parse_args()
     for layout in args.layout or ["1x2", "2x1"]:
         replicas, threads = (int(v) for v in layout.split("x"))
@@ -49,7 +51,8 @@ def main() -> None:
                        str(args.max_batch), "--url", url, "--name", f"ray ({replicas} x {threads} threads)",
                        "--concurrency", args.concurrency, "--repeat", str(args.repeat), "--ignore-eos",
                        "--json-out", f"{args.out}-{layout}.json", "--markdown-out", f"{args.out}-{layout}.md",
-                       "--kinds", args.kinds, "--modes", args.modes]
+                       "--kinds", args.kinds, "--modes", args.modes, "--speculative", args.speculative,
+                       *(["--num-prompts", args.num_prompts] if args.num_prompts else [])]
             subprocess.run(command, check=True, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
                            stdout=subprocess.DEVNULL)
             print(f"## {layout}\n\n{Path(f'{args.out}-{layout}.md').read_text()}")

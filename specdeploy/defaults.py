@@ -23,7 +23,7 @@ DRAFTER = "hybrid"  # prompt lookup when the text repeats, else the draft model 
 SERVE_HOST = "127.0.0.1"
 SERVE_PORT = 8000
 SERVE_MAX_QUEUE = 64  # requests that may wait for a free batch slot; one more answers 429
-# Requests decoded together: 8 measured best on the 2-vCPU machine of docs/performance.md ("Serving many users").
+# Requests decoded together (docs/performance.md, "The server under load", measures 8 against 1).
 SERVE_MAX_BATCH = 8
 SERVE_MAX_BODY_BYTES = 1 << 20  # request bodies over this answer 413
 SERVE_DRAIN_TIMEOUT_S = 30.0  # on SIGTERM, in-flight requests get this long to finish

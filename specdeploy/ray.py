@@ -204,7 +204,7 @@ def deployment(config: ServeConfig, ray_config: RayConfig = RayConfig()):
             "initial_replicas": ray_config.replicas,
             "target_ongoing_requests": ray_config.target_ongoing_requests or config.max_batch,
             "upscale_delay_s": ray_config.upscale_delay_s, "downscale_delay_s": ray_config.downscale_delay_s,
-            "metrics_interval_s": 1.0, "look_back_period_s": 5.0,
+            "look_back_period_s": 5.0,
         }
     else:
         options["num_replicas"] = ray_config.replicas

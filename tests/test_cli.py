@@ -277,15 +277,15 @@ def test_serve_logs_to_stderr_only_from_the_console_entry():
 
     from specdeploy.cli_support import command_line_process
 
-    root, ours = logging.getLogger(), logging.getLogger("specdeploy")
-    handlers, level = list(root.handlers), ours.level
+    root, ours, uvicorn = logging.getLogger(), logging.getLogger("specdeploy"), logging.getLogger("uvicorn")
+    handlers, level, uvicorn_handlers = list(root.handlers), ours.level, list(uvicorn.handlers)
     command_line_process("run")()
     assert root.handlers == handlers
     undo = command_line_process("serve")
     try:
         added = [h for h in root.handlers if h not in handlers]
         assert len(added) == 1 and added[0].stream is sys.stderr and ours.getEffectiveLevel() == logging.INFO
-        assert not logging.getLogger("uvicorn").handlers  # uvicorn's own loggers are left as uvicorn makes them
+        assert uvicorn.handlers == uvicorn_handlers  # uvicorn's own loggers are left as they are
     finally:
         undo()
     assert root.handlers == handlers and ours.level == level
