@@ -45,9 +45,10 @@ class SpeculationPolicy:
     round of k draft tokens emits sum_i (1 - a_i^(k+1)) / (1 - a_i) tokens in about
     B * verify_ms[k + 1] + k * draft_ms[B] (a verify pass per row, k batched draft steps), and a
     target-only round emits B tokens in target_ms[B] (one batched pass). Each kind of round also
-    costs its time outside the engines (sampling, acceptance, bookkeeping: outside_ms, measured
-    as rounds run), which a target-only round pays per token and a speculative round shares among
-    the tokens it emits; with a small model it decides. The k in 0..K with the most tokens per
+    costs its time outside the engines until the next round (sampling, acceptance, bookkeeping,
+    and a server's detokenizing and streaming: outside_ms, measured as rounds run), which a
+    target-only round pays per token and a speculative round shares among the tokens it emits;
+    with a small model it decides. The k in 0..K with the most tokens per
     millisecond wins. Engine costs come from `calibrate` (passes timed at load) and are refreshed
     as rounds run; a row's acceptance is its own running mean, starting from the
     scheduler's. A row alone keeps its request's k, as generate does. "always" speculates with each
@@ -146,6 +147,7 @@ class Scheduler:
         self.policy = policy or SpeculationPolicy("always" if len(slots) == 1 else "auto")
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self._last_round: tuple | None = None  # (kind, its rows' ids, its start, engine seconds then)
 
     @property
     def active(self) -> bool:
@@ -177,6 +179,8 @@ class Scheduler:
         decoding = [s for s in self.running if s.prefilled and not s.finished]
         if decoding:
             self._decode(decoding)
+        else:
+            self._last_round = None  # an idle gap is no round's cost
         return self._retire()
 
     def _donor(self, sequence: Sequence):
@@ -226,7 +230,7 @@ class Scheduler:
             row.sampler.sync(row.context)  # the penalties' context (nothing to do without one)
             wanted.append(row.num_draft_tokens())
         speculative = [row for row, k in zip(rows, wanted) if k > 0]
-        started, engines = time.perf_counter(), self._engine_seconds(rows)
+        self._observe_period(rows)
         drafting = []
         if speculative:
             limit = self.policy.draft_limit(speculative, max(wanted))
@@ -236,9 +240,20 @@ class Scheduler:
             plain += self._speculative_round(drafting, limit)
         if plain:
             self._target_round(plain)
-        outside = time.perf_counter() - started - (self._engine_seconds(rows) - engines)
-        kind = "speculative" if drafting else "target"
-        self.policy.observe(self.policy.outside_ms[kind], len(rows), 1000 * outside)
+        self._last_round = ("speculative" if drafting else "target", self._last_round[1], self._last_round[2],
+                            self._last_round[3])
+
+    def _observe_period(self, rows: list[Sequence]) -> None:
+        """The last round's cost outside the engines, from its start to this one's: the scheduler's own work
+        and its caller's (a server detokenizes and streams each round's tokens). Observed only between two
+        rounds of the same rows; the round about to run is recorded as "target" until it speculates."""
+        now, engines, members = time.perf_counter(), self._engine_seconds(rows), tuple(map(id, rows))
+        last = self._last_round
+        if last is not None and last[1] == members:
+            kind, _, started, engines_then = last
+            outside = (now - started) - (engines - engines_then)
+            self.policy.observe(self.policy.outside_ms[kind], len(rows), 1000 * outside)
+        self._last_round = ("target", members, now, engines)
 
     def _engine_seconds(self, rows: list[Sequence]) -> float:
         """Seconds the target and the rows' draft engine have spent in their passes so far."""
