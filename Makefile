@@ -9,6 +9,7 @@ BIN := $(VENV)/bin
 # gets the CPU build where that index would give the CUDA one. The runtime alone needs no torch.
 TORCH_INDEX_URL ?=
 export HF_HUB_OFFLINE := 1
+export RAY_USAGE_STATS_ENABLED := 0
 export TOKENIZERS_PARALLELISM := false
 
 DEMO_PROMPT ?= def fibonacci(n):\n

@@ -42,6 +42,7 @@ def main() -> None:
     parser.add_argument("--speculative", choices=("on", "off"), default="on", help="load_test.py's --speculative")
     parser.add_argument("--num-prompts", default=None, help="load_test.py's --num-prompts")
     args = parser.parse_args()
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # the servers' local clusters report nothing outside
     for layout in args.layout or ["1x2", "2x1"]:
         replicas, threads = (int(v) for v in layout.split("x"))
         process, url = start_server(args.bundle, 64, args.max_batch,

@@ -20,6 +20,7 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
+os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # the local clusters below send nothing off this machine
 ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'specdeploy[ray]')")
 from ray import serve  # noqa: E402
 
