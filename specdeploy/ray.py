@@ -36,6 +36,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -48,6 +49,7 @@ log = logging.getLogger("specdeploy.serve")
 APP_NAME = "specdeploy"
 METRICS_PUBLISH_S = 2.0  # how often each replica sends its samples to the board
 METRICS_STALE_S = 3 * METRICS_PUBLISH_S  # a replica silent this long is gone from /metrics
+BOARD_TIMEOUT_S = 2.0  # a board call slower than this (the board restarting): the replica's own samples
 FAILED_STATES = ("failed", "crashed", "stopped")  # ModelWorker states that fail the health check
 
 
@@ -96,10 +98,11 @@ class MetricsBoard:
     def __init__(self):
         self.replicas: dict[str, tuple[float, list]] = {}  # replica id -> (when received, its metric families)
 
-    def publish(self, replica: str, families: list) -> None:
+    # async: both run on the replica's event loop, one at a time (sync methods would share a thread pool)
+    async def publish(self, replica: str, families: list) -> None:
         self.replicas[replica] = (time.monotonic(), families)
 
-    def render(self) -> bytes:
+    async def render(self) -> bytes:
         from prometheus_client import generate_latest
         from prometheus_client.metrics_core import Metric
 
@@ -138,8 +141,8 @@ class MergedMetricsRoute:
         from starlette.responses import Response
 
         try:
-            await self.board.publish.remote(self.replica, self.metrics.families())
-            body = await self.board.render.remote()
+            await asyncio.wait_for(self.board.publish.remote(self.replica, self.metrics.families()), BOARD_TIMEOUT_S)
+            body = await asyncio.wait_for(self.board.render.remote(), BOARD_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - metrics must not fail because the board restarts
             log.warning("metrics board unavailable (%s): this replica's samples only", type(exc).__name__)
             body = self.metrics.render()
@@ -170,7 +173,8 @@ class SpecdeployServer:
     async def _publish_metrics(self) -> None:
         while True:
             try:
-                await self.board.publish.remote(self.replica, self.service.metrics.families())
+                await asyncio.wait_for(self.board.publish.remote(self.replica, self.service.metrics.families()),
+                                       BOARD_TIMEOUT_S)
             except Exception as exc:  # noqa: BLE001 - the board may be restarting; try again next time
                 log.debug("metrics board: %s", exc)
             await asyncio.sleep(METRICS_PUBLISH_S)
@@ -188,6 +192,7 @@ def deployment(config: ServeConfig, ray_config: RayConfig = RayConfig()):
     from .serve.server import check_config
 
     ray_config.check()
+    config = dataclasses.replace(config, bundle=str(Path(config.bundle).expanduser().resolve()))  # replicas' cwd differs
     check_config(config)
     threads = ray_config.threads()
     options = {
@@ -213,21 +218,42 @@ def deployment(config: ServeConfig, ray_config: RayConfig = RayConfig()):
 
 def app_builder(args: dict):
     """Ray Serve's application builder (import_path: specdeploy.ray:app_builder): args holds ServeConfig's
-    and RayConfig's fields by name (bundle is required; host, port and address belong to the cluster)."""
-    serve_fields = {f.name for f in dataclasses.fields(ServeConfig)} - {"host", "port"}
-    ray_fields = {f.name for f in dataclasses.fields(RayConfig)} - {"address"}
-    unknown = set(args) - serve_fields - ray_fields
+    and RayConfig's fields by name (bundle is required; host, port and address belong to the cluster).
+    Values given as text (`serve run ... max_batch=4`) are read as their field's type; replicas defaults
+    to min_replicas when autoscaling."""
+    serve_fields = {f.name: f for f in dataclasses.fields(ServeConfig) if f.name not in ("host", "port")}
+    ray_fields = {f.name: f for f in dataclasses.fields(RayConfig) if f.name != "address"}
+    unknown = set(args) - set(serve_fields) - set(ray_fields)
     if unknown or "bundle" not in args:
         raise SpecdeployError(f"specdeploy.ray:app_builder: bundle is required; unknown arguments: {sorted(unknown)}")
-    config = ServeConfig(**{k: v for k, v in args.items() if k in serve_fields})
-    return deployment(config, RayConfig(**{k: v for k, v in args.items() if k in ray_fields}))
+    values = {name: _typed(name, value, {**serve_fields, **ray_fields}[name]) for name, value in args.items()}
+    if "replicas" not in values and values.get("min_replicas") is not None:
+        values["replicas"] = values["min_replicas"]
+    config = ServeConfig(**{k: v for k, v in values.items() if k in serve_fields})
+    return deployment(config, RayConfig(**{k: v for k, v in values.items() if k in ray_fields}))
+
+
+def _typed(name: str, value, field):
+    """A config file's value as its field's type (text from the command line; None stays None)."""
+    kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", "")
+    if not isinstance(value, str) or kind.startswith("str"):
+        return value
+    try:
+        if kind.startswith("int"):
+            return int(value)
+        if kind.startswith("float"):
+            return float(value)
+    except ValueError:
+        raise SpecdeployError(f"specdeploy.ray:app_builder: {name}={value!r} is not a {kind.split(' ')[0]}") from None
+    return value
 
 
 def serve_on_ray(config: ServeConfig, ray_config: RayConfig) -> None:
     """`specdeploy serve --replicas N`: the deployment on a Ray cluster (ray_config.address, or a local one
     with this machine's cores), Ray's proxy on config.host:config.port, until SIGTERM or Ctrl-C; then the
-    application is deleted (each replica finishes its in-flight requests within drain_timeout_s) and Ray
-    Serve and a local cluster stop."""
+    application is deleted (each replica finishes its in-flight requests within drain_timeout_s). A local
+    cluster and its Ray Serve stop with it; a cluster joined with an address keeps running, with its other
+    applications. SIGTERM or Ctrl-C while the replicas start stops the start the same way."""
     import signal
     import socket
     import threading
@@ -235,27 +261,43 @@ def serve_on_ray(config: ServeConfig, ray_config: RayConfig) -> None:
     import ray
 
     application = deployment(config, ray_config)  # every check before anything starts
+    local = ray_config.address is None
+    if local:
+        cores, wanted = os.cpu_count() or 1, (ray_config.max_replicas or ray_config.replicas) * ray_config.threads()
+        if wanted > cores:
+            raise SpecdeployError(f"{ray_config.max_replicas or ray_config.replicas} replicas of {ray_config.threads()} "
+                                  f"threads need {wanted} cores; this machine has {cores} (a local cluster's replicas "
+                                  "each take their threads' cores: lower --replicas or --threads-per-replica)")
     port = config.port
     if port == 0:  # Ray's proxy takes a fixed port: pick a free one
         with socket.socket() as probe:
             probe.bind((config.host, 0))
             port = probe.getsockname()[1]
-    ray.init(address=ray_config.address, num_cpus=None if ray_config.address else os.cpu_count(),
-             include_dashboard=False, log_to_driver=True)
     stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def interrupt(signum, frame):  # while starting: unwind through the finally below
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+    ray.init(address=ray_config.address, num_cpus=os.cpu_count() if local else None, include_dashboard=False,
+             log_to_driver=True)
     try:
         serve.start(http_options={"host": config.host, "port": port})
         serve.run(application, name=APP_NAME, route_prefix="/")
+        for sig in previous:
+            signal.signal(sig, lambda *_: stop.set())
         scaling = (f"{ray_config.min_replicas}..{ray_config.max_replicas} replicas" if ray_config.autoscaling
                    else f"{ray_config.replicas} replica{'s' if ray_config.replicas > 1 else ''}")
         log.info("serving %s on Ray Serve (%s, %d threads each) on http://%s:%d", config.bundle, scaling,
                  ray_config.threads(), config.host, port)
         stop.wait()
         log.info("shutting down: replicas finish their in-flight requests (at most %gs)", config.drain_timeout_s)
-        serve.delete(APP_NAME)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        serve.shutdown()
-        ray.shutdown()
+        try:
+            serve.delete(APP_NAME)
+        finally:
+            if local:
+                serve.shutdown()
+            ray.shutdown()

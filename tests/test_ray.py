@@ -57,29 +57,36 @@ def replica_count(app: str) -> int:
 def test_the_cli_serves_on_a_local_cluster_and_drains_on_sigterm():
     """`specdeploy serve --replicas 1` starts its own local Ray cluster; SIGTERM lets the stream in flight
     finish, then the process exits 0. Runs before this module's cluster starts."""
+    import queue
+
     command = [sys.executable, "-m", "specdeploy", "serve", BUNDLE, "--replicas", "1", "--threads-per-replica", "1",
                "--port", "0", "--host", "127.0.0.1"]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in process.stderr] + [lines.put("")], daemon=True).start()
     try:
         line = ""
         while "on Ray Serve" not in line:
-            line = process.stderr.readline()
+            line = lines.get(timeout=RAY_WAIT_S)
             assert line, "the server exited before serving"
         url = line.rsplit(" on ", 1)[1].split()[0]
-        threading.Thread(target=process.stderr.read, daemon=True).start()  # keep the pipe drained
         body = {"prompt": PROMPT, "max_tokens": 300, "temperature": 0, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
-            lines = response.iter_lines()
-            assert next(lines).startswith("data: ")
+            chunks = response.iter_lines()
+            assert next(chunks).startswith("data: ")
             process.send_signal(signal.SIGTERM)
-            rest = [line for line in lines if line]
+            rest = [chunk for chunk in chunks if chunk]
         assert rest[-1] == "data: [DONE]"
         assert json.loads(rest[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
-        assert process.wait(120) == 0
+        assert process.wait(RAY_WAIT_S) == 0
     finally:
-        if process.poll() is None:
-            process.kill()
-        process.wait()
+        if process.poll() is None:  # SIGTERM first: the server stops its local cluster on the way out
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(RAY_WAIT_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
 
 
 @pytest.mark.parametrize("options, message", [
@@ -87,6 +94,7 @@ def test_the_cli_serves_on_a_local_cluster_and_drains_on_sigterm():
     (["--min-replicas", "3", "--max-replicas", "2"], "1 <= min <= max"),
     (["--min-replicas", "1"], "1 <= min <= max"),
     (["--replicas", "5", "--min-replicas", "1", "--max-replicas", "2"], "outside --min-replicas"),
+    (["--replicas", "2", "--threads-per-replica", str(2 * (os.cpu_count() or 1))], "this machine has"),
 ])
 def test_bad_replica_options_get_one_error_line(options, message):
     from click.testing import CliRunner
@@ -207,6 +215,8 @@ class TestTwoReplicas:
                     if rest and rest[-1] == "data: [DONE]" and '"error"' not in rest[-2] and first.startswith("data: "):
                         return "done"
                     return "failed"
+            except httpx.TimeoutException:
+                return "hung"  # no byte for 60 s: the request was left waiting
             except httpx.HTTPError:
                 return "failed"
             except threading.BrokenBarrierError:
@@ -217,7 +227,7 @@ class TestTwoReplicas:
             started.wait(timeout=60)  # every stream has its first chunk: all four are in flight
             os.kill(pids[0], signal.SIGKILL)
             outcomes = [stream.result(timeout=90) for stream in streams]  # none may hang
-        assert set(outcomes) <= {"done", "failed"} and "done" in outcomes
+        assert set(outcomes) <= {"done", "failed"} and "done" in outcomes, outcomes
         for _ in range(4):  # the other replica (and Ray's replacement) keep answering
             assert complete(two_replicas, {"prompt": PROMPT, "max_tokens": 8, "temperature": 0})["choices"][0]["text"]
         wait_for(lambda: replica_count("two") == 2, "Ray to replace the killed replica")
@@ -258,3 +268,15 @@ def test_replicas_without_the_ray_extra_get_one_error_line(tmp_path):
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and "specdeploy[ray]" in lines[0], result.stderr
+
+def test_the_application_builder_reads_a_config_files_arguments():
+    """Ray config files (and `serve run ... key=value`) give text: it is read as each field's type, and
+    replicas starts at min_replicas when only the range is given."""
+    from specdeploy.errors import SpecdeployError
+    from specdeploy.ray import app_builder
+
+    assert app_builder({"bundle": BUNDLE, "max_batch": "4", "min_replicas": "1", "max_replicas": "2"}) is not None
+    with pytest.raises(SpecdeployError, match="unknown arguments"):
+        app_builder({"bundle": BUNDLE, "replica": 2})
+    with pytest.raises(SpecdeployError, match="max_batch='four' is not a int"):
+        app_builder({"bundle": BUNDLE, "max_batch": "four"})

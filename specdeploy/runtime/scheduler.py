@@ -147,7 +147,8 @@ class Scheduler:
         self.policy = policy or SpeculationPolicy("always" if len(slots) == 1 else "auto")
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._last_round: tuple | None = None  # (kind, its rows' ids, its start, engine seconds then)
+        # the last round: (kind, its rows' ids, its start, engine seconds then, the rows its costs are filed under)
+        self._last_round: tuple | None = None
 
     @property
     def active(self) -> bool:
@@ -180,7 +181,7 @@ class Scheduler:
         if decoding:
             self._decode(decoding)
         else:
-            self._last_round = None  # an idle gap is no round's cost
+            self._last_round = None  # prefill only: no round to charge it to
         return self._retire()
 
     def _donor(self, sequence: Sequence):
@@ -214,6 +215,8 @@ class Scheduler:
             self.running = [s for s in self.running if not s.finished]
             self.free.extend(s.slot for s in done)
             self.free.sort(key=lambda slot: slot.index)
+        if not self.running:
+            self._last_round = None  # what comes before the next round (idle time, a new prompt) is no round's cost
         return done
 
     def _guarded(self, sequence: Sequence, work, *arguments):
@@ -236,12 +239,17 @@ class Scheduler:
             limit = self.policy.draft_limit(speculative, max(wanted))
             drafting = [row for row in speculative if row.num_draft_tokens(limit) > 0]
         plain = [row for row in rows if row not in drafting]
+        verified = False
         if drafting:
-            plain += self._speculative_round(drafting, limit)
+            without = self._speculative_round(drafting, limit)
+            verified = len(without) < len(drafting)
+            plain += without
         if plain:
             self._target_round(plain)
-        self._last_round = ("speculative" if drafting else "target", self._last_round[1], self._last_round[2],
-                            self._last_round[3])
+        # the policy looks costs up by the rows it decides for (those that want drafts)
+        _, members, started, engines, _ = self._last_round
+        self._last_round = ("speculative" if verified else "target", members, started, engines,
+                            len(speculative) or len(rows))
 
     def _observe_period(self, rows: list[Sequence]) -> None:
         """The last round's cost outside the engines, from its start to this one's: the scheduler's own work
@@ -250,10 +258,10 @@ class Scheduler:
         now, engines, members = time.perf_counter(), self._engine_seconds(rows), tuple(map(id, rows))
         last = self._last_round
         if last is not None and last[1] == members:
-            kind, _, started, engines_then = last
+            kind, _, started, engines_then, count = last
             outside = (now - started) - (engines - engines_then)
-            self.policy.observe(self.policy.outside_ms[kind], len(rows), 1000 * outside)
-        self._last_round = ("target", members, now, engines)
+            self.policy.observe(self.policy.outside_ms[kind], count, 1000 * outside)
+        self._last_round = ("target", members, now, engines, len(rows))
 
     def _engine_seconds(self, rows: list[Sequence]) -> float:
         """Seconds the target and the rows' draft engine have spent in their passes so far."""
