@@ -27,7 +27,7 @@ from ray import serve  # noqa: E402
 from specdeploy.defaults import SHIPPED_BUNDLE  # noqa: E402
 from specdeploy.ray import RayConfig, deployment  # noqa: E402
 from specdeploy.serve import ServeConfig, create_app  # noqa: E402
-from test_serve import wait_for as wait_briefly  # noqa: E402
+from test_serve import stream_through_sigterm, wait_for as wait_briefly  # noqa: E402
 
 RAY_WAIT_S = 120.0  # replicas start in seconds, but a loaded 2-core machine may take much longer
 
@@ -71,11 +71,7 @@ def test_the_cli_serves_on_a_local_cluster_and_drains_on_sigterm():
             assert line, "the server exited before serving"
         url = line.rsplit(" on ", 1)[1].split()[0]
         body = {"prompt": PROMPT, "max_tokens": 300, "temperature": 0, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
-            chunks = response.iter_lines()
-            assert next(chunks).startswith("data: ")
-            process.send_signal(signal.SIGTERM)
-            rest = [chunk for chunk in chunks if chunk]
+        rest = stream_through_sigterm(process, url, body, timeout_s=60)
         assert rest[-1] == "data: [DONE]"
         assert json.loads(rest[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
         assert process.wait(RAY_WAIT_S) == 0

@@ -584,14 +584,19 @@ def test_sigterm_finishes_in_flight_requests_and_refuses_new_ones(agreeing_bundl
         assert process.wait(15) == 0
 
 
+def stream_through_sigterm(process, url: str, body: dict, timeout_s: float = 30) -> list[str]:
+    """A streamed completion whose first chunk has come when the server gets SIGTERM; the lines after it."""
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=timeout_s) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        process.send_signal(signal.SIGTERM)
+        return [line for line in lines if line]
+
+
 def test_sigterm_answers_requests_left_at_the_drain_deadline(agreeing_bundle):
     with server_process(agreeing_bundle, drain_timeout_s=0.5) as (process, url):
         body = {"prompt": PROMPT, "max_tokens": 200, "temperature": 0, "stream": True}  # 178 pieces of 30 ms at least
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
-            lines = response.iter_lines()
-            assert next(lines).startswith("data: ")
-            process.send_signal(signal.SIGTERM)
-            received = [line for line in lines if line]
+        received = stream_through_sigterm(process, url, body)
         assert received[-1] == "data: [DONE]"
         error = json.loads(received[-2][len("data: "):])["error"]
         assert error["code"] == "shutting_down" and error["type"] == "server_error"
