@@ -42,7 +42,6 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from .errors import SpecdeployError
-from .serve.app import route_path
 from .serve.config import ServeConfig
 
 log = logging.getLogger("specdeploy.serve")
@@ -127,29 +126,6 @@ class _Families:
         return iter(self.families)
 
 
-class MergedMetricsRoute:
-    """ASGI: GET /metrics answers with the board's merged samples (the replica's own if the board fails);
-    everything else goes to the server's application."""
-
-    def __init__(self, app, metrics, board: DeploymentHandle, replica: str):
-        self.app, self.metrics, self.board, self.replica = app, metrics, board, replica
-        self.state = app.state
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or route_path(scope) != "/metrics" or scope["method"] != "GET":
-            return await self.app(scope, receive, send)
-        from starlette.responses import Response
-
-        try:
-            await asyncio.wait_for(self.board.publish.remote(self.replica, self.metrics.families()), BOARD_TIMEOUT_S)
-            body = await asyncio.wait_for(self.board.render.remote(), BOARD_TIMEOUT_S)
-        except Exception as exc:  # noqa: BLE001 - metrics must not fail because the board restarts
-            log.warning("metrics board unavailable (%s): this replica's samples only", type(exc).__name__)
-            body = self.metrics.render()
-        self.metrics.requests.labels("/metrics", "200").inc()
-        await Response(body, media_type=self.metrics.content_type)(scope, receive, send)
-
-
 @serve.ingress()
 class SpecdeployServer:
     """One replica: the bundle's Generator, loaded before the replica takes requests, under create_app."""
@@ -162,19 +138,31 @@ class SpecdeployServer:
         session = SessionConfig(device=config.device, shared_threads=True, intra_op_threads=threads)
         generator = await asyncio.to_thread(load, config.bundle, device=config.device, drafter=config.drafter,
                                             session=session, max_batch=config.max_batch)
-        self.server_app = create_app(config, load=lambda: generator, metric_labels={"replica": self.replica})
-        self.service = self.server_app.state.service
         self.board = board
+        self.server_app = create_app(config, load=lambda: generator, metric_labels={"replica": self.replica},
+                                     render_metrics=self._merged_metrics)
+        self.service = self.server_app.state.service
         self._publisher = asyncio.get_running_loop().create_task(self._publish_metrics())
 
     def __serve_build_asgi_app__(self):
-        return MergedMetricsRoute(self.server_app, self.service.metrics, self.board, self.replica)
+        return self.server_app
+
+    async def _publish(self) -> None:
+        await asyncio.wait_for(self.board.publish.remote(self.replica, self.service.metrics.families()), BOARD_TIMEOUT_S)
+
+    async def _merged_metrics(self) -> bytes:
+        """/metrics: every live replica's samples from the board (this replica's own if the board fails)."""
+        try:
+            await self._publish()
+            return await asyncio.wait_for(self.board.render.remote(), BOARD_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - metrics must not fail because the board restarts
+            log.warning("metrics board unavailable (%s): this replica's samples only", type(exc).__name__)
+            return self.service.metrics.render()
 
     async def _publish_metrics(self) -> None:
         while True:
             try:
-                await asyncio.wait_for(self.board.publish.remote(self.replica, self.service.metrics.families()),
-                                       BOARD_TIMEOUT_S)
+                await self._publish()
             except Exception as exc:  # noqa: BLE001 - the board may be restarting; try again next time
                 log.debug("metrics board: %s", exc)
             await asyncio.sleep(METRICS_PUBLISH_S)

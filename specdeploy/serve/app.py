@@ -20,7 +20,7 @@ import hmac
 import json
 import logging
 from pathlib import Path
-from typing import Callable
+from typing import Awaitable, Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -104,9 +104,11 @@ def _epoch(iso_time: str) -> int:
 
 
 def create_app(config: ServeConfig, load: Callable[[], object] | None = None,
-               metric_labels: dict[str, str] | None = None) -> Starlette:
+               metric_labels: dict[str, str] | None = None,
+               render_metrics: Callable[[], Awaitable[bytes]] | None = None) -> Starlette:
     """The server application for `config`; `load` builds the Generator (default: specdeploy.load).
-    metric_labels: added to every sample on /metrics (a replica's {"replica": id} under Ray Serve)."""
+    metric_labels: added to every sample on /metrics (a replica's {"replica": id} under Ray Serve);
+    render_metrics: what /metrics answers (default: this server's own samples; Ray Serve: every replica's)."""
     if load is None:
         from ..runtime import load as load_bundle
 
@@ -142,7 +144,8 @@ def create_app(config: ServeConfig, load: Callable[[], object] | None = None,
         return JSONResponse(body, status_code=200 if state == "ready" else 503)
 
     async def metrics(request: Request) -> Response:
-        return Response(service.metrics.render(), media_type=service.metrics.content_type)
+        body = await render_metrics() if render_metrics is not None else service.metrics.render()
+        return Response(body, media_type=service.metrics.content_type)
 
     routes = [Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", chat_completions, methods=["POST"]),
