@@ -233,7 +233,7 @@ class Scheduler:
             row.sampler.sync(row.context)  # the penalties' context (nothing to do without one)
             wanted.append(row.num_draft_tokens())
         speculative = [row for row, k in zip(rows, wanted) if k > 0]
-        self._observe_period(rows)
+        start = self._observe_period(rows)
         drafting = []
         if speculative:
             limit = self.policy.draft_limit(speculative, max(wanted))
@@ -246,22 +246,20 @@ class Scheduler:
             plain += without
         if plain:
             self._target_round(plain)
-        # the policy looks costs up by the rows it decides for (those that want drafts)
-        _, members, started, engines, _ = self._last_round
-        self._last_round = ("speculative" if verified else "target", members, started, engines,
-                            len(speculative) or len(rows))
+        # filed under the rows the policy decides for (those that want drafts)
+        self._last_round = ("speculative" if verified else "target", *start, len(speculative) or len(rows))
 
-    def _observe_period(self, rows: list[Sequence]) -> None:
+    def _observe_period(self, rows: list[Sequence]) -> tuple:
         """The last round's cost outside the engines, from its start to this one's: the scheduler's own work
         and its caller's (a server detokenizes and streams each round's tokens). Observed only between two
-        rounds of the same rows; the round about to run is recorded as "target" until it speculates."""
-        now, engines, members = time.perf_counter(), self._engine_seconds(rows), tuple(map(id, rows))
+        rounds of the same rows. Returns this round's start: (its rows' ids, the time, engine seconds)."""
+        start = (tuple(map(id, rows)), time.perf_counter(), self._engine_seconds(rows))
         last = self._last_round
-        if last is not None and last[1] == members:
+        if last is not None and last[1] == start[0]:
             kind, _, started, engines_then, count = last
-            outside = (now - started) - (engines - engines_then)
+            outside = (start[1] - started) - (start[2] - engines_then)
             self.policy.observe(self.policy.outside_ms[kind], count, 1000 * outside)
-        self._last_round = ("target", members, now, engines, len(rows))
+        return start
 
     def _engine_seconds(self, rows: list[Sequence]) -> float:
         """Seconds the target and the rows' draft engine have spent in their passes so far."""
