@@ -77,7 +77,8 @@ def main() -> None:
 @click.option("--target", default=None,
               help="Target checkpoint: a Hugging Face folder or a .gguf file (dequantized to fp32). Default: the demo pair.")
 @click.option("--draft", default=None,
-              help="Draft checkpoint: a Hugging Face folder or a .gguf file (same tokenizer as the target).")
+              help="Draft: a Hugging Face folder or a .gguf file (same tokenizer as the target), or a folder "
+                   "`specdeploy distill` wrote (either kind).")
 @click.option("--out", default=None, type=click.Path(), help="Bundle folder to create. Default: the default bundle.")
 @click.option("--dtype", default="fp32", show_default=True, help="fp32 | fp16")
 @click.option("--quantize", default="none", show_default=True, help="none | int8 | int4 (weight-only MatMulNBits), both models")
@@ -88,6 +89,9 @@ def main() -> None:
 @click.option("--draft-window", type=int, default=None,
               help="Each draft query attends to its last N positions (fused graph; default: all). Output is "
                    "unchanged; a draft trained on short windows proposes better past them.")
+@click.option("--draft-vocab", type=int, default=None,
+              help="The draft proposes from the N most frequent tokens of its distillation data (default: the "
+                   "distilled folder's own subset, if any; 0: the whole vocabulary). Output is unchanged.")
 @click.option("--graph", default="auto", show_default=True,
               help="auto | fused | optimum. fused: GroupQueryAttention with an in-place KV cache (Llama, Mistral, "
                    "Qwen2, Phi-3); optimum: optimum's export (every architecture); auto: fused where it applies.")
@@ -97,7 +101,7 @@ def main() -> None:
               help="Load pytorch_model.bin (pickle) weights, which can run code; safetensors are used whenever present.")
 @click.option("--allow-lossy", is_flag=True,
               help="Keep a quantized or fp16 target whose greedy agreement with fp32 is below 0.95 (recorded in the manifest).")
-def export(target, draft, out, dtype, quantize, draft_quantize, max_context, draft_window, graph, force,
+def export(target, draft, out, dtype, quantize, draft_quantize, max_context, draft_window, draft_vocab, graph, force,
            trust_remote_code, allow_pickle, allow_lossy) -> None:
     """Export a draft and a target checkpoint into a validated bundle."""
     if (target is None) != (draft is None):
@@ -109,7 +113,7 @@ def export(target, draft, out, dtype, quantize, draft_quantize, max_context, dra
         out = str(defaults.default_bundle())
         defaults.default_bundle().parent.mkdir(parents=True, exist_ok=True)
     _export(target, draft, out, dtype=dtype, quantize=quantize, draft_quantize=draft_quantize, max_context=max_context,
-            draft_window=draft_window, graph=graph, force=force,
+            draft_window=draft_window, draft_vocab=draft_vocab, graph=graph, force=force,
             trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, allow_lossy=allow_lossy)
     click.echo(str(Path(out).resolve()))
 

@@ -80,6 +80,28 @@ class ParityReport:
     passed: bool
 
 
+DRAFT_KINDS = ("model", "eagle")
+
+
+@dataclass(frozen=True)
+class EagleSpec:
+    """An EAGLE-style draft: a head over the target's features (docs/distill.md states its math).
+
+    The target's graph returns, for every position of every pass, the input of its final norm
+    (`target_feature`). A draft step at position p reads `feature_input` (the target's feature at p
+    for an accepted position, the head's own prediction for one it drafted) with input_ids the token
+    at p + 1, on its own KV cache, and returns its predicted feature at p + 1 (`feature_output`)
+    and the logits read from it through the target's final norm and LM head, whose weights the draft
+    graph holds a copy of (rows `vocab_ids` only, when set)."""
+
+    feature_size: int = bounded(1, 1 << 20)
+    target_feature: str = "hidden_states"
+    feature_input: str = "hidden_states"
+    feature_output: str = "next_hidden_states"
+    shares_lm_head: bool = True  # the logits come from copies of the target's final norm and head rows
+    trained: dict[str, Any] = field(default_factory=dict)  # free-form: distill.json's summary of the training run
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     role: str = one_of(*ROLES)
@@ -109,6 +131,14 @@ class ModelSpec:
     graph: str = one_of("fused", "optimum", default="optimum")
     # each query attends to its last this-many positions (None: all)
     attention_window: int | None = bounded(1, MAX_CONTEXT, default=None)
+    # The draft only. model: a causal LM over tokens; eagle: a head over the target's features (see EagleSpec).
+    kind: str = one_of(*DRAFT_KINDS, default="model")
+    eagle: EagleSpec | None = None
+    # The draft's logits cover these token ids only (FR-Spec's frequent tokens): column i is token ids[i].
+    # A JSON file listed in files ({"ids": [...], ...}); None: the whole vocabulary. The runtime gives
+    # every other token probability zero, so the draft never proposes one; the accept rule is unchanged.
+    vocab_ids: str | None = relative_path(default=None)
+    vocab_subset: int | None = bounded(1, MAX_VOCAB, default=None)  # len(ids): the logits' last axis
 
     @property
     def input_names(self) -> tuple[str, ...]:
@@ -231,6 +261,7 @@ def validate_manifest(manifest: Manifest) -> None:
         _check_model(spec)
         if spec.max_context < manifest.max_context:
             raise SpecdeployError(f"manifest: the {spec.role} model's max_context is below the bundle's")
+    _check_eagle_pair(target, draft)
     if manifest.accept is not None:
         listed = {f.path for f in manifest.accept.files}
         for graph in (manifest.accept.greedy, manifest.accept.sampled):
@@ -261,9 +292,12 @@ def _check_model(spec: ModelSpec) -> None:
         raise SpecdeployError(f"manifest: the {where} model lacks the input 'input_ids'")
     if "logits" not in outputs:
         raise SpecdeployError(f"manifest: the {where} model lacks the output 'logits'")
+    _check_draft_fields(spec, inputs, outputs)
     logits = outputs["logits"].shape
-    if len(logits) != 3 or (isinstance(logits[-1], int) and logits[-1] != spec.vocab_size):
-        raise SpecdeployError(f"manifest: the {where} logits shape {list(logits)} disagrees with vocab_size {spec.vocab_size}")
+    columns = spec.vocab_subset or spec.vocab_size
+    if len(logits) != 3 or (isinstance(logits[-1], int) and logits[-1] != columns):
+        raise SpecdeployError(f"manifest: the {where} logits shape {list(logits)} disagrees with its {columns} columns "
+                              "(vocab_size, or vocab_subset)")
     past_keys = sum(1 for name in inputs if _matches(kv.past_key, name))
     if past_keys != spec.num_layers:
         raise SpecdeployError(f"manifest: the {where} model has {past_keys} '{kv.past_key}' inputs for num_layers {spec.num_layers}")
@@ -276,6 +310,41 @@ def _check_model(spec: ModelSpec) -> None:
             _check_kv_tensor(spec, tensor)
     if spec.graph == "fused" and not kv.shared_buffer:
         raise SpecdeployError(f"manifest: the {where} model is a fused graph without a shared-buffer KV cache")
+
+
+def _check_draft_fields(spec: ModelSpec, inputs: dict, outputs: dict) -> None:
+    """kind, eagle and the vocabulary subset: each with what it needs, and on the draft only."""
+    where = spec.role
+    if spec.role == "target" and (spec.kind != "model" or spec.eagle or spec.vocab_ids):
+        raise SpecdeployError("manifest: 'kind', 'eagle' and 'vocab_ids' describe the draft; the target must not set them")
+    if (spec.vocab_ids is None) != (spec.vocab_subset is None):
+        raise SpecdeployError(f"manifest: the {where} sets one of 'vocab_ids' and 'vocab_subset' without the other")
+    if spec.vocab_ids is not None:
+        if spec.vocab_ids not in {f.path for f in spec.files}:
+            raise SpecdeployError(f"manifest: '{where}.vocab_ids' {spec.vocab_ids} is not listed in '{where}.files'")
+        if spec.vocab_subset > spec.vocab_size:
+            raise SpecdeployError(f"manifest: the {where}'s vocab_subset {spec.vocab_subset} exceeds vocab_size {spec.vocab_size}")
+    if (spec.kind == "eagle") != (spec.eagle is not None):
+        raise SpecdeployError(f"manifest: the {where} is of kind '{spec.kind}' but 'eagle' is "
+                              f"{'missing' if spec.eagle is None else 'set'}")
+    if spec.eagle is not None:
+        for names, name, kind in ((inputs, spec.eagle.feature_input, "input"), (outputs, spec.eagle.feature_output, "output")):
+            if name not in names:
+                raise SpecdeployError(f"manifest: the eagle draft lacks its feature {kind} '{name}'")
+        if spec.graph != "fused":
+            raise SpecdeployError("manifest: an eagle draft must be a fused graph")
+
+
+def _check_eagle_pair(target: ModelSpec, draft: ModelSpec) -> None:
+    if draft.eagle is None:
+        return
+    feature = next((t for t in target.outputs if t.name == draft.eagle.target_feature), None)
+    if feature is None:
+        raise SpecdeployError(f"manifest: the eagle draft reads the target's output '{draft.eagle.target_feature}', "
+                              "which the target lacks")
+    if target.graph != "fused" or feature.shape[-1] != draft.eagle.feature_size:
+        raise SpecdeployError(f"manifest: the target's '{feature.name}' {list(feature.shape)} is not the eagle draft's "
+                              f"[batch, sequence, {draft.eagle.feature_size}] from a fused graph")
 
 
 def _matches(template_: str, name: str) -> bool:

@@ -241,3 +241,44 @@ def demo_bundle(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "bundle"
     export_bundle(ExportConfig(target=target, draft=draft, out=str(out)))
     return out
+
+
+DISTILLED_VOCAB = 192  # of VOCAB: the distilled drafts' head covers half the tokens
+
+
+@pytest.fixture(scope="session")
+def distilled_drafts(tmp_path_factory, trained_pair):
+    """kind -> a draft folder `specdeploy distill` wrote for the trained Llama target (a few steps, a
+    vocabulary subset of DISTILLED_VOCAB): an eagle head and a model draft."""
+    import sysconfig
+
+    from specdeploy.distill import DistillConfig, distill
+
+    root = tmp_path_factory.mktemp("distilled")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    text = root / "code.py"
+    text.write_text((stdlib / "textwrap.py").read_text() + (stdlib / "bisect.py").read_text())
+    folders = {}
+    for kind, steps in (("eagle", 150), ("model", 30)):  # the head learns slower: 150 steps take it to ~0.4 acceptance
+        folders[kind] = root / kind
+        distill(DistillConfig(target=str(trained_pair["target"]), out=str(folders[kind]), kind=kind, data=(str(text),),
+                              steps=steps, draft_vocab=DISTILLED_VOCAB, seq_len=32, batch_size=4, heldout_tokens=64,
+                              generate_tokens=0, eval_every=30, minutes=None, threads=1))
+    return folders
+
+
+@pytest.fixture(scope="session")
+def eagle_bundle(tmp_path_factory, trained_pair, distilled_drafts):
+    """The trained target with its distilled eagle head (fp32, so that parity pins the graph's math) over
+    the distilled vocabulary subset."""
+    out = tmp_path_factory.mktemp("eagle") / "bundle"
+    export_pair({"target": trained_pair["target"], "draft": distilled_drafts["eagle"]}, out, draft_quantize="none")
+    return out
+
+
+@pytest.fixture(scope="session")
+def subset_bundle(tmp_path_factory, trained_pair, distilled_drafts):
+    """The trained target with its distilled model draft, whose head covers the vocabulary subset."""
+    out = tmp_path_factory.mktemp("subset") / "bundle"
+    export_pair({"target": trained_pair["target"], "draft": distilled_drafts["model"]}, out)
+    return out

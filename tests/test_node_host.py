@@ -119,3 +119,10 @@ def test_node_host_bad_input_is_one_error_line(node, bundles, tmp_path):
         result = run_node(node, folder, prompt, max_new_tokens, tmp_path)
         assert result.returncode == 2 and result.stdout == ""
         assert result.stderr.startswith("error: ") and message in result.stderr and result.stderr.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_node_host_runs_an_eagle_bundle_with_the_target_alone(node, eagle_bundle, tmp_path):
+    assert_same_text(node, eagle_bundle, tmp_path, prompts=PROMPTS[:1])
+    result = run_node(node, eagle_bundle, PROMPTS[0], 4, tmp_path)
+    assert "the draft is an eagle head, which this host does not run; decoding with the target alone" in result.stderr

@@ -237,13 +237,13 @@ async function generate(models, promptIds, maxNewTokens, maxContext, eosIds) {
   const stats = { rounds: 0, drafted: 0, accepted: 0, prefillMs: 0, decodeMs: 0 };
   let start = performance.now();
   await target.prefill(context.slice(0, -1));
-  await draft.prefill(context.slice(0, -1));
+  if (draft) await draft.prefill(context.slice(0, -1));
   stats.prefillMs = performance.now() - start;
   start = performance.now();
   const output = [];
   let generated = 0;
   rounds: while (generated < budget) {
-    const count = Math.min(NUM_DRAFT_TOKENS, budget - generated - 1, maxContext - context.length);
+    const count = draft ? Math.min(NUM_DRAFT_TOKENS, budget - generated - 1, maxContext - context.length) : 0;
     const round = count > 0
       ? await speculativeRound(target, draft, accept, context, count)
       : { tokens: [await target.nextAfter(context)], accepted: 0, drafted: 0 };
@@ -286,9 +286,15 @@ async function main() {
   const maxContext = manifest.max_context;
   // Spinning threads of two sessions that alternate fight over the same cores (as in the Python runtime).
   const options = { executionProviders: ["cpu"], graphOptimizationLevel: "all", extra: { session: { intra_op: { allow_spinning: "0" } } } };
+  // An eagle head reads the target's features, and a vocabulary-subset draft needs its logits widened:
+  // this host runs neither, so such a bundle decodes with the target alone (the same output, slower).
+  const draftless = manifest.draft.kind === "eagle" || manifest.draft.vocab_ids;
+  if (draftless) {
+    process.stderr.write(`note: the draft is ${manifest.draft.kind === "eagle" ? "an eagle head" : "over a vocabulary subset"}, which this host does not run; decoding with the target alone\n`);
+  }
   const models = {
     target: await CachedModel.load(bundle, manifest.target, maxContext, options),
-    draft: await CachedModel.load(bundle, manifest.draft, maxContext, options),
+    draft: draftless ? null : await CachedModel.load(bundle, manifest.draft, maxContext, options),
     accept: await ort.InferenceSession.create(path.join(bundle, manifest.accept.greedy.path), options),
   };
   const tokenizer = loadTokenizer(bundle, manifest.tokenizer);

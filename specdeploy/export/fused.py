@@ -164,20 +164,26 @@ class _Graph:
         return out
 
 
-def build_fused(model, path: Path, max_context: int, window: int | None = None) -> Path:
+def build_fused(model, path: Path, max_context: int, window: int | None = None, features: bool = False,
+                vocab_ids: np.ndarray | None = None) -> Path:
     """Write the fused fp32 graph for model (see the module docstring) to path.
 
     window: each query attends to its last `window` positions, itself included (GroupQueryAttention's
     local_window_size, measured); None: the whole context. Only for drafts, whose numbers never reach the
-    output: a draft trained on short windows proposes better, and reads less, with one."""
-    import onnx
-    from onnx import helper
-
+    output: a draft trained on short windows proposes better, and reads less, with one.
+    features: also return `hidden_states` [batch, seq, hidden], the final norm's input (for an eagle draft).
+    vocab_ids: the head's rows (a draft's frequent tokens); None: the whole vocabulary."""
     g = _Graph(weights_path(path))
     try:
-        _emit(g, model, max_context, window or -1)
+        _emit(g, model, max_context, window or -1, features, vocab_ids)
     finally:
         g.close()
+    return _save(g, path)
+
+
+def _save(g: _Graph, path: Path) -> Path:
+    import onnx
+    from onnx import helper
 
     graph = helper.make_graph(g.nodes, "specdeploy-fused", g.inputs, g.outputs, g.initializers)
     proto = helper.make_model(
@@ -188,12 +194,14 @@ def build_fused(model, path: Path, max_context: int, window: int | None = None) 
     return path
 
 
-def _emit(g: _Graph, model, max_context: int, window: int) -> None:
+def _emit(g: _Graph, model, max_context: int, window: int, features: bool, vocab_ids: np.ndarray | None) -> None:
     """The nodes and weights of the fused graph (see the module docstring) into g, in graph order."""
     config = model.config
     layers = model.model.layers
     gemma = type(model).__name__ == GEMMA3
-    g.inputs, g.outputs = _io_specs(config, layers)
+    g.inputs, g.outputs = _io_specs(config, layers, len(vocab_ids) if vocab_ids is not None else config.vocab_size)
+    if features:
+        g.outputs.insert(1, _tensor("hidden_states", ["batch_size", "sequence_length", config.hidden_size]))
     lengths = _valid_lengths(g)
     cos, sin = _rotary_tables(model, max_context)
     rotary = (g.weight("cos_cache", cos), g.weight("sin_cache", sin))
@@ -222,15 +230,25 @@ def _emit(g: _Graph, model, max_context: int, window: int) -> None:
             normed = norm(delta, layer.post_attention_layernorm, f"layers.{i}.post_attention_layernorm")
             delta = _mlp(g, i, layer.mlp, normed)
     final = norm(delta, model.model.norm, "norm")
+    if features:  # the final norm's input, which its fused node returns anyway: what an eagle draft reads
+        g.node("Identity", [norm.residual], ["hidden_states"])
+    _head(g, model, final, vocab_ids)
+
+
+def _head(g: _Graph, model, final: str, vocab_ids: np.ndarray | None) -> None:
+    """logits = the model's LM head over final (and Gemma's softcap), its rows vocab_ids only when given."""
+    config = model.config
+    embed = model.model.embed_tokens.weight
     head = model.lm_head
-    softcap = getattr(config, "final_logit_softcapping", None) if gemma else None
+    softcap = getattr(config, "final_logit_softcapping", None) if type(model).__name__ == GEMMA3 else None
     logits = "logits_uncapped" if softcap else "logits"
-    if head.weight.data_ptr() == embed.data_ptr():
+    tied = head.weight.data_ptr() == embed.data_ptr()
+    if tied and vocab_ids is None and "embed_tokens.weight" in {t.name for t in g.initializers}:
         # Tied: read the embedding table transposed instead of storing it twice.
         g.node("FusedMatMul", [final, "embed_tokens.weight"], [logits], domain=MS, transB=1, alpha=1.0)
     else:
-        g.nodes.append(g.helper.make_node("MatMul", [final, g.weight("lm_head.weight", _np(head.weight).T)], [logits],
-                                          name="lm_head"))
+        rows = _np(head.weight) if vocab_ids is None else _np(head.weight)[vocab_ids]
+        g.nodes.append(g.helper.make_node("MatMul", [final, g.weight("lm_head.weight", rows.T)], [logits], name="lm_head"))
     if softcap:  # softcap * tanh(logits / softcap)
         cap = g.weight("final_logit_softcapping", np.array([softcap], dtype=np.float32))
         g.node("Mul", [g.node("Tanh", [g.node("Div", [logits, cap])[0]])[0], cap], ["logits"])
@@ -246,17 +264,21 @@ def _layer_window(sliding_window: int | None, draft_window: int) -> int:
     return min(limits) if limits else -1
 
 
-def _io_specs(config, layers) -> tuple[list, list]:
-    """The graph's inputs and outputs: the names and shapes of the manifest's KV templates."""
+def _tensor(name: str, shape: list, integer: bool = False):
+    from onnx import TensorProto, helper
+
+    return helper.make_tensor_value_info(name, TensorProto.INT64 if integer else TensorProto.FLOAT, shape)
+
+
+def _io_specs(config, layers, columns: int) -> tuple[list, list]:
+    """The graph's inputs and outputs: the names and shapes of the manifest's KV templates; logits [.., columns]."""
     from onnx import TensorProto, helper
 
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = layers[0].self_attn.head_dim
-    inputs = [
-        helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_size", "sequence_length"]),
-        helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch_size", "total_sequence_length"]),
-    ]
-    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch_size", "sequence_length", config.vocab_size])]
+    inputs = [_tensor("input_ids", ["batch_size", "sequence_length"], integer=True),
+              _tensor("attention_mask", ["batch_size", "total_sequence_length"], integer=True)]
+    outputs = [_tensor("logits", ["batch_size", "sequence_length", columns])]
     cache_shape = ["batch_size", kv_heads, "past_sequence_length", head_dim]
     present_shape = ["batch_size", kv_heads, "present_sequence_length", head_dim]
     for i in range(len(layers)):

@@ -78,6 +78,10 @@ def write_genai_config(manifest: Manifest, root: Path) -> Manifest:
 
 def _unsupported(spec: ModelSpec) -> str | None:
     """Why the bundle describes this model to onnxruntime-genai no further (None: it does)."""
+    if spec.kind == "eagle":
+        return "the draft is an eagle head over the target's features, which onnxruntime-genai does not run"
+    if spec.vocab_ids is not None:
+        return "the draft's logits cover a vocabulary subset, which onnxruntime-genai does not widen"
     if spec.model_type not in GENAI_MODEL_TYPES:
         return (f"the {spec.role}'s model type '{spec.model_type}' is not one specdeploy checks under "
                 f"onnxruntime-genai ({', '.join(sorted(GENAI_MODEL_TYPES))})")

@@ -86,16 +86,23 @@ def check_parity(
     model_config,
     prefill_tokens: int | None = None,
     verify_tokens: int = 5,
+    columns: np.ndarray | None = None,
+    eagle_head: Callable | None = None,
 ) -> ParityReport:
     """Compare the ONNX model with PyTorch; prefill_tokens defaults to parity_length (256 or past the window
-    of model_config, the checkpoint's config).
+    of model_config, the checkpoint's config). columns: the token ids of the graph's logits columns
+    (a draft's vocabulary subset; None: all).
 
     The two copies of the weights are never resident together. ONNX Runtime runs first: the prefill
     in chunks of at most PREFILL_CHUNK tokens on one cache, as the runtime prefills, then the verify
     pass, each pass's logits rows written to a scratch file beside the graph as they come. Its session
     is let go before load_model() gives the PyTorch model, which then computes its rows chunk by
     chunk against the file's. No array of [prefill, vocab] logits exists (581 x 262,144 fp32 for
-    Gemma 3 is 0.6 GB), and PyTorch's head is the model's own, not a copy."""
+    Gemma 3 is 0.6 GB), and PyTorch's head is the model's own, not a copy.
+
+    eagle_head(target_model) -> the distilled head: the graph is an eagle draft, and load_model gives
+    its target. PyTorch runs first there (the target's features are the graph's input): the features
+    and the head's reference rows, both small, then ONNX Runtime on them (_eagle_agreement)."""
     # A short --max-context caps the check (the fused graph's rotary tables end there).
     verify_tokens = min(verify_tokens, max(1, spec.max_context // 2))
     if prefill_tokens is None:
@@ -103,18 +110,49 @@ def check_parity(
     if spec.attention_window:  # a windowed draft equals full attention only within its window
         prefill_tokens = min(prefill_tokens, spec.attention_window - verify_tokens)
     prefill_tokens = min(prefill_tokens, spec.max_context - verify_tokens)
-    ids = parity_tokens(tokenizer_json, spec.vocab_size, prefill_tokens + verify_tokens)
+    # an eagle head's n positions read n + 1 tokens: the target's feature at i and the token at i + 1
+    ids = parity_tokens(tokenizer_json, spec.vocab_size, prefill_tokens + verify_tokens + (eagle_head is not None))
+    width = spec.vocab_subset or spec.vocab_size
+    prefill, verify = _Agreement(), _Agreement()
+    if eagle_head is not None:
+        _eagle_agreement(load_model, eagle_head, onnx_path, spec, ids, prefill_tokens, columns, prefill, verify)
+        return _report(spec, prefill, verify, prefill_tokens, verify_tokens)
     with tempfile.TemporaryFile(dir=onnx_path.parent, prefix="parity-logits-") as onnx_rows:
         passes = _onnx_logits(onnx_path, spec, ids, prefill_tokens, onnx_rows)
         release_freed_memory()
         onnx_rows.seek(0)
         torch_model = load_model()
         reference = reference_logits(torch_model, ids)
-        prefill, verify = _Agreement(), _Agreement()
         for start, stop in passes:
-            ours = np.fromfile(onnx_rows, dtype=np.float32, count=(stop - start) * spec.vocab_size)
-            (verify if start == prefill_tokens else prefill).add(ours.reshape(stop - start, -1), reference(start, stop))
+            ours = np.fromfile(onnx_rows, dtype=np.float32, count=(stop - start) * width).reshape(stop - start, -1)
+            theirs = reference(start, stop)
+            (verify if start == prefill_tokens else prefill).add(ours, theirs if columns is None else theirs[:, columns])
         del reference, torch_model
+    return _report(spec, prefill, verify, prefill_tokens, verify_tokens)
+
+
+def _eagle_agreement(load_target: Callable, eagle_head: Callable, onnx_path: Path, spec: ModelSpec, ids: np.ndarray,
+                     prefill_tokens: int, columns: np.ndarray | None, prefill: "_Agreement", verify: "_Agreement") -> None:
+    """An eagle draft's parity over ids (n + 1 tokens): its n positions read (feature_i, ids[i + 1])."""
+    from .eagle import EagleReference
+
+    target = load_target()
+    reference = EagleReference(eagle_head(target), target, columns)
+    features = reference.features(ids)  # [n + 1, F]
+    rows = reference.logits(features, ids)  # [n, columns]
+    del reference, target
+    release_freed_memory()
+    width = spec.vocab_subset or spec.vocab_size
+    with tempfile.TemporaryFile(dir=onnx_path.parent, prefix="parity-logits-") as onnx_rows:
+        passes = _onnx_logits(onnx_path, spec, ids[1:], prefill_tokens, onnx_rows, features[:-1])
+        onnx_rows.seek(0)
+        for start, stop in passes:
+            ours = np.fromfile(onnx_rows, dtype=np.float32, count=(stop - start) * width).reshape(stop - start, -1)
+            (verify if start == prefill_tokens else prefill).add(ours, rows[start:stop])
+
+
+def _report(spec: ModelSpec, prefill: "_Agreement", verify: "_Agreement", prefill_tokens: int,
+            verify_tokens: int) -> ParityReport:
     check, tolerance = tolerance_for(spec.dtype, spec.quantize, spec.role)
     if check == "max_abs_diff":
         passed = max(prefill.max_abs_diff, verify.max_abs_diff) <= tolerance
@@ -136,9 +174,10 @@ def check_parity(
 
 
 def _onnx_logits(onnx_path: Path, spec: ModelSpec, ids: np.ndarray,  # ids: [prefill + verify]
-                 prefill_tokens: int, out) -> list[tuple[int, int]]:
+                 prefill_tokens: int, out, features: np.ndarray | None = None) -> list[tuple[int, int]]:
     """ONNX Runtime's prefill (in chunks, on one cache) and verify pass over ids, each pass's logits rows
-    appended to the binary file out as float32 [rows, vocab]; returns each pass's (start, stop)."""
+    appended to the binary file out as float32 [rows, vocab]; returns each pass's (start, stop).
+    features [len(ids), F]: an eagle draft's feature input, row i with ids[i]."""
     # Per-session threads leave the process free for optimum's own sessions, unless a runtime in this
     # process already switched ONNX Runtime to the shared pool (then optimum cannot run here either).
     # Each chunk's logits are written before the next pass, so they may land in the engine's scratch buffer.
@@ -154,7 +193,8 @@ def _onnx_logits(onnx_path: Path, spec: ModelSpec, ids: np.ndarray,  # ids: [pre
     chunks = np.array_split(np.arange(prefill_tokens), -(-prefill_tokens // PREFILL_CHUNK))
     passes = [(int(rows[0]), int(rows[-1]) + 1) for rows in chunks] + [(prefill_tokens, len(ids))]
     for start, stop in passes:
-        np.asarray(engine.run(ids[start:stop], cache), dtype=np.float32).tofile(out)
+        rows = None if features is None else features[start:stop]
+        np.asarray(engine.run(ids[start:stop], cache, rows), dtype=np.float32).tofile(out)
     out.flush()
     return passes
 

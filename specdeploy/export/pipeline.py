@@ -22,7 +22,7 @@ from ..bundle import (FORMAT_VERSION, ROLES, FileEntry, Manifest, ModelSpec, Par
                       load_manifest, save_manifest)
 from ..errors import SpecdeployError
 from . import checkpoint as ckpt
-from . import convert, fused, genai, tokenizer_hosts
+from . import convert, eagle, fused, genai, tokenizer_hosts
 from .special_tokens import check_special_tokens
 from . import quantize as quantization
 from .accept import write_accept_graphs
@@ -67,6 +67,9 @@ class ExportConfig:
     # Keep a rounded (int8 / int4 / fp16) target whose greedy agreement with its fp32 model falls below
     # the parity threshold; the manifest records the figure and this option.
     allow_lossy: bool = False
+    # The draft's head covers this many of the most frequent tokens (draft_vocab.json of a distilled draft
+    # folder); None: the folder's own subset if it has one, else the whole vocabulary; 0: the whole vocabulary.
+    draft_vocab: int | None = None
 
 
 # stage name, detail -> None; the CLI draws progress from it, library callers may pass None.
@@ -88,6 +91,8 @@ def _check_options(config: ExportConfig) -> Path:
         raise SpecdeployError(f"unknown --graph '{config.graph}' (choose from {', '.join(GRAPHS)})")
     if config.dtype != "fp32" and (config.quantize != "none" or config.draft_quantize not in ("auto", "none")):
         raise SpecdeployError("--quantize/--draft-quantize int8/int4 quantize fp32 weights; use them with --dtype fp32")
+    if config.draft_vocab is not None and config.draft_vocab < 0:
+        raise SpecdeployError(f"--draft-vocab {config.draft_vocab}: must be a count of tokens (0: the whole vocabulary)")
     if config.max_context is not None and config.max_context < 2:
         raise SpecdeployError("--max-context must be at least 2")
     out = Path(config.out).expanduser().resolve()
@@ -165,7 +170,7 @@ def _model_spec(role: str, checkpoint: ckpt.Checkpoint, onnx_path: Path, root: P
 
 def _build_model(role: str, quantize: str, load_model: Callable, checkpoint, root: Path, config: ExportConfig,
                  max_context: int, num_parameters: int, graph: str, tokenizer_dir: Path, report: Reporter,
-                 fallback_to_fp32: bool = False) -> ModelSpec:
+                 fallback_to_fp32: bool = False, shape: eagle.GraphShape = eagle.GraphShape()) -> ModelSpec:
     """Export one model into root/role, optimize it, and measure its parity (the spec carries the figures).
 
     load_model() gives the PyTorch model, loaded for each stage that reads it and let go after: a
@@ -180,9 +185,8 @@ def _build_model(role: str, quantize: str, load_model: Callable, checkpoint, roo
     model_dir = root / role
     model_dir.mkdir()
     model = load_model()
-    if graph == "fused":
-        window = config.draft_window if role == "draft" else None
-        onnx_path = fused.build_fused(model, model_dir / convert.ONNX_NAME, max_context, window)
+    if graph == "fused":  # shape: the target's feature output, the draft's kind and head rows
+        onnx_path = shape.build(model, model_dir / convert.ONNX_NAME, max_context, config.draft_window if role == "draft" else None)
     else:
         onnx_path = convert.export_onnx(model, model_dir, config.opset)
     del model
@@ -195,9 +199,11 @@ def _build_model(role: str, quantize: str, load_model: Callable, checkpoint, roo
 
     def validate(quantized: str) -> ModelSpec:
         spec = _model_spec(role, checkpoint, onnx_path, root, config, max_context, num_parameters, graph, quantized)
+        spec = shape.describe(spec, root, int(checkpoint.config.vocab_size))
         report("validate", f"{role}: ONNX Runtime vs PyTorch")
-        parity = check_parity(load_model, onnx_path, spec, tokenizer_dir / "tokenizer.json", checkpoint.config)
-        return dataclasses.replace(spec, parity=parity)
+        head = shape.head if shape.eagle is not None else None
+        return dataclasses.replace(spec, parity=check_parity(load_model, onnx_path, spec, tokenizer_dir / "tokenizer.json",
+                                                             checkpoint.config, columns=shape.vocab_ids, eagle_head=head))
 
     if quantize == "none":
         return validate("none")
@@ -269,8 +275,14 @@ def export_bundle(config: ExportConfig, report: Reporter | None = None) -> Manif
         work = Path(tempfile.mkdtemp(prefix=f".{out.name}{swap.PARTIAL}", dir=out.parent))
         try:
             report("load", "reading checkpoints")
+            draft_folder = Path(config.draft).expanduser()
+            eagle_draft = (eagle.draft_kind(draft_folder) or {}).get("kind") == "eagle" if draft_folder.is_dir() else False
+            # An eagle head reads the target's tokens and runs on its weights: the target's checkpoint is its own.
             checkpoints = {role: ckpt.load_checkpoint(getattr(config, role), role, config.trust_remote_code,
-                                                      config.allow_pickle, work_dir=work) for role in ROLES}
+                                                      config.allow_pickle, work_dir=work)
+                           for role in (("target",) if eagle_draft else ROLES)}
+            if eagle_draft:
+                checkpoints["draft"] = dataclasses.replace(checkpoints["target"], role="draft")
             max_context = _max_context(config, checkpoints)
             manifest = _build_bundle(config, checkpoints, max_context, work, report)
             swap.replace(work / "bundle", out)
@@ -310,13 +322,16 @@ def _build_bundle(config: ExportConfig, checkpoints: dict, max_context: int, wor
         checkpoints[role], tokenizer_dirs[role], repairs[role] = checked.checkpoint, checked.tokenizer_dir, checked.repairs
     ckpt.check_pair(checkpoints["target"], checkpoints["draft"], tokenizer_dirs["target"], tokenizer_dirs["draft"])
     specs: dict[str, ModelSpec] = {}
+    draft_path = Path(config.draft).expanduser() if Path(config.draft).expanduser().is_dir() else checkpoints["draft"].path
+    shapes = eagle.graph_shapes(config.draft, draft_path, config.draft_vocab, int(checkpoints["target"].config.vocab_size))
     for role in ROLES:
         checkpoint = checkpoints[role]
         report("load", f"{role}: {checkpoint.path.name}")
         load_model = functools.partial(convert.load_torch_model, checkpoint.path, role, config.trust_remote_code)
         model = load_model()
-        num_parameters = sum(p.numel() for p in model.parameters())
-        graph = _choose_graph(model, role, config.graph, max_context)
+        num_parameters = shapes[role].num_parameters(model)
+        graph = "fused" if shapes[role].eagle is not None else _choose_graph(model, role, config.graph, max_context)
+        shapes[role].check(graph, model, max_context)
         if role == "draft" and config.draft_window is not None and graph != "fused":
             raise SpecdeployError(
                 f"--draft-window needs the fused graph for the draft, which cannot take it: "
@@ -326,7 +341,8 @@ def _build_bundle(config: ExportConfig, checkpoints: dict, max_context: int, wor
         convert.release_freed_memory()  # and what reading the checkpoints and tokenizers left behind
         quantize, chosen_by_auto = _quantize_for(role, config)
         specs[role] = _build_model(role, quantize, load_model, checkpoint, root, config, max_context, num_parameters,
-                                   graph, tokenizer_dirs["target"], report, fallback_to_fp32=chosen_by_auto)
+                                   graph, tokenizer_dirs["target"], report, fallback_to_fp32=chosen_by_auto,
+                                   shape=shapes[role])
         parity = specs[role].parity
         if not parity.passed and role == "target" and config.allow_lossy and parity.check == "greedy_agreement":
             report("validate", f"target: {_parity_failure(parity)}; kept (--allow-lossy)")
@@ -367,6 +383,7 @@ def _export_options(config: ExportConfig, max_context: int) -> dict:
         "trust_remote_code": config.trust_remote_code,
         "allow_pickle": config.allow_pickle,
         "allow_lossy": config.allow_lossy,
+        "draft_vocab": config.draft_vocab,
     }
 
 

@@ -5,17 +5,26 @@ tokens and the probabilities they were drawn from (None when greedy); `prefill(c
 drafter for a new sequence and `reset()` forgets what it cached. Between two prefills a drafter
 follows one sequence, whose context only grows: a model drafter's cache drops rejected tokens
 when its next proposal compares the few tokens after the context it last saw. A drafter needs
-nothing back from the verification. `for_cache(cache)` makes a drafter of the same kind on
-another draft cache (one per KV slot), and `propose_many` proposes for several sequences at once.
+nothing back from the verification (an eagle head reads the target's features from the target's
+cache, where the verify pass left them). `for_cache(cache, target_cache)` makes a drafter of the same
+kind on another draft cache (one per KV slot, beside that slot's target cache), `with_target` binds
+one to the target cache it runs beside, and `propose_many` proposes for several sequences at once.
+
+A draft whose logits cover a subset of the vocabulary (`vocab_ids`) is widened to the whole of it
+with -inf elsewhere before any row is formed: its proposal distribution gives every other token
+probability zero, and the rows the accept rule reads are those it drew from.
 """
 
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
+from ..errors import SpecdeployError
 from .engine import OrtEngine
 from .session import PREFILL_CHUNK
 from .sampling import Sampler
@@ -42,16 +51,37 @@ class Drafter(Protocol):
 
     def reset(self) -> None: ...
 
-    def for_cache(self, cache) -> "Drafter": ...
+    def for_cache(self, cache, target_cache=None) -> "Drafter": ...
+
+    def with_target(self, target_cache) -> "Drafter": ...
+
+
+def read_vocab_ids(path: Path, vocab_size: int, count: int) -> np.ndarray:
+    """A bundle's draft vocabulary subset (export writes it): `count` sorted distinct ids in range."""
+    try:
+        ids = np.asarray(json.loads(Path(path).read_text())["ids"], dtype=np.int64)
+    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        raise SpecdeployError(f"{path}: unreadable vocabulary subset ({exc})") from None
+    if ids.shape != (count,) or (count and (ids.min() < 0 or ids.max() >= vocab_size)) or np.any(np.diff(ids) <= 0):
+        raise SpecdeployError(f"{path}: expected {count} sorted distinct ids in 0..{vocab_size - 1}")
+    return ids
 
 
 class ModelDrafter:
-    """The bundle's draft model, decoding autoregressively on its own KV cache."""
+    """The bundle's draft model, decoding autoregressively on its own KV cache.
 
-    def __init__(self, engine: OrtEngine, capacity: int, cache=None):
+    vocab_ids: the token of each of the draft's logits columns (None: all of the vocabulary)."""
+
+    batched = True  # propose_many steps several of these together
+
+    def __init__(self, engine: OrtEngine, capacity: int, cache=None, vocab_ids: np.ndarray | None = None):
         self.engine = engine
         self.capacity = capacity
         self.cache = cache if cache is not None else engine.new_cache(capacity)
+        self.vocab_ids = vocab_ids
+        self._wide = None  # [vocab]: -inf, and the subset's logits at vocab_ids (see widen)
+        if vocab_ids is not None:
+            self._wide = np.full(engine.spec.vocab_size, -np.inf, dtype=np.float32)
         self._known = 0  # the cache agrees with the followed context's first _known tokens
         # Made by _prepare for each generate call (its sampler): one [k, vocab] buffer of probability
         # rows reused by every sampled proposal, with its row views [vocab] and leading-row views
@@ -70,8 +100,22 @@ class ModelDrafter:
         self.cache.reset()
         self._known = 0
 
-    def for_cache(self, cache) -> "ModelDrafter":
-        return ModelDrafter(self.engine, self.capacity, cache)
+    def for_cache(self, cache, target_cache=None) -> "ModelDrafter":
+        return ModelDrafter(self.engine, self.capacity, cache, self.vocab_ids)
+
+    def with_target(self, target_cache) -> "ModelDrafter":
+        return self
+
+    def widen(self, logits: np.ndarray) -> np.ndarray:
+        """A row of the draft's logits over the whole vocabulary (a buffer the next call overwrites)."""
+        if self._wide is None:
+            return logits
+        self._wide[self.vocab_ids] = logits
+        return self._wide
+
+    def _next(self, token: int) -> np.ndarray:
+        """The logits [vocab] after one more drafted token."""
+        return self.widen(self.engine.run([token], self.cache)[0])
 
     def pending(self, context: list[int]) -> list[int]:
         """The tokens of context the cache lacks (at least one): rejected drafts leave it here."""
@@ -85,7 +129,10 @@ class ModelDrafter:
         while len(rest) > PREFILL_CHUNK:
             engine.run(rest[:PREFILL_CHUNK], cache)
             rest = rest[PREFILL_CHUNK:]
-        logits = engine.run(rest, cache)[-1]  # [vocab]
+        return self._propose_from(self.widen(engine.run(rest, cache)[-1]), num_tokens, sampler, rng, min_confidence)
+
+    def _propose_from(self, logits, num_tokens, sampler, rng, min_confidence):
+        """The proposal from the first draft position's logits [vocab] on (the cache holds the context)."""
         # Every statement of a round runs cold after a pass: what a generate call fixes is set up once.
         if sampler is not self._sampler or self._capacity < num_tokens:
             self._prepare(sampler, logits.shape[-1], num_tokens)
@@ -95,7 +142,7 @@ class ModelDrafter:
         # The full processed distribution of each draft token, written in place: proposing from a
         # truncated one (exact too) was measured slower on an 8k vocabulary (argpartition costs what
         # the softmax does) and lowered acceptance.
-        run, cache, rows = self.engine.run, self.cache, self._row_views
+        step, rows = self._next, self._row_views
         uniforms = rng.random(num_tokens).tolist()  # the round's draws in one call
         tokens: list[int] = []
         for position in range(num_tokens):
@@ -104,7 +151,7 @@ class ModelDrafter:
             tokens.append(token)
             if position + 1 == num_tokens or (min_confidence > 0 and row.max() < min_confidence):
                 break
-            logits = run([token], cache)[0]
+            logits = step(token)
         return tokens, self._prefix_views[len(tokens)]
 
     def _prepare(self, sampler: Sampler, vocab: int, count: int) -> None:
@@ -134,7 +181,7 @@ class ModelDrafter:
             # Top probability at temperature 1: 1 / sum(exp(logits - max)).
             if min_confidence > 0 and np.exp(logits - logits[token]).sum() * min_confidence > 1.0:
                 break
-            logits = self.engine.run([token], self.cache)[0]
+            logits = self._next(token)
         return tokens
 
 
@@ -167,8 +214,11 @@ class PromptLookupDrafter:
     def reset(self) -> None:
         self._indexed, self._ends = 0, {}
 
-    def for_cache(self, cache) -> "PromptLookupDrafter":
+    def for_cache(self, cache, target_cache=None) -> "PromptLookupDrafter":
         return PromptLookupDrafter(self.vocab_size, self.max_ngram, self.min_ngram)
+
+    def with_target(self, target_cache) -> "PromptLookupDrafter":
+        return self
 
     def propose(self, context, num_tokens, sampler, rng, min_confidence=0.0, min_ngram=None):
         """As Drafter.propose; min_ngram (None: the drafter's own, else min_ngram..max_ngram) is the shortest
@@ -236,8 +286,13 @@ class HybridDrafter:
         self.lookup.reset()
         self.model_drafter.reset()
 
-    def for_cache(self, cache) -> "HybridDrafter":
-        return HybridDrafter(self.model_drafter.for_cache(cache), self.lookup.for_cache(cache), self.sampled_ngram)
+    def for_cache(self, cache, target_cache=None) -> "HybridDrafter":
+        return HybridDrafter(self.model_drafter.for_cache(cache, target_cache), self.lookup.for_cache(cache),
+                             self.sampled_ngram)
+
+    def with_target(self, target_cache) -> "HybridDrafter":
+        self.model_drafter.with_target(target_cache)
+        return self
 
     def propose(self, context, num_tokens, sampler, rng, min_confidence=0.0):
         min_ngram = None if sampler.greedy else self.sampled_ngram
@@ -264,7 +319,7 @@ def propose_many(requests: list[tuple]) -> list[tuple[list[int], np.ndarray | No
                 results[index] = (tokens, probs)
                 continue
             drafter = drafter.model_drafter
-        if isinstance(drafter, ModelDrafter):
+        if getattr(drafter, "batched", False):
             model_rows.append((index, drafter, context, num_tokens, sampler, rng, min_confidence))
         else:
             results[index] = drafter.propose(context, num_tokens, sampler, rng, min_confidence)
@@ -320,7 +375,7 @@ def _propose_model_rows(model_rows: list[tuple], results: list) -> None:
             while len(rest) > PREFILL_CHUNK:
                 engine.run(rest[:PREFILL_CHUNK], drafter.cache)
                 rest = rest[PREFILL_CHUNK:]
-            row.logits = engine.run(rest, drafter.cache)[-1].copy()
+            row.logits = drafter.widen(engine.run(rest, drafter.cache)[-1]).copy()
         else:
             row.pending = rest[0]
         if not sampler.greedy:
@@ -332,7 +387,7 @@ def _propose_model_rows(model_rows: list[tuple], results: list) -> None:
         if stepping:
             logits = engine.run_batch([row.pending for row in stepping], [row.drafter.cache for row in stepping])
             for row, row_logits in zip(stepping, logits):
-                row.logits = row_logits
+                row.logits = row.drafter.widen(row_logits)
         stepping = []
         for row in rows:
             if row.logits is not None:

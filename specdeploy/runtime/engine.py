@@ -46,9 +46,21 @@ class OrtEngine:
     """
 
     def __init__(self, model_path: Path, spec: ModelSpec, config: SessionConfig = SessionConfig(),
-                 scratch_logits: bool = False, min_pass_tokens: int | None = None):
+                 scratch_logits: bool = False, min_pass_tokens: int | None = None, features: str | None = None):
+        """features: an output of [batch, seq, F] rows (a target's `hidden_states` for an eagle draft, an
+        eagle draft's `next_hidden_states`) that each pass writes into its cache's feature buffer, row p
+        for position p (shared-buffer graphs only). An eagle draft's feature input is `run`'s `features`."""
         self.spec = spec
         self.session = open_session(model_path, spec, config)
+        self.columns = spec.vocab_subset or spec.vocab_size  # the logits' width (a draft may cover a subset)
+        self.features = features
+        self.feature_size = 0
+        if features is not None:
+            tensor = next((t for t in spec.outputs if t.name == features), None)
+            if tensor is None or not spec.kv_cache.shared_buffer or not isinstance(tensor.shape[-1], int):
+                raise SpecdeployError(f"the {spec.role} graph has no fixed-width output '{features}' on a shared-buffer cache")
+            self.feature_size = tensor.shape[-1]
+        self._feature_input = spec.eagle.feature_input if spec.eagle is not None else None
         names = set(spec.input_names)
         self._has_mask = "attention_mask" in names
         self._has_positions = "position_ids" in names
@@ -91,8 +103,10 @@ class OrtEngine:
         spec = self.spec
         if capacity > spec.max_context:
             raise SpecdeployError(f"a cache of {capacity} positions exceeds the {spec.role}'s max context {spec.max_context}")
-        kind = SharedKVCache if self.shared_buffer else KVCache
-        return kind(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.cache_dtype, capacity, self._device)
+        if not self.shared_buffer:
+            return KVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.cache_dtype, capacity, self._device)
+        return SharedKVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.cache_dtype, capacity, self._device,
+                             feature_size=self.feature_size)
 
     def new_slots(self, slots: int, capacity: int) -> KVSlots | None:
         """The caches of `slots` sequences in one buffer per layer, for run_batch (None where this engine
@@ -102,7 +116,8 @@ class OrtEngine:
             raise SpecdeployError(f"a cache of {capacity} positions exceeds the {spec.role}'s max context {spec.max_context}")
         if not self.shared_buffer or self._device != "cpu":
             return None
-        return KVSlots(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.cache_dtype, capacity, slots)
+        return KVSlots(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.cache_dtype, capacity, slots,
+                       feature_size=self.feature_size)
 
     def run_batch(self, token_ids: list[int], caches: list) -> np.ndarray:
         """One token after each of several caches ([n] tokens, n caches); returns their logits [n, vocab].
@@ -122,7 +137,7 @@ class OrtEngine:
         if len(caches) == 1:  # the pass alone, its logits as they are (a view the next pass may overwrite)
             return self.run([token_ids[0]], caches[0])[-1:]
         if not batched:  # each row copied out as it comes: the next pass may overwrite a scratch row
-            out = np.empty((len(caches), self.spec.vocab_size), dtype=np.float32)  # [n, vocab]
+            out = np.empty((len(caches), self.columns), dtype=np.float32)  # [n, vocab]
             for row, (token, cache) in enumerate(zip(token_ids, caches)):
                 out[row] = self.run([token], cache)[-1]
             return out
@@ -143,6 +158,8 @@ class OrtEngine:
         binding.bind_ortvalue_input("attention_mask", mask)
         binding.bind_ortvalue_input("input_ids", self._batch_ids_values[rows])
         binding.bind_ortvalue_output("logits", logits_value)
+        if self.features is not None:
+            binding.bind_ortvalue_output(self.features, pool.feature_rows(rows))
         self._bound_cache = self._bound_ids = self._bound_logits = self._stepping = None
         try:
             self._timed_run()
@@ -150,6 +167,8 @@ class OrtEngine:
             for index, length in enumerate(lengths):  # each row's mask back to its valid length
                 pool.mask[index, length] = 0
                 pool.caches[index]._mask_length = length
+        if self.features is not None:  # each given row's feature to its position
+            pool.place_features([cache.slot_index for cache in caches], [cache.length for cache in caches])
         for token, cache in zip(token_ids, caches):
             cache.length += 1
             cache.tokens.append(int(token))
@@ -164,16 +183,23 @@ class OrtEngine:
                 self._batch_ids = np.zeros((max(rows, 2 * self._batch_ids.shape[0]), 1), dtype=np.int64)
                 self._batch_ids_values = {}
                 self._batch_logits = {}
-            logits = np.empty((rows, 1, self.spec.vocab_size), dtype=self._logits_dtype)
+            logits = np.empty((rows, 1, self.columns), dtype=self._logits_dtype)
             self._batch_logits[rows] = (logits, ort_value(logits, "cpu"))
         if rows not in self._batch_ids_values:
             self._batch_ids_values[rows] = ort_value(self._batch_ids[:rows], "cpu")
         logits, value = self._batch_logits[rows]
         return self._batch_ids[:rows, 0:1], logits, value
 
-    def run(self, token_ids, cache: KVCache | SharedKVCache) -> np.ndarray:
+    def run(self, token_ids, cache: KVCache | SharedKVCache, features: np.ndarray | None = None) -> np.ndarray:
         """Run token_ids ([n], a list or an array) after the cache's tokens; returns their logits [n, vocab]
-        (float32), and the cache holds them too. The one pass: every caller comes through here."""
+        (float32), and the cache holds them too. The one pass: every caller comes through here.
+        features [n, F]: an eagle draft's feature input, one row per token."""
+        if (features is None) != (self._feature_input is None):
+            raise SpecdeployError(f"the {self.spec.role} graph {'needs' if features is None else 'takes no'} feature rows")
+        if features is not None:
+            # float32 rows, kept by the engine until the next pass (the binding does not hold them)
+            self._features_in = np.ascontiguousarray(features, dtype=np.float32).reshape(1, len(token_ids), -1)
+            self._binding.bind_cpu_input(self._feature_input, self._features_in)
         try:
             count = len(token_ids)
             if count == 1 and cache is self._stepping and cache.length < cache.capacity:
@@ -283,9 +309,13 @@ class OrtEngine:
                 mask = self._mask_values[total] = ort_value(self._mask_ones[:, :total], "cpu")
             self._binding.bind_ortvalue_input("attention_mask", mask)
         logits = self._bind_logits(count)
+        if self.features is not None:  # this pass's feature rows, at their positions in the cache's buffer
+            rows = cache.features[None, cache.length : total]  # [1, count, F]
+            self._binding.bind_ortvalue_output(self.features, ort_value(rows, "cpu"))
         self._timed_run()
         cache.length = total
-        if count == 1 and self.scratch_logits and self._float32_logits and cache.mask is not None:
+        if (count == 1 and self.scratch_logits and self._float32_logits and cache.mask is not None
+                and self.features is None and self._feature_input is None):
             self._stepping = cache  # the binding is as _step needs it: only the token and the mask change
         return logits
 
@@ -327,14 +357,14 @@ class OrtEngine:
             return self._scratch_rows[count]
         # A fresh array: the caller may keep it. The engine holds it, since the binding points into
         # its memory, until the next pass rebinds the output.
-        self._logits = fresh = np.empty((1, count, self.spec.vocab_size), dtype=self._logits_dtype)
+        self._logits = fresh = np.empty((1, count, self.columns), dtype=self._logits_dtype)
         self._binding.bind_ortvalue_output("logits", ort_value(fresh, "cpu"))
         self._bound_logits = None
         return fresh[0]
 
     def _make_scratch(self) -> None:
         """One [1, SCRATCH_ROWS, vocab] buffer; a pass of n tokens writes its first n rows (contiguous)."""
-        self._scratch = np.empty((1, SCRATCH_ROWS, self.spec.vocab_size), dtype=self._logits_dtype)
+        self._scratch = np.empty((1, SCRATCH_ROWS, self.columns), dtype=self._logits_dtype)
         self._scratch_values = [None] + [ort_value(self._scratch[:, :n], "cpu") for n in range(1, SCRATCH_ROWS + 1)]
         self._scratch_rows = [None] + [self._scratch[0, :n] for n in range(1, SCRATCH_ROWS + 1)]
 

@@ -89,7 +89,8 @@ class Generator:
         """max_batch slots; their caches are rows of one KVSlots per model where the engine can batch
         (fused graphs on the CPU), else caches of their own, which run_batch runs one by one."""
         if max_batch == 1:
-            return [Slot(0, target.new_cache(max_context), drafter)]
+            cache = target.new_cache(max_context)
+            return [Slot(0, cache, drafter.with_target(cache) if drafter is not None else None)]
 
         def caches(engine) -> list:
             pool = engine.new_slots(max_batch, max_context)
@@ -98,8 +99,8 @@ class Generator:
         target_caches = caches(target)
         engine = drafter.engine if drafter is not None else None
         draft_caches = caches(engine) if engine is not None else [None] * max_batch
-        return [Slot(i, target_caches[i], drafter.for_cache(draft_caches[i]) if drafter is not None else None)
-                for i in range(max_batch)]
+        return [Slot(i, target_caches[i], drafter.for_cache(draft_caches[i], target_caches[i]) if drafter is not None
+                     else None) for i in range(max_batch)]
 
     def reset(self) -> None:
         """Forget the cached prefixes (the next call prefills from scratch, as a fresh process would)."""
@@ -151,13 +152,19 @@ class Generator:
         for tokens in range(2, num_draft_tokens + 2):
             policy.verify_ms[tokens] = timed(lambda: _verify_back(target, caches[0], prompt, tokens))
         engine = self.drafter.engine if self.drafter is not None else None
-        if engine is not None:
-            draft_caches = [slot.drafter.cache if hasattr(slot.drafter, "cache") else slot.drafter.model_drafter.cache
-                            for slot in self.slots]
-            for cache in draft_caches:
-                engine.prefill(prompt, cache)
-            for rows in range(1, self.max_batch + 1):
-                policy.draft_ms[rows] = timed(lambda: _step_back(engine, draft_caches[:rows], length))
+        if engine is None:
+            return
+        models = [getattr(slot.drafter, "model_drafter", slot.drafter) for slot in self.slots]
+        if not models[0].batched:  # an eagle head: its rows step one by one, each as one sequence's step
+            models[0].prefill(prompt)
+            step = timed(lambda: _eagle_step_back(models[0], prompt[-1]))
+            policy.draft_ms.update({rows: rows * step for rows in range(1, self.max_batch + 1)})
+            return
+        draft_caches = [model.cache for model in models]
+        for cache in draft_caches:
+            engine.prefill(prompt, cache)
+        for rows in range(1, self.max_batch + 1):
+            policy.draft_ms[rows] = timed(lambda: _step_back(engine, draft_caches[:rows], length))
 
     def _config(self, kwargs) -> GenerationConfig:
         stop = kwargs.pop("stop", None)
@@ -308,3 +315,11 @@ def _step_back(engine: OrtEngine, caches: list, length: int) -> None:
 def _verify_back(engine: OrtEngine, cache, prompt: list[int], tokens: int) -> None:
     engine.run(prompt[-tokens:], cache)
     cache.truncate(len(prompt))
+
+
+def _eagle_step_back(drafter, token: int) -> None:
+    """One chain step of an eagle head after its prefilled entries, then back (calibration)."""
+    cache = drafter.cache
+    length = cache.length
+    drafter.engine.run([token], cache, cache.features[length - 1 : length])
+    cache.truncate(length)

@@ -130,12 +130,18 @@ class SharedKVCache(_Cache):
     slot_index = 0
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: np.dtype, capacity: int,
-                 device: str = "cpu", slot: tuple[list[np.ndarray], np.ndarray] | None = None):
-        """slot: (buffers, mask) views of one row of a KVSlots pool ([1, kv_heads, capacity, head_dim] each,
-        and [1, capacity]); None allocates this cache's own."""
+                 device: str = "cpu", slot: tuple | None = None, feature_size: int = 0):
+        """slot: (buffers, mask, features) views of one row of a KVSlots pool ([1, kv_heads, capacity, head_dim]
+        each, [1, capacity] and [capacity, feature_size] or None); None allocates this cache's own.
+        feature_size: rows of a feature output kept per position (`features` [capacity, F]; 0: none)."""
         super().__init__(num_layers, capacity, device)
         shape = (1, num_kv_heads, capacity, head_dim)
         self.mask = self.mask_value = None
+        # The engine's feature output, row p for position p, valid below `length` as the keys and values are
+        # (an eagle draft reads the target's); in host memory on every device, lazily mapped as the buffers.
+        self.features = slot[2] if slot is not None else (
+            np.zeros((capacity, feature_size), dtype=np.float32) if feature_size else None)
+        slot = slot[:2] if slot is not None else None
         if device == "cpu":
             # np.zeros maps untouched pages lazily: memory grows with the context actually used.
             self._backing, self.mask = slot if slot is not None else (
@@ -171,6 +177,8 @@ class SharedKVCache(_Cache):
             raise ValueError("copy_prefix needs two CPU caches and a length the source holds")
         for mine, theirs in zip(self._backing, source._backing):
             mine[:, :, :length] = theirs[:, :, :length]
+        if self.features is not None and source.features is not None:
+            self.features[:length] = source.features[:length]
         self.tokens = source.tokens[:length]
         self.length = length
 
@@ -185,17 +193,34 @@ class KVSlots:
     GroupQueryAttention reads per-row lengths from the mask's row sums. CPU only."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: np.dtype, capacity: int,
-                 slots: int):
+                 slots: int, feature_size: int = 0):
         shape = (slots, num_kv_heads, capacity, head_dim)
         self.num_slots, self.capacity = slots, capacity
         self.buffers = [np.zeros(shape, dtype=dtype) for _ in range(2 * num_layers)]  # [slots, kv_heads, capacity, head_dim]
         self.mask = np.zeros((slots, capacity), dtype=np.int64)  # [slots, capacity]
+        # [slots, capacity, F]: each row's feature buffer (see SharedKVCache), and a batched pass's [slots, 1, F] output
+        self.features = np.zeros((slots, capacity, feature_size), dtype=np.float32) if feature_size else None
+        self._feature_out = np.zeros((slots, 1, feature_size), dtype=np.float32) if feature_size else None
+        self._feature_values: dict[int, object] = {}
         self.caches = [SharedKVCache(num_layers, num_kv_heads, head_dim, dtype, capacity, "cpu",
-                                     slot=([b[i : i + 1] for b in self.buffers], self.mask[i : i + 1]))
+                                     slot=([b[i : i + 1] for b in self.buffers], self.mask[i : i + 1],
+                                           self.features[i] if feature_size else None))
                        for i in range(slots)]
         for index, cache in enumerate(self.caches):
             cache.pool, cache.slot_index = self, index
         self._prefixes: dict[int, tuple[list, object]] = {}
+
+    def feature_rows(self, rows: int):
+        """The OrtValue a batched pass over the first `rows` slots writes its feature rows to ([rows, 1, F])."""
+        value = self._feature_values.get(rows)
+        if value is None:
+            value = self._feature_values[rows] = ort_value(self._feature_out[:rows], "cpu")
+        return value
+
+    def place_features(self, slot_indices: list[int], lengths: list[int]) -> None:
+        """After a batched pass: slot i's feature row to its position lengths[i] (its new token's)."""
+        for index, length in zip(slot_indices, lengths):
+            self.features[index, length] = self._feature_out[index, 0]
 
     def prefix(self, rows: int) -> tuple[list, object]:
         """OrtValues over the first `rows` slots: each layer's buffers, and the mask."""

@@ -8,7 +8,8 @@ from pathlib import Path
 from ..bundle import load_manifest
 from ..errors import SpecdeployError
 from .chat import load_chat_template
-from .drafters import MAX_NGRAM, HybridDrafter, ModelDrafter, PromptLookupDrafter
+from .drafters import MAX_NGRAM, HybridDrafter, ModelDrafter, PromptLookupDrafter, read_vocab_ids
+from .eagle import EagleDrafter
 from .engine import OrtEngine
 from .session import SessionConfig
 from .generate import Generator
@@ -52,16 +53,22 @@ def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verif
         trt_cache_dir=str(bundle / "trt_cache") if device == "tensorrt" else None,
     )
 
-    def engine(spec) -> OrtEngine:
+    def engine(spec, features: str | None = None) -> OrtEngine:
         # The generate loop reads each pass's logits before the next pass: they may share one buffer.
-        return OrtEngine(bundle / spec.onnx_path, spec, config, scratch_logits=True)
+        return OrtEngine(bundle / spec.onnx_path, spec, config, scratch_logits=True, features=features)
 
-    target = engine(manifest.target)
+    eagle = manifest.draft.eagle if drafter != "prompt-lookup" else None
+    target = engine(manifest.target, eagle.target_feature if eagle is not None else None)
     lookup = PromptLookupDrafter(manifest.target.vocab_size, min_ngram=lookup_ngram)
     if drafter == "prompt-lookup":
         chosen = lookup
     else:
-        draft = ModelDrafter(engine(manifest.draft), manifest.max_context)
+        spec = manifest.draft
+        ids = read_vocab_ids(bundle / spec.vocab_ids, spec.vocab_size, spec.vocab_subset) if spec.vocab_ids else None
+        if eagle is not None:
+            draft = EagleDrafter(engine(spec, eagle.feature_output), manifest.max_context, vocab_ids=ids)
+        else:
+            draft = ModelDrafter(engine(spec), manifest.max_context, vocab_ids=ids)
         chosen = draft if drafter == "model" else HybridDrafter(draft, lookup)
     tokenizer_dir = bundle / manifest.tokenizer.path
     codec = TextCodec(tokenizer_dir, manifest.tokenizer)

@@ -1,0 +1,299 @@
+"""Draft folders that are not plain checkpoints: an eagle head (`specdeploy distill --kind eagle`) and
+the draft vocabulary (`draft_vocab.json`), read and turned into what the fused graph builder emits.
+
+An eagle head's graph (docs/distill.md states the math), with the builder's operators:
+
+    Gather(target's embedding)(input_ids) [* Gemma's sqrt(hidden)] ; hidden_states
+        -> Concat -> MatMul(fc) + bias
+        -> [SimplifiedLayerNorm -> MatMul(qkv) -> GroupQueryAttention -> MatMul(o)
+            -> SkipSimplifiedLayerNorm -> MatMul(gate), MatMul(up) -> SiLU * up -> MatMul(down)] x L
+        -> SkipSimplifiedLayerNorm(target's final norm) -> (residual sum: next_hidden_states)
+        -> MatMul(target's LM head rows) [-> softcap]: logits
+
+The head's own KV cache is one shared buffer per layer, as the target's; its rotary table is the
+head's (plain Llama rotary at the recorded rope_theta), not the target's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+from ..errors import SpecdeployError
+from . import fused
+
+DRAFT_VOCAB_FILE = "draft_vocab.json"
+EAGLE_WEIGHTS = "model.safetensors"
+
+
+def draft_kind(folder: Path) -> dict | None:
+    """The specdeploy_draft block of a draft folder's config.json (None: a plain checkpoint, or no folder)."""
+    config = Path(folder) / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        block = json.loads(config.read_text()).get("specdeploy_draft")
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        return None
+    return block if isinstance(block, dict) else None
+
+
+def read_draft_vocab(folder: Path) -> dict | None:
+    """draft_vocab.json of a distilled draft folder (None: it has none)."""
+    path = Path(folder) / DRAFT_VOCAB_FILE
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        ids, counts = np.asarray(data["ids"], dtype=np.int64), np.asarray(data["counts"], dtype=np.int64)
+        always = [int(i) for i in data.get("always", [])]
+        vocab = int(data["vocab_size"])
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        raise SpecdeployError(f"--draft {folder}: {DRAFT_VOCAB_FILE} is unreadable ({exc})") from None
+    if ids.ndim != 1 or ids.shape != counts.shape or len(ids) == 0 or ids.min() < 0 or ids.max() >= vocab:
+        raise SpecdeployError(f"--draft {folder}: {DRAFT_VOCAB_FILE} lists ids outside 0..{vocab - 1}, or no ids")
+    return {"ids": ids, "counts": counts, "always": always, "vocab_size": vocab, "source": data.get("source", {})}
+
+
+def choose_vocab(folder: Path, requested: int | None, vocab_size: int) -> np.ndarray | None:
+    """The ids the draft's head keeps, sorted (None: the whole vocabulary).
+
+    requested None: the draft folder's own draft_vocab.json (all of its ids), if it has one; 0: the
+    whole vocabulary; N: the N most frequent of draft_vocab.json's ids (its special ids always kept),
+    which needs the file: the frequencies come from the distillation's data."""
+    vocab = read_draft_vocab(folder)
+    if requested == 0 or (requested is None and vocab is None):
+        return None
+    if vocab is None:
+        raise SpecdeployError(f"--draft-vocab {requested}: the draft folder has no {DRAFT_VOCAB_FILE} (token frequencies "
+                              "come from `specdeploy distill --draft-vocab`); pass --draft-vocab 0 for the whole vocabulary")
+    if vocab["vocab_size"] != vocab_size:
+        raise SpecdeployError(f"--draft {folder}: {DRAFT_VOCAB_FILE} is for a vocabulary of {vocab['vocab_size']}, "
+                              f"the target has {vocab_size}")
+    ids, counts = vocab["ids"], vocab["counts"]
+    if requested is None or requested >= len(ids):
+        if requested is not None and requested > len(ids):
+            raise SpecdeployError(f"--draft-vocab {requested}: the draft was distilled over {len(ids)} tokens; "
+                                  f"choose at most that many (or 0 for the whole vocabulary)")
+        return np.sort(ids)
+    always = [i for i in vocab["always"] if i in set(ids.tolist())]
+    if requested < len(always):
+        raise SpecdeployError(f"--draft-vocab {requested}: fewer than the {len(always)} special tokens it always keeps")
+    order = np.lexsort((ids, -counts))  # most frequent first, ties to the lower id
+    chosen = list(dict.fromkeys([*always, *ids[order].tolist()]))[:requested]
+    return np.sort(np.asarray(chosen, dtype=np.int64))
+
+
+def write_vocab_ids(path: Path, ids: np.ndarray, vocab_size: int) -> None:
+    """The bundle's copy of the subset: column i of the draft's logits is token ids[i]."""
+    path.write_text(json.dumps({"format": "specdeploy-vocab-ids", "version": 1, "vocab_size": vocab_size,
+                                "ids": [int(i) for i in ids]}) + "\n")
+
+
+def load_eagle_head(folder: Path, block: dict, target_model):
+    """The distilled head as distill's PyTorch module (its weights from the folder), checked against the target."""
+    import torch
+    from safetensors.torch import load_file
+
+    from ..distill.models import EagleConfig, EagleHead
+
+    identity = block.get("target") or {}
+    config = target_model.config
+    hidden = int(target_model.get_output_embeddings().weight.shape[1])
+    if int(block.get("target_hidden_size", -1)) != hidden or int(block.get("target_vocab_size", -1)) != int(
+            target_model.get_output_embeddings().weight.shape[0]):
+        raise SpecdeployError(f"--draft {folder}: an eagle head for a target of hidden size {block.get('target_hidden_size')} "
+                              f"and vocabulary {block.get('target_vocab_size')}; this target has {hidden} and "
+                              f"{target_model.get_output_embeddings().weight.shape[0]}")
+    if identity.get("model_type") not in (None, config.model_type) or identity.get("num_layers") not in (
+            None, config.num_hidden_layers):
+        raise SpecdeployError(f"--draft {folder}: the head was distilled for a {identity.get('model_type')} target of "
+                              f"{identity.get('num_layers')} layers, not this {config.model_type} of {config.num_hidden_layers}")
+    try:
+        head = EagleHead(EagleConfig(**block["architecture"]))
+        state = load_file(str(folder / EAGLE_WEIGHTS))
+        head.load_state_dict(state)
+    except (KeyError, TypeError, RuntimeError, OSError) as exc:
+        raise SpecdeployError(f"--draft {folder}: cannot read the eagle head ({str(exc).splitlines()[0]})") from None
+    return head.eval().requires_grad_(False).to(torch.float32)
+
+
+def build_eagle(head, target_model, path: Path, max_context: int, vocab_ids: np.ndarray | None) -> Path:
+    """Write the eagle head's fused graph (the module docstring) to path."""
+    from ..distill.models import rope
+
+    c = head.c
+    g = fused._Graph(fused.weights_path(path))
+    try:
+        columns = len(vocab_ids) if vocab_ids is not None else target_model.config.vocab_size
+        g.inputs, g.outputs = fused._io_specs(SimpleNamespace(num_key_value_heads=c.num_key_value_heads,
+                                                              num_attention_heads=c.num_attention_heads),
+                                              [SimpleNamespace(self_attn=SimpleNamespace(head_dim=c.head_dim))] * c.num_layers,
+                                              columns)
+        g.inputs.insert(1, fused._tensor("hidden_states", ["batch_size", "sequence_length", c.hidden_size]))
+        g.outputs.insert(1, fused._tensor("next_hidden_states", ["batch_size", "sequence_length", c.hidden_size]))
+        _emit_eagle(g, head, target_model, max_context, vocab_ids, rope)
+    finally:
+        g.close()
+    return fused._save(g, path)
+
+
+def _emit_eagle(g, head, target_model, max_context: int, vocab_ids, rope) -> None:
+    c = head.c
+    gemma = type(target_model).__name__ == fused.GEMMA3
+    lengths = fused._valid_lengths(g)
+    cos, sin = rope(max_context, c.head_dim, c.rope_theta, "cpu")
+    half = c.head_dim // 2
+    rotary = (g.weight("cos_cache", cos[:, :half].numpy()), g.weight("sin_cache", sin[:, :half].numpy()))
+    embed = target_model.model.embed_tokens
+    tokens = g.node("Gather", [g.weight("embed_tokens.weight", fused._np(embed.weight)), "input_ids"], axis=0)[0]
+    if gemma:
+        scale = embed.embed_scale.to(embed.weight.dtype)
+        tokens = g.node("Mul", [tokens, g.weight("embed_scale", fused._np(scale).reshape(1))])[0]
+    joined = g.node("Concat", ["hidden_states", tokens], axis=-1)[0]  # feature first, as fc was trained
+    x = g.linear(joined, "fc", head.fc)
+    norm = fused._ResidualNorm(g, c.rms_norm_eps)
+    settings = SimpleNamespace(num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                               rms_norm_eps=c.rms_norm_eps)
+    for i, layer in enumerate(head.layers):
+        attention = layer.self_attn
+        attention.scaling = c.head_dim ** -0.5  # scaled_dot_product_attention's default, as trained
+        normed = norm(x, layer.input_layernorm, f"layers.{i}.input_layernorm")
+        context = fused._attention(g, i, attention, normed, lengths, rotary, settings, -1)
+        x = g.linear(context, f"layers.{i}.o_proj", attention.o_proj)
+        normed = norm(x, layer.post_attention_layernorm, f"layers.{i}.post_attention_layernorm")
+        x = fused._mlp(g, i, layer.mlp, normed)
+    # The target's final norm (Gemma's weight + 1) on the residual stream; its sum is the predicted feature.
+    target_eps = float(getattr(target_model.config, "rms_norm_eps", c.rms_norm_eps))
+    weight = g.weight("norm.weight", fused._np(target_model.model.norm.weight) + np.float32(1.0 if gemma else 0.0))
+    final, _, _, feature = g.node("SkipSimplifiedLayerNormalization", [x, norm.residual, weight], 4, domain=fused.MS,
+                                  epsilon=target_eps)
+    g.node("Identity", [feature], ["next_hidden_states"])
+    fused._head(g, target_model, final, vocab_ids)
+
+
+class EagleReference:
+    """PyTorch's logits of the eagle head over a token sequence, for export's parity check.
+
+    `features(ids)`: the target's features f_0..f_{n-1} over ids t_0..t_{n-1} (one no-cache pass).
+    The head's input at position i is (f_i, t_{i+1}); its logits there are `logits(features, ids)`,
+    [n - 1, columns], through the target's final norm and head rows (softcap as the target's)."""
+
+    def __init__(self, head, target_model, vocab_ids: np.ndarray | None):
+        self.head, self.model, self.vocab_ids = head, target_model, vocab_ids
+
+    def features(self, ids: np.ndarray) -> np.ndarray:
+        import torch
+
+        captured = {}
+        handle = self.model.model.norm.register_forward_pre_hook(lambda module, args: captured.__setitem__("x", args[0]))
+        try:
+            with torch.no_grad():
+                self.model(input_ids=torch.from_numpy(np.asarray(ids, dtype=np.int64))[None], use_cache=False)
+        finally:
+            handle.remove()
+        return captured["x"][0].float().numpy()
+
+    def logits(self, features: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        import torch
+
+        from ..distill.models import softcap
+
+        with torch.no_grad():
+            embeds = self.model.get_input_embeddings()(torch.from_numpy(np.asarray(ids[1:], dtype=np.int64))[None])
+            predicted = self.head.rollout(torch.from_numpy(features[:-1])[None], embeds, 1)[0]
+            weight = self.model.get_output_embeddings().weight
+            if self.vocab_ids is not None:
+                weight = weight[torch.from_numpy(self.vocab_ids)]
+            logits = torch.nn.functional.linear(self.model.model.norm(predicted), weight)
+            logits = softcap(logits, getattr(self.model.config, "final_logit_softcapping", None))
+        return logits[0].float().numpy()
+
+
+VOCAB_IDS_FILE = "vocab_ids.json"
+
+
+@dataclass(frozen=True)
+class GraphShape:
+    """What besides its checkpoint decides one model's graph in a bundle."""
+
+    features: bool = False  # the target: also return hidden_states, which an eagle draft reads
+    vocab_ids: np.ndarray | None = None  # the draft: its head's rows (a vocabulary subset)
+    eagle: dict | None = None  # the draft: an eagle folder's specdeploy_draft block (its head is built from it)
+    folder: Path | None = None  # the draft's folder
+
+    def check(self, graph: str, model, max_context: int) -> None:
+        """An eagle draft's features and a draft vocabulary subset are fused-graph outputs."""
+        if graph == "fused":
+            return
+        why = fused.unsupported_reason(model, max_context) or "--graph optimum was asked for"
+        if self.features:
+            raise SpecdeployError(f"an eagle draft reads the target's features, which only its fused graph returns, "
+                                  f"and the target cannot take it: {why}")
+        if self.vocab_ids is not None:
+            raise SpecdeployError(f"a draft vocabulary subset needs the fused graph for the draft, which cannot take it: "
+                                  f"{why} (--draft-vocab 0 keeps the whole vocabulary)")
+
+    def head(self, target_model):
+        return load_eagle_head(self.folder, self.eagle, target_model)
+
+    def num_parameters(self, model) -> int:
+        """The model's parameters; an eagle draft's own (its fc and layers: the head rows are the target's)."""
+        source = self.head(model) if self.eagle is not None else model
+        return sum(p.numel() for p in source.parameters())
+
+    def build(self, model, path: Path, max_context: int, window: int | None) -> Path:
+        """The fused graph (the target's model, for an eagle draft), and the vocabulary file beside it."""
+        if self.vocab_ids is not None:
+            write_vocab_ids(path.parent / VOCAB_IDS_FILE, self.vocab_ids, int(model.get_output_embeddings().weight.shape[0]))
+        if self.eagle is not None:
+            return build_eagle(self.head(model), model, path, max_context, self.vocab_ids)
+        return fused.build_fused(model, path, max_context, window, self.features, self.vocab_ids)
+
+    def describe(self, spec, root: Path, vocab_size: int):
+        """spec with the draft's kind, eagle contract and vocabulary subset."""
+        from ..bundle import EagleSpec
+
+        changes: dict = {}
+        if self.vocab_ids is not None:
+            ids_path = (Path(spec.onnx_path).parent / VOCAB_IDS_FILE).as_posix()
+            changes.update(vocab_ids=ids_path, vocab_subset=len(self.vocab_ids), vocab_size=vocab_size)
+        if self.eagle is not None:
+            run = _read_json(self.folder / "distill.json")
+            trained = {key: run[key] for key in ("step", "elapsed_s", "options") if key in run}
+            if run.get("history"):
+                trained["last_evaluation"] = run["history"][-1]
+            changes.update(kind="eagle", architecture="EagleHead", source=str(self.folder), vocab_size=vocab_size,
+                           eagle=EagleSpec(feature_size=int(self.eagle["target_hidden_size"]),
+                                           trained=json.loads(json.dumps(trained, default=str))))
+        return dataclasses.replace(spec, **changes)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def graph_shapes(draft: str, draft_path: Path | None, requested_vocab: int | None, vocab_size: int) -> dict:
+    """Each role's GraphShape: an eagle folder's head, the draft vocabulary (from the draft folder's
+    draft_vocab.json, or --draft-vocab), the target's feature output when the draft reads it."""
+    folder = draft_path if draft_path is not None and draft_path.is_dir() else None
+    block = draft_kind(folder) if folder is not None else None
+    eagle = block if block is not None and block.get("kind") == "eagle" else None
+    if folder is None:
+        if requested_vocab:
+            raise SpecdeployError(f"--draft-vocab {requested_vocab}: needs a draft folder with {DRAFT_VOCAB_FILE} "
+                                  f"(`specdeploy distill --draft-vocab`); --draft {draft} is not one")
+        ids = None
+    else:
+        ids = choose_vocab(folder, requested_vocab, vocab_size)
+    return {"target": GraphShape(features=eagle is not None),
+            "draft": GraphShape(vocab_ids=ids, eagle=eagle, folder=folder)}

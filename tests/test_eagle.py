@@ -1,0 +1,180 @@
+"""Distilled drafts end to end: an eagle head over the target's features and a model draft over a
+vocabulary subset, through export, the manifest and the runtime; lossless at greedy (alone and
+batched) and at every sampled setting, against the target alone."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from scipy import stats as scipy_stats
+
+import specdeploy
+from specdeploy.bundle import load_manifest, manifest_from_dict
+from specdeploy.cli import main
+from specdeploy.errors import SpecdeployError
+from specdeploy.export.eagle import choose_vocab
+from specdeploy.runtime.drafters import read_vocab_ids
+from specdeploy.runtime.sampling import Sampler
+from specdeploy.testing import SAMPLED_SETTINGS, exact_continuation_probs
+
+from conftest import DISTILLED_VOCAB, VOCAB
+
+PROMPTS = ["def wrap(text, width):\n    ", "import bisect\n\nclass ", "    return [line for line in", "x"]
+
+
+def test_the_eagle_manifest_states_the_contract(eagle_bundle):
+    manifest = load_manifest(eagle_bundle)
+    draft, target = manifest.draft, manifest.target
+    assert draft.kind == "eagle" and draft.eagle.feature_size == target.hidden_size
+    assert draft.eagle.target_feature in {t.name for t in target.outputs}
+    assert draft.eagle.feature_input in draft.input_names
+    assert draft.eagle.feature_output in {t.name for t in draft.outputs}
+    assert draft.eagle.trained["step"] == 150
+    assert draft.parity.check == "max_abs_diff" and draft.parity.passed  # the graph's math, to fp32 rounding
+    assert draft.vocab_subset == DISTILLED_VOCAB and draft.vocab_size == VOCAB
+    ids = read_vocab_ids(eagle_bundle / draft.vocab_ids, VOCAB, DISTILLED_VOCAB)
+    distilled = json.loads(Path(draft.source, "draft_vocab.json").read_text())
+    assert ids.tolist() == sorted(distilled["ids"])
+    assert manifest.genai.speculative is None and "eagle" in manifest.genai.unsupported
+    assert manifest.genai.target_only is not None
+
+
+def test_manifest_rules_for_draft_kinds(eagle_bundle):
+    data = load_manifest(eagle_bundle).to_dict()
+
+    def refused(change, message):
+        copy = json.loads(json.dumps(data))
+        change(copy)
+        with pytest.raises(SpecdeployError, match=message):
+            manifest_from_dict(copy)
+
+    refused(lambda m: m["draft"].__setitem__("eagle", None), "kind 'eagle' but 'eagle' is missing")
+    refused(lambda m: m["draft"].__setitem__("vocab_subset", None), "one of 'vocab_ids' and 'vocab_subset'")
+    refused(lambda m: m["target"].__setitem__("kind", "eagle"), "describe the draft")
+    refused(lambda m: m["target"].__setitem__("outputs", [t for t in m["target"]["outputs"] if t["name"] != "hidden_states"]),
+            "which the target lacks")
+    refused(lambda m: m["draft"].__setitem__("vocab_subset", 100), "logits shape")
+
+
+@pytest.mark.parametrize("name", ["eagle_bundle", "subset_bundle"])
+@pytest.mark.parametrize("drafter, max_batch", [("model", 1), ("hybrid", 1), ("model", 3)])
+def test_greedy_output_is_the_target_alone(request, name, drafter, max_batch):
+    bundle = request.getfixturevalue(name)
+    alone = specdeploy.load(bundle, drafter="prompt-lookup")
+    generator = specdeploy.load(bundle, drafter=drafter, max_batch=max_batch, policy="always")
+    prompts = [alone.codec.encode(p) for p in PROMPTS]
+    expected = [alone.generate(ids, max_new_tokens=48, speculative=False).token_ids for ids in prompts]
+    outputs = generator.generate_many(prompts, max_new_tokens=48, num_draft_tokens=4)
+    assert [o.token_ids for o in outputs] == expected
+    assert sum(o.stats.accepted for o in outputs) > 0  # the draft's proposals were verified and kept
+
+
+def test_the_head_catches_up_after_lookup_and_target_only_rounds(eagle_bundle):
+    """Rounds the head does not draft (prompt lookup, a limit of 0) still leave the target's features for it."""
+    generator = specdeploy.load(eagle_bundle, drafter="hybrid", lookup_ngram=1)
+    alone = specdeploy.load(eagle_bundle, drafter="prompt-lookup")
+    ids = generator.codec.encode("def f(x):\n    return x\n\ndef f(x):\n    return x\n\ndef g(")
+    expected = alone.generate(ids, max_new_tokens=64, speculative=False).token_ids
+    out = generator.generate(ids, max_new_tokens=64, num_draft_tokens=3)
+    assert out.token_ids == expected
+    again = generator.generate(ids[:-2], max_new_tokens=64, num_draft_tokens=3)  # a shorter prompt on the same slot
+    assert again.token_ids == alone.generate(ids[:-2], max_new_tokens=64, speculative=False).token_ids
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", list(SAMPLED_SETTINGS))
+def test_eagle_sampling_matches_the_target_distribution_at_every_setting(eagle_bundle, setting):
+    _check_distribution(eagle_bundle, setting)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", ["T 0.8", "T 0.8, top-p 0.95, repetition penalty 1.1", "T 0.8, frequency penalty 1.0"])
+def test_subset_sampling_matches_the_target_distribution(subset_bundle, setting):
+    _check_distribution(subset_bundle, setting)
+
+
+def _check_distribution(bundle, setting: str, runs: int = 3000) -> None:
+    """The first two tokens of seeded k = 1 runs against the exact joint target distribution (cells expected
+    fewer than 5 times pooled): draft rows widened from the subset, rejections, bonus tokens."""
+    options = SAMPLED_SETTINGS[setting]
+    generator = specdeploy.load(bundle, drafter="model")
+    params = specdeploy.GenerationConfig(**options).sampling
+    prompt = generator.codec.encode(PROMPTS[0])
+    exact = exact_continuation_probs(generator, prompt, params, 2, min_probability=5 / runs)
+    counts: dict = {}
+    accepted = 0
+    for seed in range(runs):
+        out = generator.generate(prompt, max_new_tokens=2, seed=seed, num_draft_tokens=1, **options)
+        counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
+        accepted += out.stats.accepted
+    assert runs // 20 < accepted < runs - runs // 20  # both the acceptance and the rejection paths ran
+    common = sorted(exact, key=exact.get, reverse=True)
+    observed = [counts.get(key, 0) for key in common] + [runs - sum(counts.get(key, 0) for key in common)]
+    expected = [exact[key] * runs for key in common] + [runs * (1.0 - sum(exact[key] for key in common))]
+    if expected[-1] < 1e-9:
+        assert observed[-1] == 0
+        observed, expected = observed[:-1], expected[:-1]
+    assert scipy_stats.chisquare(observed, np.array(expected) * sum(observed) / sum(expected)).pvalue > 1e-3
+
+
+def test_a_subset_draft_never_proposes_outside_it(subset_bundle):
+    generator = specdeploy.load(subset_bundle, drafter="model")
+    ids = read_vocab_ids(subset_bundle / generator.manifest.draft.vocab_ids, VOCAB, DISTILLED_VOCAB)
+    drafter = generator.drafter
+    context = generator.codec.encode(PROMPTS[0])
+    generator.target.prefill(context[:-1], generator.target_cache)
+    drafter.prefill(context[:-1])
+    sampler = Sampler(specdeploy.GenerationConfig(temperature=1.5).sampling, VOCAB)
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        tokens, probs = drafter.propose(context, 4, sampler, rng)
+        assert set(tokens) <= set(ids.tolist())
+        outside = np.setdiff1d(np.arange(VOCAB), ids)
+        assert np.all(probs[:, outside] == 0) and np.allclose(probs.sum(-1), 1, atol=1e-5)
+
+
+def test_export_chooses_the_most_frequent_tokens(distilled_drafts, tmp_path):
+    folder = distilled_drafts["model"]
+    vocab = json.loads((folder / "draft_vocab.json").read_text())
+    chosen = choose_vocab(folder, 64, VOCAB)
+    assert len(chosen) == 64 and list(chosen) == sorted(chosen)
+    assert set(vocab["always"]) <= set(chosen.tolist())
+    counts = dict(zip(vocab["ids"], vocab["counts"]))
+    kept = min(counts[i] for i in chosen.tolist() if i not in vocab["always"])
+    assert all(counts[i] <= kept for i in set(vocab["ids"]) - set(chosen.tolist()))
+    assert choose_vocab(folder, 0, VOCAB) is None
+    assert len(choose_vocab(folder, None, VOCAB)) == DISTILLED_VOCAB
+    with pytest.raises(SpecdeployError, match="distilled over 192 tokens"):
+        choose_vocab(folder, 300, VOCAB)
+
+
+def test_export_draft_vocab_errors(trained_pair, tmp_path):
+    runner = CliRunner()
+    result = runner.invoke(main, ["export", "--target", str(trained_pair["target"]), "--draft", str(trained_pair["draft"]),
+                                  "--out", str(tmp_path / "b"), "--draft-vocab", "100"])
+    assert result.exit_code == 2 and result.output.count("error:") == 1
+    assert "has no draft_vocab.json" in result.output and not (tmp_path / "b").exists()
+
+
+def test_an_eagle_head_needs_its_own_target(distilled_drafts, checkpoints, tmp_path):
+    other = checkpoints("qwen2")["target"]  # another width: the head cannot read its features
+    config = json.loads((other / "config.json").read_text())
+    head = json.loads((distilled_drafts["eagle"] / "config.json").read_text())["specdeploy_draft"]
+    assert config["hidden_size"] == head["target_hidden_size"]  # same width, other model type and weights
+    result = CliRunner().invoke(main, ["export", "--target", str(other), "--draft", str(distilled_drafts["eagle"]),
+                                       "--out", str(tmp_path / "b")])
+    assert result.exit_code == 2 and "distilled for a llama target" in result.output
+    assert not (tmp_path / "b").exists()
+
+
+def test_an_eagle_bundle_with_a_changed_head_width_is_refused(eagle_bundle, tmp_path):
+    manifest = load_manifest(eagle_bundle)
+    bad = dataclasses.replace(manifest, draft=dataclasses.replace(
+        manifest.draft, eagle=dataclasses.replace(manifest.draft.eagle, feature_size=7)))
+    with pytest.raises(SpecdeployError, match="is not the eagle draft's"):
+        manifest_from_dict(bad.to_dict())
