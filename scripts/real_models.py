@@ -184,11 +184,13 @@ def quality(args) -> None:
     print(f"{model}: export's teacher-forced greedy agreement with fp32: {agreement}")
 
 
-def time_ours(bundle: Path, ids: list[int], tokens: int) -> float:
-    """New tokens over decode time; a run that ends at EOS early counts its own tokens, as the peers' do."""
+def time_ours(bundle: Path, ids: list[int], tokens: int, drafter: str | None = None) -> float:
+    """New tokens over decode time; a run that ends at EOS early counts its own tokens, as the peers' do.
+    drafter None: the target alone; model / hybrid: speculative with the bundle's draft, k = 4."""
     import specdeploy
 
-    output = specdeploy.load(bundle).generate(ids, max_new_tokens=tokens, temperature=0, speculative=False)
+    generator = specdeploy.load(bundle, drafter=drafter or "hybrid")
+    output = generator.generate(ids, max_new_tokens=tokens, temperature=0, speculative=drafter is not None)
     return output.stats.tokens_per_s
 
 
@@ -208,6 +210,22 @@ def time_genai(folder: Path, ids: list[int], tokens: int) -> float:
     return tokens / (time.perf_counter() - start)
 
 
+def time_llama_speculative(llama_bench: Path, files: str, ids: list[int], tokens: int, prompt: str) -> float:
+    """llama.cpp's speculative decoding (llama-speculative-simple beside llama-bench): the target and the
+    draft GGUF (TARGET,DRAFT), 2 threads, greedy, up to 4 draft tokens a round; its decode speed."""
+    import re
+
+    target, draft = files.split(",")
+    binary = llama_bench.with_name("llama-speculative-simple")
+    result = subprocess.run([str(binary), "-m", target, "-md", draft, "-p", prompt, "-n", str(tokens), "-t", "2",
+                             "-td", "2", "--draft-max", "4", "--draft-min", "0", "--temp", "0", "-c", "2048",
+                             "--ignore-eos"], capture_output=True, text=True, check=True)
+    match = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s", result.stderr)
+    if match is None:
+        raise RuntimeError("llama-speculative-simple printed no decode speed")
+    return float(match.group(3))
+
+
 def time_llama(llama_bench: Path, gguf: Path, tokens: int) -> float:
     result = subprocess.run([str(llama_bench), "-m", str(gguf), "-t", "2", "-p", "0", "-n", str(tokens), "-r", "1",
                              "-o", "json"], capture_output=True, text=True, check=True)
@@ -218,8 +236,12 @@ def child(args) -> None:
     """One timing in a fresh process (no system's threads or allocations outlive its own run)."""
     ids = json.loads(args.ids)
     rate = {"ours": lambda: time_ours(Path(args.path), ids, args.tokens),
+            "ours-model": lambda: time_ours(Path(args.path), ids, args.tokens, "model"),
+            "ours-hybrid": lambda: time_ours(Path(args.path), ids, args.tokens, "hybrid"),
             "genai": lambda: time_genai(Path(args.path), ids, args.tokens),
-            "llama": lambda: time_llama(Path(args.llama_bench), Path(args.path), args.tokens)}[args.system]()
+            "llama": lambda: time_llama(Path(args.llama_bench), Path(args.path), args.tokens),
+            "llama-spec": lambda: time_llama_speculative(Path(args.llama_bench), args.path, ids, args.tokens,
+                                                         CODE_PROMPTS[0])}[args.system]()
     print(json.dumps({"tokens_per_s": rate}))
 
 
@@ -229,6 +251,10 @@ def bench(args) -> None:
                if bundle_dir(args.work, model, p).exists()]
     systems += [(f"onnxruntime-genai {name}", "genai", path, name) for name, path in (g.split("=", 1) for g in args.genai)]
     systems += [(f"llama.cpp {name}", "llama", path, name) for name, path in (g.split("=", 1) for g in args.gguf)]
+    for name, path in (g.split("=", 1) for g in args.spec):  # our bundles with a draft, speculative
+        systems += [(f"specdeploy speculative {name} ({drafter})", f"ours-{drafter}", path, name) for drafter in ("model", "hybrid")]
+    systems += [(f"llama.cpp speculative {name}", "llama-spec", path, name)
+                for name, path in (g.split("=", 1) for g in args.llama_spec)]
     ids = prompt_ids(bundle_dir(args.work, model, "none"), CODE_PROMPTS[0], chat=False)
     rates: dict[str, list[float]] = {label: [] for label, *_ in systems}
     for round_index in range(args.rounds):
@@ -270,6 +296,9 @@ def main() -> int:
     parser.add_argument("--genai", action="append", default=[], help="NAME=FOLDER of onnxruntime-genai's builder output")
     parser.add_argument("--gguf", action="append", default=[], help="NAME=FILE for llama.cpp")
     parser.add_argument("--llama-bench", type=Path, default=None)
+    parser.add_argument("--spec", action="append", default=[], help="NAME=BUNDLE with a draft: ours, speculative")
+    parser.add_argument("--llama-spec", action="append", default=[],
+                        help="NAME=TARGET.gguf,DRAFT.gguf: llama-speculative-simple (beside --llama-bench)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--hf-out", type=Path, default=Path("real-models/hf"), help="hf: where the folders go")
     parser.add_argument("--system"), parser.add_argument("--path"), parser.add_argument("--ids")

@@ -151,6 +151,14 @@ def test_export_chooses_the_most_frequent_tokens(distilled_drafts, tmp_path):
     assert len(choose_vocab(folder, None, VOCAB)) == DISTILLED_VOCAB
     with pytest.raises(SpecdeployError, match="distilled over 192 tokens"):
         choose_vocab(folder, 300, VOCAB)
+    # an eagle head's rows are the target's: it may take more than it was distilled over, by every token's count
+    eagle = json.loads((distilled_drafts["eagle"] / "draft_vocab.json").read_text())
+    counted = len(eagle["frequencies"]["ids"])
+    assert DISTILLED_VOCAB < counted <= VOCAB
+    wider = choose_vocab(distilled_drafts["eagle"], counted - 1, VOCAB, eagle=True)
+    assert len(wider) == counted - 1 and set(eagle["always"]) <= set(wider.tolist())
+    with pytest.raises(SpecdeployError, match=f"{counted} tokens were counted"):
+        choose_vocab(distilled_drafts["eagle"], counted + 1 if counted < VOCAB else VOCAB + 1, VOCAB, eagle=True)
 
 
 def test_export_draft_vocab_errors(trained_pair, tmp_path):

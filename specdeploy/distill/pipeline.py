@@ -93,6 +93,8 @@ def draft_vocabulary(config: DistillConfig, target, windows, summary: dict):
     ids = data_module.choose_draft_vocab(counts, config.draft_vocab, data_module.special_ids(target))
     record = {"format": "specdeploy-draft-vocab", "version": 1, "vocab_size": target.vocab_size, "size": len(ids),
               "ids": ids.tolist(), "counts": counts[ids].tolist(), "always": data_module.special_ids(target),
+              # every token counted, so that export may take another subset (an eagle head's rows are the target's)
+              "frequencies": {"ids": np.flatnonzero(counts).tolist(), "counts": counts[counts > 0].tolist()},
               "source": {"counted_tokens": int(counts.sum()), "coverage": round(float(counts[ids].sum() / max(1, counts.sum())), 6),
                          "data": summary["data"], "text_tokens": summary["text_tokens"],
                          "generated_tokens": summary["generated_tokens"]}}

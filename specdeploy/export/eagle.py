@@ -57,15 +57,20 @@ def read_draft_vocab(folder: Path) -> dict | None:
         raise SpecdeployError(f"--draft {folder}: {DRAFT_VOCAB_FILE} is unreadable ({exc})") from None
     if ids.ndim != 1 or ids.shape != counts.shape or len(ids) == 0 or ids.min() < 0 or ids.max() >= vocab:
         raise SpecdeployError(f"--draft {folder}: {DRAFT_VOCAB_FILE} lists ids outside 0..{vocab - 1}, or no ids")
-    return {"ids": ids, "counts": counts, "always": always, "vocab_size": vocab, "source": data.get("source", {})}
+    frequencies = data.get("frequencies") or {}
+    return {"ids": ids, "counts": counts, "always": always, "vocab_size": vocab, "source": data.get("source", {}),
+            "all_ids": np.asarray(frequencies.get("ids", []), dtype=np.int64),
+            "all_counts": np.asarray(frequencies.get("counts", []), dtype=np.int64)}
 
 
-def choose_vocab(folder: Path, requested: int | None, vocab_size: int) -> np.ndarray | None:
+def choose_vocab(folder: Path, requested: int | None, vocab_size: int, eagle: bool = False) -> np.ndarray | None:
     """The ids the draft's head keeps, sorted (None: the whole vocabulary).
 
     requested None: the draft folder's own draft_vocab.json (all of its ids), if it has one; 0: the
     whole vocabulary; N: the N most frequent of draft_vocab.json's ids (its special ids always kept),
-    which needs the file: the frequencies come from the distillation's data."""
+    which needs the file: the frequencies come from the distillation's data. An eagle head's rows are
+    the target's own, so it may also take more than it was distilled over, the most frequent of every
+    token counted (draft_vocab.json's `frequencies`)."""
     vocab = read_draft_vocab(folder)
     if requested == 0 or (requested is None and vocab is None):
         return None
@@ -76,12 +81,15 @@ def choose_vocab(folder: Path, requested: int | None, vocab_size: int) -> np.nda
         raise SpecdeployError(f"--draft {folder}: {DRAFT_VOCAB_FILE} is for a vocabulary of {vocab['vocab_size']}, "
                               f"the target has {vocab_size}")
     ids, counts = vocab["ids"], vocab["counts"]
+    if eagle and requested is not None and requested > len(ids) and len(vocab["all_ids"]) >= requested:
+        ids, counts = vocab["all_ids"], vocab["all_counts"]
     if requested is None or requested >= len(ids):
         if requested is not None and requested > len(ids):
-            raise SpecdeployError(f"--draft-vocab {requested}: the draft was distilled over {len(ids)} tokens; "
+            more = f", and {len(vocab['all_ids'])} tokens were counted" if eagle else ""
+            raise SpecdeployError(f"--draft-vocab {requested}: the draft was distilled over {len(ids)} tokens{more}; "
                                   f"choose at most that many (or 0 for the whole vocabulary)")
         return np.sort(ids)
-    always = [i for i in vocab["always"] if i in set(ids.tolist())]
+    always = [i for i in vocab["always"] if 0 <= i < vocab_size]  # kept whatever their count
     if requested < len(always):
         raise SpecdeployError(f"--draft-vocab {requested}: fewer than the {len(always)} special tokens it always keeps")
     order = np.lexsort((ids, -counts))  # most frequent first, ties to the lower id
@@ -294,6 +302,6 @@ def graph_shapes(draft: str, draft_path: Path | None, requested_vocab: int | Non
                                   f"(`specdeploy distill --draft-vocab`); --draft {draft} is not one")
         ids = None
     else:
-        ids = choose_vocab(folder, requested_vocab, vocab_size)
+        ids = choose_vocab(folder, requested_vocab, vocab_size, eagle=eagle is not None)
     return {"target": GraphShape(features=eagle is not None),
             "draft": GraphShape(vocab_ids=ids, eagle=eagle, folder=folder)}
