@@ -186,3 +186,22 @@ def test_an_eagle_bundle_with_a_changed_head_width_is_refused(eagle_bundle, tmp_
         manifest.draft, eagle=dataclasses.replace(manifest.draft.eagle, feature_size=7)))
     with pytest.raises(SpecdeployError, match="is not the eagle draft's"):
         manifest_from_dict(bad.to_dict())
+
+
+def test_batched_target_steps_keep_each_rows_features(eagle_bundle):
+    """A batched target-only pass writes each row's feature at its own position, as a pass alone does."""
+    from specdeploy.runtime import OrtEngine, SessionConfig
+
+    manifest = load_manifest(eagle_bundle)
+    engine = OrtEngine(eagle_bundle / manifest.target.onnx_path, manifest.target, SessionConfig(),
+                       features=manifest.draft.eagle.target_feature)
+    pool = engine.new_slots(3, 64)
+    prompts = [[5, 9, 33, 40], [7, 7], [100, 3, 2, 8, 19, 21]]
+    for prompt, cache in zip(prompts, pool.caches):
+        engine.run(prompt, cache)
+    engine.run_batch([11, 12], [pool.caches[0], pool.caches[2]])  # row 1 is not given: it keeps its length
+    assert [c.length for c in pool.caches] == [5, 2, 7]
+    for prompt, token, cache in ((prompts[0], 11, pool.caches[0]), (prompts[2], 12, pool.caches[2])):
+        alone = engine.new_cache(64)
+        engine.run(prompt + [token], alone)
+        np.testing.assert_allclose(cache.features[: cache.length], alone.features[: alone.length], atol=1e-4)
