@@ -205,3 +205,17 @@ def test_batched_target_steps_keep_each_rows_features(eagle_bundle):
         alone = engine.new_cache(64)
         engine.run(prompt + [token], alone)
         np.testing.assert_allclose(cache.features[: cache.length], alone.features[: alone.length], atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["eagle_bundle", "subset_bundle"])
+def test_batched_draft_steps_propose_what_a_sequence_alone_does(request, name):
+    """Rows of a batch step their drafts together (the eagle head with each row's own feature); each row's
+    proposals, and so its acceptance, are those it makes alone."""
+    bundle = request.getfixturevalue(name)
+    alone = specdeploy.load(bundle, drafter="model")
+    batched = specdeploy.load(bundle, drafter="model", max_batch=3, policy="always")
+    prompts = [alone.codec.encode(p) for p in PROMPTS[:3]]
+    singles = [alone.generate(ids, max_new_tokens=40, num_draft_tokens=4) for ids in prompts]
+    together = batched.generate_many(prompts, max_new_tokens=40, num_draft_tokens=4)
+    assert [o.token_ids for o in together] == [o.token_ids for o in singles]
+    assert [o.stats.accepted_by_position for o in together] == [o.stats.accepted_by_position for o in singles]

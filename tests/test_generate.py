@@ -125,7 +125,7 @@ def test_stats_count_what_happened(agreeing_bundle, temperature):
     generator = specdeploy.load(agreeing_bundle, warm_up=False)
     passes = []
     run = generator.target.run  # every pass of one sequence goes through it (run_batch of one row included)
-    generator.target.run = lambda token_ids, cache: passes.append(len(token_ids)) or run(token_ids, cache)
+    generator.target.run = lambda token_ids, cache, *rest: passes.append(len(token_ids)) or run(token_ids, cache, *rest)
     output = generator.generate(PROMPTS[0], max_new_tokens=48, temperature=temperature, num_draft_tokens=4)
     stats = output.stats
     assert stats.new_tokens == len(output.token_ids) and stats.prompt_tokens == len(generator.codec.encode(PROMPTS[0]))

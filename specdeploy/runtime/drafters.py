@@ -117,6 +117,22 @@ class ModelDrafter:
         """The logits [vocab] after one more drafted token."""
         return self.widen(self.engine.run([token], self.cache)[0])
 
+    def first_step(self, context: list[int]) -> tuple[np.ndarray | None, int | None]:
+        """propose_many's start of a proposal: (the first draft position's logits [vocab], None) after a
+        catch-up of several tokens, which runs alone as propose runs it, or (None, the one token the
+        first batched pass runs)."""
+        rest = self.pending(context)
+        if len(rest) == 1:
+            return None, rest[0]
+        while len(rest) > PREFILL_CHUNK:
+            self.engine.run(rest[:PREFILL_CHUNK], self.cache)
+            rest = rest[PREFILL_CHUNK:]
+        return self.widen(self.engine.run(rest, self.cache)[-1]).copy(), None
+
+    def step_features(self) -> np.ndarray | None:
+        """The feature row a batched step of this drafter reads (None: a model draft reads none)."""
+        return None
+
     def pending(self, context: list[int]) -> list[int]:
         """The tokens of context the cache lacks (at least one): rejected drafts leave it here."""
         rest = self.cache.truncate_to_prefix(context, min_rest=1, start=self._known)
@@ -370,14 +386,10 @@ def _propose_model_rows(model_rows: list[tuple], results: list) -> None:
     rows = []
     for index, drafter, context, num_tokens, sampler, rng, min_confidence in model_rows:
         row = _Row(index, drafter, num_tokens, sampler, min_confidence)
-        rest = drafter.pending(context)
-        if len(rest) > 1:  # a catch-up of several tokens runs alone, as ModelDrafter.propose runs it
-            while len(rest) > PREFILL_CHUNK:
-                engine.run(rest[:PREFILL_CHUNK], drafter.cache)
-                rest = rest[PREFILL_CHUNK:]
-            row.logits = drafter.widen(engine.run(rest, drafter.cache)[-1]).copy()
-        else:
-            row.pending = rest[0]
+        row.logits, row.pending = drafter.first_step(context)
+        if row.logits is None and row.pending is None:  # nothing to propose from
+            results[index] = ([], None)
+            continue
         if not sampler.greedy:
             drafter._prepare(sampler, engine.spec.vocab_size, num_tokens)
             row.uniforms = rng.random(num_tokens).tolist()  # the round's draws in one call, as propose takes them
@@ -385,7 +397,9 @@ def _propose_model_rows(model_rows: list[tuple], results: list) -> None:
     stepping = [row for row in rows if row.logits is None]
     while True:
         if stepping:
-            logits = engine.run_batch([row.pending for row in stepping], [row.drafter.cache for row in stepping])
+            features = [row.drafter.step_features() for row in stepping]
+            logits = engine.run_batch([row.pending for row in stepping], [row.drafter.cache for row in stepping],
+                                      features if features[0] is not None else None)
             for row, row_logits in zip(stepping, logits):
                 row.logits = row.drafter.widen(row_logits)
         stepping = []

@@ -22,7 +22,6 @@ class EagleDrafter(ModelDrafter):
     """A ModelDrafter whose passes also take feature rows: the target's for the positions it has
     verified, the head's own for the ones it drafts. Each slot's drafter reads that slot's target cache."""
 
-    batched = False  # its steps run one sequence at a time (propose_many calls propose)
 
     def __init__(self, engine, capacity: int, cache=None, vocab_ids: np.ndarray | None = None, target_cache=None):
         super().__init__(engine, capacity, cache, vocab_ids)
@@ -75,6 +74,16 @@ class EagleDrafter(ModelDrafter):
 
     def _next(self, token: int) -> np.ndarray:
         """One chain step: the drafted token with the head's own last predicted feature."""
+        return self.widen(self.engine.run([token], self.cache, self.step_features())[0])
+
+    def step_features(self) -> np.ndarray:
+        """[1, F]: the head's last predicted feature, the input of its next chain step (a row the step does not write)."""
         cache = self.cache
-        feature = cache.features[cache.length - 1 : cache.length]  # [1, F], a row the pass does not write
-        return self.widen(self.engine.run([token], cache, feature)[0])
+        return cache.features[cache.length - 1 : cache.length]
+
+    def first_step(self, context: list[int]) -> tuple[np.ndarray | None, int | None]:
+        """As ModelDrafter.first_step: the catch-up from the target's features always runs alone (its last
+        entry is new every round), then the chain steps batch."""
+        if len(context) < 2:
+            return None, None
+        return self.widen(self._catch_up(context, min_rest=1, start=self._real)[-1]).copy(), None

@@ -119,8 +119,9 @@ class OrtEngine:
         return KVSlots(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.cache_dtype, capacity, slots,
                        feature_size=self.feature_size)
 
-    def run_batch(self, token_ids: list[int], caches: list) -> np.ndarray:
+    def run_batch(self, token_ids: list[int], caches: list, features: list[np.ndarray] | None = None) -> np.ndarray:
         """One token after each of several caches ([n] tokens, n caches); returns their logits [n, vocab].
+        features: an eagle draft's input row [1, F] for each.
 
         Caches that are rows of one KVSlots run in one pass over its first rows (every row up to the
         highest one given): a row that is not given writes its pending slot (the position at its
@@ -134,13 +135,16 @@ class OrtEngine:
                    and all(cache.pool is pool for cache in caches)
                    and len({cache.slot_index for cache in caches}) == len(caches)
                    and all(cache.length < cache.capacity for cache in pool.caches[:rows]))
+        rows_in = features if features is not None else [None] * len(caches)
         if len(caches) == 1:  # the pass alone, its logits as they are (a view the next pass may overwrite)
-            return self.run([token_ids[0]], caches[0])[-1:]
+            return self.run([token_ids[0]], caches[0], rows_in[0])[-1:]
         if not batched:  # each row copied out as it comes: the next pass may overwrite a scratch row
             out = np.empty((len(caches), self.columns), dtype=np.float32)  # [n, vocab]
-            for row, (token, cache) in enumerate(zip(token_ids, caches)):
-                out[row] = self.run([token], cache)[-1]
+            for row, (token, cache, feature) in enumerate(zip(token_ids, caches, rows_in)):
+                out[row] = self.run([token], cache, feature)[-1]
             return out
+        if (features is None) != (self._feature_input is None):
+            raise SpecdeployError(f"the {self.spec.role} graph {'needs' if features is None else 'takes no'} feature rows")
         ids, logits, logits_value = self._batch_buffers(rows)
         ids[:] = 0
         for token, cache in zip(token_ids, caches):
@@ -149,18 +153,7 @@ class OrtEngine:
         pool.mask[:rows] = 0
         for index, length in enumerate(lengths):
             pool.mask[index, : length + 1] = 1
-        buffers, mask = pool.prefix(rows)
-        binding = self._binding
-        for name, tensor in zip(self._past_names, buffers):
-            binding.bind_ortvalue_input(name, tensor)
-        for name, tensor in zip(self._present_names, buffers):
-            binding.bind_ortvalue_output(name, tensor)
-        binding.bind_ortvalue_input("attention_mask", mask)
-        binding.bind_ortvalue_input("input_ids", self._batch_ids_values[rows])
-        binding.bind_ortvalue_output("logits", logits_value)
-        if self.features is not None:
-            binding.bind_ortvalue_output(self.features, pool.feature_rows(rows))
-        self._bound_cache = self._bound_ids = self._bound_logits = self._stepping = None
+        self._bind_batch(pool, rows, logits_value, caches, features)
         try:
             self._timed_run()
         finally:
@@ -175,6 +168,26 @@ class OrtEngine:
             cache.mask_to(cache.length)
         rows_out = logits[[cache.slot_index for cache in caches], 0]  # [n, vocab]
         return rows_out if self._float32_logits else rows_out.astype(np.float32)
+
+    def _bind_batch(self, pool, rows: int, logits_value, caches: list, features: list | None) -> None:
+        """Bind the first `rows` slots of pool for one batched pass (run_batch), and the feature rows."""
+        buffers, mask = pool.prefix(rows)
+        binding = self._binding
+        for name, tensor in zip(self._past_names, buffers):
+            binding.bind_ortvalue_input(name, tensor)
+        for name, tensor in zip(self._present_names, buffers):
+            binding.bind_ortvalue_output(name, tensor)
+        binding.bind_ortvalue_input("attention_mask", mask)
+        binding.bind_ortvalue_input("input_ids", self._batch_ids_values[rows])
+        binding.bind_ortvalue_output("logits", logits_value)
+        if self.features is not None:
+            binding.bind_ortvalue_output(self.features, pool.feature_rows(rows))
+        if features is not None:  # [rows, 1, F]: each given row's input at its slot, zeros elsewhere
+            self._features_in = np.zeros((rows, 1, features[0].shape[-1]), dtype=np.float32)
+            for cache, feature in zip(caches, features):
+                self._features_in[cache.slot_index, 0] = feature[-1]
+            binding.bind_cpu_input(self._feature_input, self._features_in)
+        self._bound_cache = self._bound_ids = self._bound_logits = self._stepping = None
 
     def _batch_buffers(self, rows: int):
         """The ids [rows, 1] and logits [rows, 1, vocab] of a batched pass, with their OrtValues (made once per size)."""

@@ -155,16 +155,10 @@ class Generator:
         if engine is None:
             return
         models = [getattr(slot.drafter, "model_drafter", slot.drafter) for slot in self.slots]
-        if not models[0].batched:  # an eagle head: its rows step one by one, each as one sequence's step
-            models[0].prefill(prompt)
-            step = timed(lambda: _eagle_step_back(models[0], prompt[-1]))
-            policy.draft_ms.update({rows: rows * step for rows in range(1, self.max_batch + 1)})
-            return
-        draft_caches = [model.cache for model in models]
-        for cache in draft_caches:
-            engine.prefill(prompt, cache)
+        for model in models:
+            model.prefill(prompt)  # an eagle head reads the target's features of the prompt, prefilled above
         for rows in range(1, self.max_batch + 1):
-            policy.draft_ms[rows] = timed(lambda: _step_back(engine, draft_caches[:rows], length))
+            policy.draft_ms[rows] = timed(lambda: _draft_step_back(models[:rows]))
 
     def _config(self, kwargs) -> GenerationConfig:
         stop = kwargs.pop("stop", None)
@@ -317,9 +311,11 @@ def _verify_back(engine: OrtEngine, cache, prompt: list[int], tokens: int) -> No
     cache.truncate(len(prompt))
 
 
-def _eagle_step_back(drafter, token: int) -> None:
-    """One chain step of an eagle head after its prefilled entries, then back (calibration)."""
-    cache = drafter.cache
-    length = cache.length
-    drafter.engine.run([token], cache, cache.features[length - 1 : length])
-    cache.truncate(length)
+def _draft_step_back(drafters: list) -> None:
+    """One batched draft step after each drafter's prefilled context, then each back (calibration)."""
+    caches = [drafter.cache for drafter in drafters]
+    lengths = [cache.length for cache in caches]
+    features = [drafter.step_features() for drafter in drafters]
+    drafters[0].engine.run_batch([1] * len(caches), caches, features if features[0] is not None else None)
+    for cache, length in zip(caches, lengths):
+        cache.truncate(length)
