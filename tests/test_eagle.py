@@ -93,8 +93,8 @@ def test_eagle_sampling_matches_the_target_distribution_at_every_setting(eagle_b
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("setting", ["T 0.8", "T 0.8, top-p 0.95, repetition penalty 1.1", "T 0.8, frequency penalty 1.0"])
-def test_subset_sampling_matches_the_target_distribution(subset_bundle, setting):
+@pytest.mark.parametrize("setting", list(SAMPLED_SETTINGS))
+def test_subset_sampling_matches_the_target_distribution_at_every_setting(subset_bundle, setting):
     _check_distribution(subset_bundle, setting)
 
 
