@@ -153,12 +153,15 @@ def test_export_chooses_the_most_frequent_tokens(distilled_drafts, tmp_path):
         choose_vocab(folder, 300, VOCAB)
     # an eagle head's rows are the target's: it may take more than it was distilled over, by every token's count
     eagle = json.loads((distilled_drafts["eagle"] / "draft_vocab.json").read_text())
-    counted = len(eagle["frequencies"]["ids"])
-    assert DISTILLED_VOCAB < counted <= VOCAB
-    wider = choose_vocab(distilled_drafts["eagle"], counted - 1, VOCAB, eagle=True)
-    assert len(wider) == counted - 1 and set(eagle["always"]) <= set(wider.tolist())
-    with pytest.raises(SpecdeployError, match=f"{counted} tokens were counted"):
-        choose_vocab(distilled_drafts["eagle"], counted + 1 if counted < VOCAB else VOCAB + 1, VOCAB, eagle=True)
+    counts = dict(zip(eagle["frequencies"]["ids"], eagle["frequencies"]["counts"]))
+    assert DISTILLED_VOCAB < len(counts) <= VOCAB
+    wider = choose_vocab(distilled_drafts["eagle"], len(counts) - 1, VOCAB, eagle=True).tolist()
+    assert len(wider) == len(counts) - 1 and set(eagle["always"]) <= set(wider)
+    dropped = set(counts) - set(wider) - set(eagle["always"])
+    assert all(counts[i] <= min(counts[j] for j in wider if j in counts) for i in dropped)
+    assert choose_vocab(distilled_drafts["eagle"], VOCAB, VOCAB, eagle=True).tolist() == list(range(VOCAB))
+    with pytest.raises(SpecdeployError, match=f"the vocabulary has {VOCAB} tokens"):
+        choose_vocab(distilled_drafts["eagle"], VOCAB + 1, VOCAB, eagle=True)
 
 
 def test_export_draft_vocab_errors(trained_pair, tmp_path):

@@ -69,8 +69,9 @@ def choose_vocab(folder: Path, requested: int | None, vocab_size: int, eagle: bo
     requested None: the draft folder's own draft_vocab.json (all of its ids), if it has one; 0: the
     whole vocabulary; N: the N most frequent of draft_vocab.json's ids (its special ids always kept),
     which needs the file: the frequencies come from the distillation's data. An eagle head's rows are
-    the target's own, so it may also take more than it was distilled over, the most frequent of every
-    token counted (draft_vocab.json's `frequencies`)."""
+    the target's own, so it may also take more than it was distilled over, by every token's count
+    (draft_vocab.json's `frequencies`; tokens never counted after them, lower ids first, as distill
+    ranks them)."""
     vocab = read_draft_vocab(folder)
     if requested == 0 or (requested is None and vocab is None):
         return None
@@ -81,12 +82,14 @@ def choose_vocab(folder: Path, requested: int | None, vocab_size: int, eagle: bo
         raise SpecdeployError(f"--draft {folder}: {DRAFT_VOCAB_FILE} is for a vocabulary of {vocab['vocab_size']}, "
                               f"the target has {vocab_size}")
     ids, counts = vocab["ids"], vocab["counts"]
-    if eagle and requested is not None and requested > len(ids) and len(vocab["all_ids"]) >= requested:
-        ids, counts = vocab["all_ids"], vocab["all_counts"]
+    if eagle and requested is not None and requested > len(ids) and len(vocab["all_ids"]):
+        if requested > vocab_size:
+            raise SpecdeployError(f"--draft-vocab {requested}: the vocabulary has {vocab_size} tokens")
+        ids, counts = np.arange(vocab_size), np.zeros(vocab_size, dtype=np.int64)
+        counts[vocab["all_ids"]] = vocab["all_counts"]
     if requested is None or requested >= len(ids):
         if requested is not None and requested > len(ids):
-            more = f", and {len(vocab['all_ids'])} tokens were counted" if eagle else ""
-            raise SpecdeployError(f"--draft-vocab {requested}: the draft was distilled over {len(ids)} tokens{more}; "
+            raise SpecdeployError(f"--draft-vocab {requested}: the draft was distilled over {len(ids)} tokens; "
                                   f"choose at most that many (or 0 for the whole vocabulary)")
         return np.sort(ids)
     always = [i for i in vocab["always"] if 0 <= i < vocab_size]  # kept whatever their count
