@@ -2,6 +2,7 @@
 norms, the scaled embedding and a softcapped tied head, against transformers' own model."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -172,3 +173,31 @@ def test_gemma3_under_onnxruntime_genai(gemma3):
         while not genai.is_done():
             genai.generate_next_token()
         assert [int(t) for t in genai.get_sequence(0)][len(prompt):] == ours, folder
+
+
+def test_an_eagle_head_for_gemma3_round_trips(gemma3, tmp_path):
+    """distill --kind eagle on a Gemma 3 target (its decoder stack is `model`, its embedding scaled, its final
+    norm offset by 1, its head tied and softcapped), export, and greedy output equal to the target alone."""
+    import sysconfig
+
+    import specdeploy
+    from specdeploy.distill import DistillConfig, distill
+
+    model, out, manifest = gemma3
+    checkpoint = Path(manifest.target.source)
+    text = tmp_path / "code.py"
+    text.write_text((Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text())
+    head = tmp_path / "eagle"
+    distill(DistillConfig(target=str(checkpoint), out=str(head), kind="eagle", data=(str(text),), steps=20,
+                          draft_vocab=192, seq_len=32, batch_size=2, heldout_tokens=64, generate_tokens=0, eval_every=20,
+                          minutes=None, threads=1))
+    bundle = tmp_path / "bundle"
+    exported = export_bundle(ExportConfig(target=str(checkpoint), draft=str(head), out=str(bundle), draft_quantize="none"))
+    assert exported.draft.kind == "eagle" and exported.draft.parity.passed
+    assert exported.draft.parity.check == "max_abs_diff"
+    generator = specdeploy.load(bundle, drafter="model")
+    for prompt in ("def f(x):", "import os\n"):
+        ids = generator.codec.encode(prompt)
+        alone = generator.generate(ids, max_new_tokens=24, speculative=False)
+        spec = generator.generate(ids, max_new_tokens=24, num_draft_tokens=3)
+        assert spec.token_ids == alone.token_ids and spec.stats.drafted > 0

@@ -41,8 +41,10 @@ class Target:
         self.hidden_size = int(model.get_output_embeddings().weight.shape[1])
         self.num_layers = int(self.config.num_hidden_layers)
         self.softcap = getattr(self.config, "final_logit_softcapping", None)
-        base = model.base_model
-        self.final_norm = next((getattr(base, name) for name in FINAL_NORM_NAMES
+        # The decoder stack: base_model, or `model` where base_model_prefix names another (Gemma 3's
+        # "language_model", for its multimodal sibling) and base_model is the whole model.
+        bases = [model.base_model, getattr(model, "model", None)]
+        self.final_norm = next((getattr(base, name) for base in bases if base is not None for name in FINAL_NORM_NAMES
                                 if isinstance(getattr(base, name, None), nn.Module)), None)
         self._captured: dict[str, torch.Tensor] = {}
         if self.final_norm is not None:
