@@ -218,8 +218,8 @@ def time_llama_speculative(llama_bench: Path, files: str, ids: list[int], tokens
     target, draft = files.split(",")
     binary = llama_bench.with_name("llama-speculative-simple")
     result = subprocess.run([str(binary), "-m", target, "-md", draft, "-p", prompt, "-n", str(tokens), "-t", "2",
-                             "-td", "2", "--draft-max", "4", "--draft-min", "0", "--temp", "0", "-c", "2048",
-                             "--ignore-eos"], capture_output=True, text=True, check=True)
+                             "-td", "2", "--spec-type", "draft-simple", "--spec-draft-n-max", "4", "--spec-draft-n-min",
+                             "0", "--temp", "0", "-c", "2048", "--ignore-eos"], capture_output=True, text=True, check=True)
     match = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s", result.stderr)
     if match is None:
         raise RuntimeError("llama-speculative-simple printed no decode speed")

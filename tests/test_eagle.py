@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from scipy import stats as scipy_stats
 
 import specdeploy
 from specdeploy.bundle import load_manifest, manifest_from_dict
@@ -20,9 +19,9 @@ from specdeploy.errors import SpecdeployError
 from specdeploy.export.eagle import choose_vocab
 from specdeploy.runtime.drafters import read_vocab_ids
 from specdeploy.runtime.sampling import Sampler
-from specdeploy.testing import SAMPLED_SETTINGS, exact_continuation_probs
+from specdeploy.testing import SAMPLED_SETTINGS
 
-from conftest import DISTILLED_VOCAB, VOCAB
+from conftest import DISTILLED_VOCAB, VOCAB, check_two_token_distribution
 
 PROMPTS = ["def wrap(text, width):\n    ", "import bisect\n\nclass ", "    return [line for line in", "x"]
 
@@ -98,28 +97,10 @@ def test_subset_sampling_matches_the_target_distribution_at_every_setting(subset
     _check_distribution(subset_bundle, setting)
 
 
-def _check_distribution(bundle, setting: str, runs: int = 3000) -> None:
-    """The first two tokens of seeded k = 1 runs against the exact joint target distribution (cells expected
-    fewer than 5 times pooled): draft rows widened from the subset, rejections, bonus tokens."""
-    options = SAMPLED_SETTINGS[setting]
+def _check_distribution(bundle, setting: str) -> None:
+    """Draft rows widened from the subset (an eagle head's, a model draft's), rejections, bonus tokens."""
     generator = specdeploy.load(bundle, drafter="model")
-    params = specdeploy.GenerationConfig(**options).sampling
-    prompt = generator.codec.encode(PROMPTS[0])
-    exact = exact_continuation_probs(generator, prompt, params, 2, min_probability=5 / runs)
-    counts: dict = {}
-    accepted = 0
-    for seed in range(runs):
-        out = generator.generate(prompt, max_new_tokens=2, seed=seed, num_draft_tokens=1, **options)
-        counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
-        accepted += out.stats.accepted
-    assert runs // 20 < accepted < runs - runs // 20  # both the acceptance and the rejection paths ran
-    common = sorted(exact, key=exact.get, reverse=True)
-    observed = [counts.get(key, 0) for key in common] + [runs - sum(counts.get(key, 0) for key in common)]
-    expected = [exact[key] * runs for key in common] + [runs * (1.0 - sum(exact[key] for key in common))]
-    if expected[-1] < 1e-9:
-        assert observed[-1] == 0
-        observed, expected = observed[:-1], expected[:-1]
-    assert scipy_stats.chisquare(observed, np.array(expected) * sum(observed) / sum(expected)).pvalue > 1e-3
+    check_two_token_distribution(generator, generator.codec.encode(PROMPTS[0]), SAMPLED_SETTINGS[setting], runs=3000)
 
 
 def test_a_subset_draft_never_proposes_outside_it(subset_bundle):

@@ -12,7 +12,7 @@ from specdeploy.errors import SpecdeployError
 from specdeploy.runtime import sampling
 from specdeploy.runtime.sampling import SamplingParams
 
-from conftest import ARCHITECTURES
+from conftest import ARCHITECTURES, check_two_token_distribution
 
 PROMPTS = ["def f(x):", "import os\n", "class A:\n    def __init__(self):"]
 
@@ -189,27 +189,9 @@ def test_sampling_matches_the_target_distribution_at_every_setting(agreeing_bund
     distribution at that setting (cells expected fewer than 5 times pooled); with the C kernel and without."""
     if sampler == "numpy":
         monkeypatch.setattr(sampling, "_fastsample", None)
-    options = SETTINGS[setting]
     generator = specdeploy.load(agreeing_bundle, drafter="model")
-    params = specdeploy.GenerationConfig(**options).sampling
-    prompt = generator.codec.encode(PROMPTS[1])
-    runs = 4000
-    exact = exact_continuation_probs(generator, prompt, params, 2, min_probability=5 / runs)
-    counts: dict = {}
-    accepted = 0
-    for seed in range(runs):
-        out = generator.generate(prompt, max_new_tokens=2, seed=seed, num_draft_tokens=1, **options)
-        counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
-        accepted += out.stats.accepted
-    assert runs // 10 < accepted < runs - runs // 20  # both the acceptance and the rejection paths ran
-    common = sorted(exact, key=exact.get, reverse=True)  # every pair expected at least 5 times
-    observed = [counts.get(key, 0) for key in common] + [runs - sum(counts.get(key, 0) for key in common)]
-    expected = [exact[key] * runs for key in common] + [runs * (1.0 - sum(exact[key] for key in common))]
-    assert len(common) >= 10
-    if expected[-1] < 1e-9:  # a truncated support enumerated whole: no pooled cell
-        assert observed[-1] == 0
-        observed, expected = observed[:-1], expected[:-1]
-    assert scipy_stats.chisquare(observed, np.array(expected) * sum(observed) / sum(expected)).pvalue > 1e-3
+    check_two_token_distribution(generator, generator.codec.encode(PROMPTS[1]), SETTINGS[setting], runs=4000,
+                                 min_accepted=0.1)
 
 
 @pytest.mark.parametrize("drafter", ["model", "hybrid", "prompt-lookup"])
