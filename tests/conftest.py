@@ -285,7 +285,7 @@ def subset_bundle(tmp_path_factory, trained_pair, distilled_drafts):
 
 
 def check_two_token_distribution(generator, prompt_ids: list[int], options: dict, runs: int,
-                                 min_accepted: float = 0.05) -> None:
+                                 min_accepted: float = 0.05, max_accepted: float = 0.95) -> None:
     """The first two tokens of `runs` seeded k = 1 runs through the whole speculative loop (draft rows, the
     verify scan with its rejections and bonus tokens, target-only steps) against the exact joint target
     distribution at `options` (cells expected fewer than 5 times pooled): a chi-square p-value above 1e-3,
@@ -304,7 +304,7 @@ def check_two_token_distribution(generator, prompt_ids: list[int], options: dict
         out = generator.generate(prompt_ids, max_new_tokens=2, seed=seed, num_draft_tokens=1, **options)
         counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
         accepted += out.stats.accepted
-    assert runs * min_accepted < accepted < runs - runs // 20  # both the acceptance and the rejection paths ran
+    assert runs * min_accepted < accepted < runs * max_accepted  # both the acceptance and the rejection paths ran
     common = sorted(exact, key=exact.get, reverse=True)  # every pair expected at least 5 times
     observed = [counts.get(key, 0) for key in common] + [runs - sum(counts.get(key, 0) for key in common)]
     expected = [exact[key] * runs for key in common] + [runs * (1.0 - sum(exact[key] for key in common))]

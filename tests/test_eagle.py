@@ -98,9 +98,12 @@ def test_subset_sampling_matches_the_target_distribution_at_every_setting(subset
 
 
 def _check_distribution(bundle, setting: str) -> None:
-    """Draft rows widened from the subset (an eagle head's, a model draft's), rejections, bonus tokens."""
+    """Draft rows widened from the subset (an eagle head's, a model draft's), rejections, bonus tokens. The
+    model draft agrees with its target so well (min-p: 98% of rounds) that a few dozen rejections are all
+    a run holds; they still take the residual path."""
     generator = specdeploy.load(bundle, drafter="model")
-    check_two_token_distribution(generator, generator.codec.encode(PROMPTS[0]), SAMPLED_SETTINGS[setting], runs=3000)
+    check_two_token_distribution(generator, generator.codec.encode(PROMPTS[0]), SAMPLED_SETTINGS[setting], runs=3000,
+                                 max_accepted=0.995)
 
 
 def test_a_subset_draft_never_proposes_outside_it(subset_bundle):

@@ -305,7 +305,7 @@ async function main() {
   const acceptance = stats.drafted ? stats.accepted / stats.drafted : 0;
   process.stderr.write(
     `\n${tokens.length} tokens in ${stats.decodeMs.toFixed(1)} ms (${perSecond.toFixed(1)} tok/s), prefill ${stats.prefillMs.toFixed(1)} ms, ` +
-      `${stats.rounds} rounds, acceptance ${acceptance.toFixed(2)}, target ${models.target.ms.toFixed(1)} ms, draft ${models.draft.ms.toFixed(1)} ms (in session.run)\n`,
+      `${stats.rounds} rounds, acceptance ${acceptance.toFixed(2)}, target ${models.target.ms.toFixed(1)} ms, draft ${models.draft ? models.draft.ms.toFixed(1) : "-"} ms (in session.run)\n`,
   );
 }
 
