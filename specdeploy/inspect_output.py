@@ -49,11 +49,11 @@ def inspect_lines(bundle: str, manifest, chat_template: str | None) -> list[str]
              f"max context: {manifest.max_context} tokens", ""]
     table = [
         ("", "target", "draft"),
-        ("architecture", t.architecture, d.architecture),
+        ("architecture", t.architecture, d.architecture + (" (eagle)" if d.eagle else "")),
         ("parameters", f"{t.num_parameters / 1e6:.1f}M", f"{d.num_parameters / 1e6:.1f}M"),
         ("layers x KV heads x head dim", f"{t.num_layers} x {t.num_kv_heads} x {t.head_dim}",
          f"{d.num_layers} x {d.num_kv_heads} x {d.head_dim}"),
-        ("vocab", str(t.vocab_size), str(d.vocab_size)),
+        ("vocab", str(t.vocab_size), str(d.vocab_size) + (f", proposes from {d.vocab_subset}" if d.vocab_subset else "")),
         ("dtype / quantize", f"{t.dtype} / {t.quantize}", f"{d.dtype} / {d.quantize}"),
         ("graph", t.graph, d.graph),
         ("KV cache", *(("shared buffer" if s.kv_cache.shared_buffer else "concat")

@@ -206,3 +206,9 @@ def test_batched_draft_steps_propose_what_a_sequence_alone_does(request, name):
     together = batched.generate_many(prompts, max_new_tokens=40, num_draft_tokens=4)
     assert [o.token_ids for o in together] == [o.token_ids for o in singles]
     assert [o.stats.accepted_by_position for o in together] == [o.stats.accepted_by_position for o in singles]
+
+
+def test_inspect_names_the_draft_kind_and_its_vocabulary(eagle_bundle):
+    result = CliRunner().invoke(main, ["inspect", str(eagle_bundle)])
+    assert result.exit_code == 0
+    assert "EagleHead (eagle)" in result.output and f"proposes from {DISTILLED_VOCAB}" in result.output
