@@ -331,6 +331,7 @@ def _check_draft_fields(spec: ModelSpec, inputs: dict, outputs: dict) -> None:
         for names, name, kind in ((inputs, spec.eagle.feature_input, "input"), (outputs, spec.eagle.feature_output, "output")):
             if name not in names:
                 raise SpecdeployError(f"manifest: the eagle draft lacks its feature {kind} '{name}'")
+            _check_feature_tensor(names[name], spec.eagle.feature_size, f"the eagle draft's feature {kind}")
         if spec.graph != "fused":
             raise SpecdeployError("manifest: an eagle draft must be a fused graph")
 
@@ -345,6 +346,14 @@ def _check_eagle_pair(target: ModelSpec, draft: ModelSpec) -> None:
     if target.graph != "fused" or feature.shape[-1] != draft.eagle.feature_size:
         raise SpecdeployError(f"manifest: the target's '{feature.name}' {list(feature.shape)} is not the eagle draft's "
                               f"[batch, sequence, {draft.eagle.feature_size}] from a fused graph")
+    _check_feature_tensor(feature, draft.eagle.feature_size, "the target's feature output")
+
+
+def _check_feature_tensor(tensor: TensorSpec, width: int, what: str) -> None:
+    """Feature rows are float32 [batch, sequence, width] (the runtime's feature buffers are float32)."""
+    if tensor.dtype != "float32" or len(tensor.shape) != 3 or tensor.shape[-1] != width:
+        raise SpecdeployError(f"manifest: {what} '{tensor.name}' is {tensor.dtype} {list(tensor.shape)}, not float32 "
+                              f"[batch, sequence, {width}]")
 
 
 def _matches(template_: str, name: str) -> bool:

@@ -59,6 +59,17 @@ def test_manifest_rules_for_draft_kinds(eagle_bundle):
             "which the target lacks")
     refused(lambda m: m["draft"].__setitem__("vocab_subset", 100), "logits shape")
 
+    def narrow_draft_input(m):
+        tensor = next(t for t in m["draft"]["inputs"] if t["name"] == "hidden_states")
+        tensor["shape"] = tensor["shape"][:2] + [tensor["shape"][2] // 2]
+
+    refused(narrow_draft_input, "the eagle draft's feature input 'hidden_states' is float32")
+
+    def half_target_output(m):
+        next(t for t in m["target"]["outputs"] if t["name"] == "hidden_states")["dtype"] = "float16"
+
+    refused(half_target_output, "the target's feature output 'hidden_states' is float16")
+
 
 @pytest.mark.parametrize("name", ["eagle_bundle", "subset_bundle"])
 @pytest.mark.parametrize("drafter, max_batch", [("model", 1), ("hybrid", 1), ("model", 3)])
@@ -171,7 +182,7 @@ def test_an_eagle_bundle_with_a_changed_head_width_is_refused(eagle_bundle, tmp_
     manifest = load_manifest(eagle_bundle)
     bad = dataclasses.replace(manifest, draft=dataclasses.replace(
         manifest.draft, eagle=dataclasses.replace(manifest.draft.eagle, feature_size=7)))
-    with pytest.raises(SpecdeployError, match="is not the eagle draft's"):
+    with pytest.raises(SpecdeployError, match=r"\[batch, sequence, 7\]"):
         manifest_from_dict(bad.to_dict())
 
 
@@ -212,3 +223,11 @@ def test_inspect_names_the_draft_kind_and_its_vocabulary(eagle_bundle):
     result = CliRunner().invoke(main, ["inspect", str(eagle_bundle)])
     assert result.exit_code == 0
     assert "EagleHead (eagle)" in result.output and f"proposes from {DISTILLED_VOCAB}" in result.output
+
+
+@pytest.mark.parametrize("option", [["--dtype", "fp16"], ["--draft-window", "64"]])
+def test_an_eagle_export_refuses_what_its_features_cannot_take(trained_pair, distilled_drafts, tmp_path, option):
+    result = CliRunner().invoke(main, ["export", "--target", str(trained_pair["target"]), "--draft",
+                                       str(distilled_drafts["eagle"]), "--out", str(tmp_path / "b"), *option])
+    assert result.exit_code == 2 and "an eagle draft exports with --dtype fp32 and no --draft-window" in result.output
+    assert not (tmp_path / "b").exists()

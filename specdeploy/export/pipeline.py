@@ -324,6 +324,9 @@ def _build_bundle(config: ExportConfig, checkpoints: dict, max_context: int, wor
     specs: dict[str, ModelSpec] = {}
     draft_path = Path(config.draft).expanduser() if Path(config.draft).expanduser().is_dir() else checkpoints["draft"].path
     shapes = eagle.graph_shapes(config.draft, draft_path, config.draft_vocab, int(checkpoints["target"].config.vocab_size))
+    if shapes["draft"].eagle is not None and (config.dtype != "fp32" or config.draft_window is not None):
+        raise SpecdeployError("an eagle draft exports with --dtype fp32 and no --draft-window (its feature rows are "
+                              "float32 and it attends to its whole context); quantize with --quantize int8|int4")
     for role in ROLES:
         checkpoint = checkpoints[role]
         report("load", f"{role}: {checkpoint.path.name}")
