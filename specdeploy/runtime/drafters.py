@@ -118,16 +118,16 @@ class ModelDrafter:
         return self.widen(self.engine.run([token], self.cache)[0])
 
     def first_step(self, context: list[int]) -> tuple[np.ndarray | None, int | None]:
-        """propose_many's start of a proposal: (the first draft position's logits [vocab], None) after a
-        catch-up of several tokens, which runs alone as propose runs it, or (None, the one token the
-        first batched pass runs)."""
+        """The start of a proposal: (the first draft position's logits [vocab], None) after a catch-up of
+        several tokens, which runs alone, or (None, the one token still to run: propose_many batches it).
+        (None, None): nothing to propose from. The logits may live in a buffer the next pass overwrites."""
         rest = self.pending(context)
         if len(rest) == 1:
             return None, rest[0]
         while len(rest) > PREFILL_CHUNK:
             self.engine.run(rest[:PREFILL_CHUNK], self.cache)
             rest = rest[PREFILL_CHUNK:]
-        return self.widen(self.engine.run(rest, self.cache)[-1]).copy(), None
+        return self.widen(self.engine.run(rest, self.cache)[-1]), None
 
     def step_features(self) -> np.ndarray | None:
         """The feature row a batched step of this drafter reads (None: a model draft reads none)."""
@@ -140,12 +140,12 @@ class ModelDrafter:
         return rest
 
     def propose(self, context, num_tokens, sampler, rng, min_confidence=0.0):
-        rest = self.pending(context)
-        engine, cache = self.engine, self.cache
-        while len(rest) > PREFILL_CHUNK:
-            engine.run(rest[:PREFILL_CHUNK], cache)
-            rest = rest[PREFILL_CHUNK:]
-        return self._propose_from(self.widen(engine.run(rest, cache)[-1]), num_tokens, sampler, rng, min_confidence)
+        logits, token = self.first_step(context)
+        if logits is None:
+            if token is None:
+                return [], None
+            logits = self._next(token)
+        return self._propose_from(logits, num_tokens, sampler, rng, min_confidence)
 
     def _propose_from(self, logits, num_tokens, sampler, rng, min_confidence):
         """The proposal from the first draft position's logits [vocab] on (the cache holds the context)."""
@@ -386,10 +386,11 @@ def _propose_model_rows(model_rows: list[tuple], results: list) -> None:
     rows = []
     for index, drafter, context, num_tokens, sampler, rng, min_confidence in model_rows:
         row = _Row(index, drafter, num_tokens, sampler, min_confidence)
-        row.logits, row.pending = drafter.first_step(context)
-        if row.logits is None and row.pending is None:  # nothing to propose from
+        logits, row.pending = drafter.first_step(context)
+        if logits is None and row.pending is None:  # nothing to propose from
             results[index] = ([], None)
             continue
+        row.logits = None if logits is None else logits.copy()  # the next row's catch-up may overwrite it
         if not sampler.greedy:
             drafter._prepare(sampler, engine.spec.vocab_size, num_tokens)
             row.uniforms = rng.random(num_tokens).tolist()  # the round's draws in one call, as propose takes them

@@ -65,12 +65,6 @@ class EagleDrafter(ModelDrafter):
         self._real = cache.length
         return logits
 
-    def propose(self, context, num_tokens, sampler, rng, min_confidence=0.0):
-        if len(context) < 2:  # no (feature, next token) pair yet
-            return [], None
-        logits = self._catch_up(context, min_rest=1, start=self._real)
-        return self._propose_from(self.widen(logits[-1]), num_tokens, sampler, rng, min_confidence)
-
     def _next(self, token: int) -> np.ndarray:
         """One chain step: the drafted token with the head's own last predicted feature."""
         return self.widen(self.engine.run([token], self.cache, self.step_features())[0])
@@ -81,8 +75,8 @@ class EagleDrafter(ModelDrafter):
         return cache.features[cache.length - 1 : cache.length]
 
     def first_step(self, context: list[int]) -> tuple[np.ndarray | None, int | None]:
-        """As ModelDrafter.first_step: the catch-up from the target's features always runs alone (its last
-        entry is new every round), then the chain steps batch."""
+        """As ModelDrafter.first_step (propose starts there too): the catch-up from the target's features
+        always runs (its last entry is new every round); nothing before a (feature, next token) pair exists."""
         if len(context) < 2:
             return None, None
-        return self.widen(self._catch_up(context, min_rest=1, start=self._real)[-1]).copy(), None
+        return self.widen(self._catch_up(context, min_rest=1, start=self._real)[-1]), None
