@@ -18,6 +18,7 @@ import numpy as np
 from ..bundle import ModelSpec
 from ..errors import SpecdeployError
 from .kv_cache import KVCache, KVSlots, SharedKVCache, ort_value
+from .rows import RowsPass
 from .session import PREFILL_CHUNK, SessionConfig, open_session
 
 BOUND_IDS = 64  # passes up to this many tokens bind their ids from a fixed buffer (see OrtEngine)
@@ -51,6 +52,7 @@ class OrtEngine:
         eagle draft's `next_hidden_states`) that each pass writes into its cache's feature buffer, row p
         for position p (shared-buffer graphs only). An eagle draft's feature input is `run`'s `features`."""
         self.spec = spec
+        self.model_path, self.config = model_path, config
         self.session = open_session(model_path, spec, config)
         self.columns = spec.vocab_subset or spec.vocab_size  # the logits' width (a draft may cover a subset)
         self.features = features
@@ -116,8 +118,34 @@ class OrtEngine:
             raise SpecdeployError(f"a cache of {capacity} positions exceeds the {spec.role}'s max context {spec.max_context}")
         if not self.shared_buffer or self._device != "cpu":
             return None
-        return KVSlots(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.cache_dtype, capacity, slots,
+        pool = KVSlots(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.cache_dtype, capacity, slots,
                        feature_size=self.feature_size)
+        if spec.role == "target" and slots > 1:  # verify passes (and a rounded target's steps) share one run
+            pool.rows_pass = RowsPass(self, pool, self.model_path, self.config)
+        return pool
+
+    def run_rows(self, token_lists: list[list[int]], caches: list) -> list[np.ndarray]:
+        """Each cache runs its tokens after its valid positions, as run(tokens, cache) would; returns each
+        one's logits [len(tokens), vocab] (valid until the next pass).
+
+        Caches that are rows of one KVSlots with a rows graph (rows.py) run in one pass, each row bit
+        for bit as its own pass: lists of two or more tokens, or of any length on an engine whose single
+        tokens run beside another (min_pass_tokens > 1: there every row runs its previous token again in
+        front). Anything else runs one pass per cache."""
+        pool = getattr(caches[0], "pool", None)
+        rows = getattr(pool, "rows_pass", None)
+        rerun = self.min_pass_tokens > 1
+        if (rows is not None and len(caches) > 1 and all(cache.pool is pool for cache in caches)
+                and len({cache.slot_index for cache in caches}) == len(caches)
+                and (rerun or all(len(tokens) > 1 for tokens in token_lists)) and rows.fits(token_lists, caches, rerun)):
+            self._stepping = None
+            return rows.run(token_lists, caches, rerun)
+        return [np.array(self.run(tokens, cache)) for tokens, cache in zip(token_lists, caches)]
+
+    def can_run_rows(self, caches: list) -> bool:
+        """Whether run_rows has a rows graph for these caches (rows of one pool that has one)."""
+        pool = getattr(caches[0], "pool", None)
+        return getattr(pool, "rows_pass", None) is not None
 
     def run_batch(self, token_ids: list[int], caches: list, features: list[np.ndarray] | None = None) -> np.ndarray:
         """One token after each of several caches ([n] tokens, n caches); returns their logits [n, vocab].

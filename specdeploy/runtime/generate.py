@@ -130,8 +130,9 @@ class Generator:
         self.reset()
 
     def calibrate(self, prompt: list[int], num_draft_tokens: int) -> None:
-        """Time a batched target step and a batched draft step at every batch size, and a verify pass
-        of every length up to num_draft_tokens + 1, into the speculation policy's tables."""
+        """Time a batched target step and a batched draft step at every batch size, a verify pass of
+        every length up to num_draft_tokens + 1 and a rows pass (rows.py) of each length a round can
+        take, into the speculation policy's tables."""
         import time
 
         policy, target = self.scheduler.policy, self.target
@@ -151,6 +152,10 @@ class Generator:
             policy.target_ms[rows] = timed(lambda: _step_back(target, caches[:rows], length))
         for tokens in range(2, num_draft_tokens + 2):
             policy.verify_ms[tokens] = timed(lambda: _verify_back(target, caches[0], prompt, tokens))
+        if target.can_run_rows(caches):
+            rerun = target.min_pass_tokens > 1
+            for tokens in range(2, num_draft_tokens + 2 + rerun):
+                policy.rows_ms[tokens] = timed(lambda: _rows_back(target, caches, prompt, tokens - rerun))
         engine = self.drafter.engine if self.drafter is not None else None
         if engine is None:
             return
@@ -304,6 +309,13 @@ def _step_back(engine: OrtEngine, caches: list, length: int) -> None:
     engine.run_batch([1] * len(caches), caches)
     for cache in caches:
         cache.truncate(length)
+
+
+def _rows_back(engine: OrtEngine, caches: list, prompt: list[int], tokens: int) -> None:
+    """One rows pass of `tokens` after the prompt in every cache, then each back (calibration)."""
+    engine.run_rows([prompt[-tokens:]] * len(caches), caches)
+    for cache in caches:
+        cache.truncate(len(prompt))
 
 
 def _verify_back(engine: OrtEngine, cache, prompt: list[int], tokens: int) -> None:

@@ -61,6 +61,9 @@ class SpeculationPolicy:
         self.target_ms: dict[int, float] = {}  # rows -> one batched target step
         self.draft_ms: dict[int, float] = {}  # rows -> one batched draft step
         self.verify_ms: dict[int, float] = {}  # tokens -> one verify pass of one row
+        # tokens per row -> one rows pass (every slot's row, rows.py), the re-run token included (rerun)
+        self.rows_ms: dict[int, float] = {}
+        self.rerun = False  # the target runs single tokens beside the previous one (and rows passes too)
         # round kind ("target", "speculative") -> rows -> one round's time outside the engines
         self.outside_ms: dict[str, dict[int, float]] = {"target": {}, "speculative": {}}
         self.acceptance = 0.6  # the running mean over every round, a new row's starting estimate
@@ -74,17 +77,37 @@ class SpeculationPolicy:
         target = _nearest(self.target_ms, count)
         if target is None:
             return max_k
+        steps = _nearest(self.rows_ms, 2) if self.rerun else None  # a rounded target's steps in one rows pass
+        target = min(target, steps) if steps is not None else target
         best_k, best_rate = 0, count / (target + (_nearest(self.outside_ms["target"], count) or 0.0))
         outside = _nearest(self.outside_ms["speculative"], count) or 0.0
         for k in range(1, max_k + 1):
             verify, draft = _nearest(self.verify_ms, k + 1), _nearest(self.draft_ms, count)
             if verify is None or draft is None:
                 return max_k
+            passes = self.verify_cost(count, 0, k + 1 + self.rerun)
             tokens = sum(_row_tokens(row, k, self.acceptance) for row in rows)
-            rate = tokens / (count * verify + k * draft + outside)
+            rate = tokens / (passes + k * draft + outside)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k
+
+    def verify_cost(self, verify_rows: int, plain_rows: int, tokens: int) -> float:
+        """The cheaper of one rows pass of `tokens` per row (see rows_pay) and a verify pass per verify row
+        plus one batched step of the plain rows."""
+        verify = _nearest(self.verify_ms, tokens - self.rerun) or 0.0
+        alone = verify_rows * verify + (_nearest(self.target_ms, plain_rows) or 0.0 if plain_rows else 0.0)
+        rows = _nearest(self.rows_ms, tokens)
+        return alone if rows is None else min(alone, rows)
+
+    def rows_pay(self, verify_rows: int, plain_rows: int, tokens: int) -> bool:
+        """Whether one rows pass of `tokens` per row costs less than a verify pass per verify row plus one
+        batched step of the plain rows (a rows pass runs every slot, whatever the rows given)."""
+        rows = _nearest(self.rows_ms, tokens)
+        if rows is None:
+            return True
+        verify = _nearest(self.verify_ms, tokens - self.rerun) or 0.0
+        return rows < verify_rows * verify + (_nearest(self.target_ms, plain_rows) or 0.0 if plain_rows else 0.0)
 
     def observe(self, table: dict[int, float], size: int, ms: float) -> None:
         """Fold a timed pass into the cost table (a running mean that follows the machine's load)."""
@@ -145,6 +168,7 @@ class Scheduler:
         self.slots = slots
         self.free: list[Slot] = list(slots)
         self.policy = policy or SpeculationPolicy("always" if len(slots) == 1 else "auto")
+        self.policy.rerun = target.min_pass_tokens > 1
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # the last round: (kind, its rows' ids, its start, engine seconds then, the rows its costs are filed under)
@@ -239,15 +263,33 @@ class Scheduler:
             limit = self.policy.draft_limit(speculative, max(wanted))
             drafting = [row for row in speculative if row.num_draft_tokens(limit) > 0]
         plain = [row for row in rows if row not in drafting]
-        verified = False
+        verifying = []
         if drafting:
-            without = self._speculative_round(drafting, limit)
-            verified = len(without) < len(drafting)
+            verifying, without = self._propose(drafting, limit)
             plain += without
+        self._target_passes(verifying, plain)
+        # filed under the rows the policy decides for (those that want drafts)
+        self._last_round = ("speculative" if verifying else "target", *start, len(speculative) or len(rows))
+
+    def _target_passes(self, verifying: list[tuple], plain: list[Sequence]) -> None:
+        """The round's target passes: verify passes (rows with drafts) and target-only steps (plain rows).
+
+        Where the target has a rows graph (rows.py), the verify rows share one pass, and so do the plain
+        rows of a target whose single tokens run beside another: when the policy's costs say one pass of
+        them all beats a pass per verify row. Plain rows otherwise share one batched step."""
+        target = self.target
+        rerun = target.min_pass_tokens > 1
+        joining = plain if rerun else []
+        group = [row for row, _, _ in verifying] + joining
+        if len(group) > 1 and target.can_run_rows([row.slot.target_cache for row in group]):
+            tokens = max([len(drafts) + 1 for _, drafts, _ in verifying] + [1]) + rerun
+            if self.policy.rows_pay(len(verifying), len(joining), tokens):
+                self._rows_round(verifying, joining)
+                verifying, plain = [], [row for row in plain if row not in joining]
+        for row, drafts, draft_probs in verifying:
+            self._guarded(row, self._verify, row, drafts, draft_probs)
         if plain:
             self._target_round(plain)
-        # filed under the rows the policy decides for (those that want drafts)
-        self._last_round = ("speculative" if verified else "target", *start, len(speculative) or len(rows))
 
     def _observe_period(self, rows: list[Sequence]) -> tuple:
         """The last round's cost outside the engines, from its start to this one's: the scheduler's own work
@@ -294,15 +336,11 @@ class Scheduler:
         for row, row_logits in zip(ready, logits):
             row.stats.target_ms += spent
             row.stats.target_calls += target.calls - calls
-            try:
-                token = row.sample_target(row_logits)
-                row.record_round(0, 0)
-                row.emit([token], row_logits[None])
-            except Exception as exc:  # noqa: BLE001 - fails this row only
-                row.fail(exc)
+            self._guarded(row, self._plain_token, row, row_logits)
 
-    def _speculative_round(self, rows: list[Sequence], limit: int) -> list[Sequence]:
-        """Draft for every row together, verify each; returns the rows that proposed nothing."""
+    def _propose(self, rows: list[Sequence], limit: int) -> tuple[list[tuple], list[Sequence]]:
+        """Draft for every row together; returns (row, drafts, draft probabilities) for the rows that
+        proposed, and the rows that proposed nothing."""
         draft = rows[0].drafter.engine
         requests = []
         for row in rows:
@@ -314,7 +352,7 @@ class Scheduler:
         except Exception as exc:  # noqa: BLE001 - a failed batched draft fails its rows
             for row in rows:
                 row.fail(exc)
-            return []
+            return [], []
         if draft is not None and draft.calls > calls:
             spent = (draft.seconds - seconds) * 1000
             steps = max(len(p[0]) for p in proposals)
@@ -322,13 +360,13 @@ class Scheduler:
             for row in rows:
                 row.stats.draft_ms += spent
                 row.stats.draft_calls += draft.calls - calls
-        without = []
+        verifying, without = [], []
         for row, (drafts, draft_probs) in zip(rows, proposals):
-            if not drafts:
+            if drafts:
+                verifying.append((row, drafts, draft_probs))
+            else:
                 without.append(row)
-                continue
-            self._guarded(row, self._verify, row, drafts, draft_probs)
-        return without
+        return verifying, without
 
     def _verify(self, row: Sequence, drafts: list[int], draft_probs: np.ndarray | None) -> None:
         target = self.target
@@ -339,8 +377,50 @@ class Scheduler:
         row.stats.target_ms += spent
         row.stats.target_calls += target.calls - calls
         self.policy.observe(self.policy.verify_ms, len(drafts) + 1, spent)
+        self._accept(row, drafts, draft_probs, logits)
+
+    def _accept(self, row: Sequence, drafts: list[int], draft_probs: np.ndarray | None, logits: np.ndarray) -> None:
+        """The rejection rule over one row's verified drafts (logits [k + 1, vocab]); emits what it keeps."""
         num_accepted, token = accept(row.sampler, drafts, draft_probs, logits, row.rng, row.target_probs)
         row.record_round(len(drafts), num_accepted)
         self.policy.observe_round(len(drafts), num_accepted)
         row.emit(drafts[:num_accepted] + [token], logits)
 
+    def _rows_round(self, verifying: list[tuple], plain: list[Sequence]) -> None:
+        """One rows pass (OrtEngine.run_rows): each verify row's pending token and drafts, each plain row's
+        pending tokens; then each row's acceptance or target-only token, as its own pass would give."""
+        target, entries = self.target, []  # (row, tokens, drafts or None, draft probabilities)
+        for row, drafts, draft_probs in verifying + [(row, None, None) for row in plain]:
+            try:
+                pending = row.pending_tokens()
+            except Exception as exc:  # noqa: BLE001 - fails this row only
+                row.fail(exc)
+                continue
+            entries.append((row, pending + (drafts or []), drafts, draft_probs))
+        if not entries:
+            return
+        seconds, calls = target.seconds, target.calls
+        try:
+            logits = target.run_rows([tokens for _, tokens, _, _ in entries],
+                                     [row.slot.target_cache for row, _, _, _ in entries])
+        except Exception as exc:  # noqa: BLE001 - a failed pass fails its rows
+            for row, _, _, _ in entries:
+                row.fail(exc)
+            return
+        spent = (target.seconds - seconds) * 1000
+        if target.calls - calls == 1:  # one rows pass (not the one-by-one fallback)
+            length = max(len(tokens) for _, tokens, _, _ in entries) + (target.min_pass_tokens > 1)
+            self.policy.observe(self.policy.rows_ms, length, spent)
+        for (row, tokens, drafts, draft_probs), row_logits in zip(entries, logits):
+            row.stats.target_ms += spent
+            row.stats.target_calls += target.calls - calls
+            if drafts is not None:
+                self._guarded(row, self._accept, row, drafts, draft_probs, row_logits[-(len(drafts) + 1) :])
+            else:
+                self._guarded(row, self._plain_token, row, row_logits[-1])
+
+    @staticmethod
+    def _plain_token(row: Sequence, logits: np.ndarray) -> None:
+        token = row.sample_target(logits)
+        row.record_round(0, 0)
+        row.emit([token], logits[None])

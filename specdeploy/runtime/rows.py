@@ -1,0 +1,245 @@
+"""Row passes: several sequences' multi-token passes in one ONNX Runtime run, each row exactly as alone.
+
+ONNX Runtime's CPU GroupQueryAttention refuses a batch of several rows with several tokens each over
+a past ("batch_size must be 1 when sequence_length > 1 and past context is given"), so a batched
+pass over [rows, 1] is all a fused graph runs as it is. That is not enough for two passes:
+
+- verification, k + 1 tokens per row;
+- a quantized (or fp16) target's single token, which runs beside the previous one (OrtEngine's
+  min_pass_tokens): one-token attention sums its values in another order (MLAS's one-row kernel),
+  which moves an int8 model's logits by up to 0.7 and splits greedy near-ties in 7 of 10 SmolLM2
+  outputs of 128 tokens, where a pass of two or more tokens matches verification bit for bit.
+
+The rows graph is the target's own graph with each attention node split into one node per row:
+
+    qkv [rows, S, D] -> Split(axis 0) -> GroupQueryAttention (batch 1, S tokens, row r's cache) -> Concat
+
+Everything else (the MatMuls, norms and the head) runs over all rows at once. Every kernel but
+attention computes each row of its input independently, and each row's attention node is the one a
+pass of that sequence alone runs, so a row's logits and keys and values are bit for bit those of
+its own pass (tests/test_rows.py). The graph is built from the bundle's graph at load (the `onnx`
+package edits it in memory; the weights are the bundle's data file, read again by a second
+session), for a fixed number of rows: a slot without tokens this pass computes filler tokens at its
+pending positions, past its valid ones, and keeps its length.
+
+The head reads only the positions from the `logits_from` input on: a token run again beside the
+next needs no logits.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import SpecdeployError
+
+LOGITS_FROM = "logits_from"
+_ATTENTION = "GroupQueryAttention"
+_SPLIT_INPUTS = (0, 1, 2, 5)  # query (or packed qkv), key, value, seqlens_k: one slice per row
+_PER_ROW_IO = (3, 4)  # past key and value: each row's own cache
+_SHARED_INPUTS = (6, 7, 8)  # total_sequence_length, cos_cache, sin_cache: the same for every row
+
+
+def row_name(name: str, row: int) -> str:
+    """A cache input or output of the rows graph: `name` for row `row` alone."""
+    return f"{name}.row{row}"
+
+
+def rows_graph(model_path: Path, rows: int) -> bytes:
+    """The rows graph of the fused graph at model_path (see the module docstring), serialized.
+
+    Raises SpecdeployError for a graph it cannot split: one with no attention node, or one whose
+    attention nodes take inputs beyond the rotary caches (position ids, an attention bias)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    model = onnx.load(str(model_path), load_external_data=False)
+    graph = model.graph
+    nodes = list(graph.node)
+    attention = [node for node in nodes if node.op_type == _ATTENTION]
+    if not attention or any(len([i for i in node.input[9:] if i]) for node in attention):
+        raise SpecdeployError(f"{model_path.name}: no attention nodes a rows graph can split")
+    heads = [node for node in nodes if "logits" in node.output]
+    if len(heads) != 1:
+        raise SpecdeployError(f"{model_path.name}: no single node computes the logits")
+    head = heads[0]
+    ones = "rows/ones"
+    graph.initializer.append(helper.make_tensor(ones, TensorProto.INT64, [rows], [1] * rows))
+    graph.initializer.append(helper.make_tensor("rows/end", TensorProto.INT64, [1], [np.iinfo(np.int64).max]))
+    graph.initializer.append(helper.make_tensor("rows/axis", TensorProto.INT64, [1], [1]))
+    split: dict[str, list[str]] = {}  # a tensor split by rows -> its row slices
+
+    def slices(name: str, out: list) -> list[str]:
+        if name not in split:
+            split[name] = [f"{name}/row{r}" for r in range(rows)]
+            out.append(helper.make_node("Split", [name, ones], split[name], axis=0, name=f"{name}/split_rows"))
+        return split[name]
+
+    cache_io: set[str] = set()
+    new_nodes: list = []
+    for node in nodes:
+        if node.op_type == _ATTENTION:
+            row_inputs = {i: slices(node.input[i], new_nodes) for i in _SPLIT_INPUTS if node.input[i]}
+            outputs = []
+            for r in range(rows):
+                inputs = list(node.input[:9])
+                for i, names in row_inputs.items():
+                    inputs[i] = names[r]
+                for i in _PER_ROW_IO:
+                    cache_io.add(node.input[i])
+                    inputs[i] = row_name(node.input[i], r)
+                out = f"{node.output[0]}/row{r}"
+                outputs.append(out)
+                cache_io.update(node.output[1:3])
+                row_node = helper.make_node(_ATTENTION, inputs, [out] + [row_name(o, r) for o in node.output[1:3]],
+                                            name=f"{node.name}/row{r}", domain=node.domain)
+                row_node.attribute.extend(node.attribute)
+                new_nodes.append(row_node)
+            new_nodes.append(helper.make_node("Concat", outputs, [node.output[0]], axis=0, name=f"{node.name}/rows"))
+        elif node is head:
+            kept = f"{node.input[0]}/from"
+            new_nodes.append(helper.make_node("Slice", [node.input[0], LOGITS_FROM, "rows/end", "rows/axis"], [kept],
+                                              name="rows/logits_from"))
+            sliced = helper.make_node(node.op_type, [kept, *node.input[1:]], list(node.output), name=node.name,
+                                      domain=node.domain)
+            sliced.attribute.extend(node.attribute)
+            new_nodes.append(sliced)
+        else:
+            new_nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+
+    def per_row(values) -> list:
+        kept = []
+        for value in values:
+            if value.name not in cache_io:
+                kept.append(value)
+                continue
+            for r in range(rows):
+                copy = onnx.ValueInfoProto()
+                copy.CopyFrom(value)
+                copy.name = row_name(value.name, r)
+                copy.type.tensor_type.shape.dim[0].dim_value = 1
+                kept.append(copy)
+        return kept
+
+    inputs = per_row(graph.input) + [helper.make_tensor_value_info(LOGITS_FROM, TensorProto.INT64, [1])]
+    outputs = per_row(graph.output)
+    del graph.input[:]
+    graph.input.extend(inputs)
+    del graph.output[:]
+    graph.output.extend(outputs)
+    return model.SerializeToString()
+
+
+class RowsPass:
+    """The rows graph of one engine over one KVSlots pool (one row per slot), bound once.
+
+    `run(token_lists, caches, rerun)`: see OrtEngine.run_rows, its one caller."""
+
+    def __init__(self, engine, pool, model_path: Path, config):
+        import onnxruntime as ort
+
+        from .kv_cache import ort_value
+        from .session import session_options
+
+        self.engine, self.pool, self.rows = engine, pool, pool.num_slots
+        spec = engine.spec
+        options = session_options(config, spec)
+        # The graph comes as bytes: its weights are the bundle's data file beside model_path.
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(model_path.parent))
+        try:
+            self.session = ort.InferenceSession(rows_graph(model_path, self.rows), options,
+                                                providers=["CPUExecutionProvider"])
+        except SpecdeployError:
+            raise
+        except Exception as exc:
+            raise SpecdeployError(f"ONNX Runtime cannot load the rows graph of {model_path}: {str(exc).splitlines()[0]}") from None
+        binding = self._binding = self.session.io_binding()
+        kv = spec.kv_cache
+        names = [(kv.past_key % i, kv.present_key % i, kv.past_value % i, kv.present_value % i)
+                 for i in range(spec.num_layers)]
+        self._values = []  # the OrtValues bound (the binding does not keep them alive)
+        for layer, (past_key, present_key, past_value, present_value) in enumerate(names):
+            for r in range(self.rows):
+                for past, present, buffer in ((past_key, present_key, pool.buffers[2 * layer]),
+                                              (past_value, present_value, pool.buffers[2 * layer + 1])):
+                    value = ort_value(buffer[r : r + 1], "cpu")
+                    self._values.append(value)
+                    binding.bind_ortvalue_input(row_name(past, r), value)
+                    binding.bind_ortvalue_output(row_name(present, r), value)
+        self._mask = ort_value(pool.mask, "cpu")
+        binding.bind_ortvalue_input("attention_mask", self._mask)
+        self._from = {start: np.array([start], dtype=np.int64) for start in (0, 1)}
+        self._outputs: dict[tuple[int, int], tuple] = {}  # (S, logits_from) -> (ids, logits, their OrtValues)
+        self._ort_value = ort_value
+
+    def _buffers(self, length: int, start: int):
+        key = (length, start)
+        if key not in self._outputs:
+            engine = self.engine
+            ids = np.zeros((self.rows, length), dtype=np.int64)
+            logits = np.empty((self.rows, length - start, engine.columns), dtype=engine._logits_dtype)
+            features = (np.empty((self.rows, length, engine.feature_size), dtype=np.float32)
+                        if engine.features is not None else None)
+            self._outputs[key] = (ids, logits, features, self._ort_value(ids, "cpu"), self._ort_value(logits, "cpu"),
+                                  self._ort_value(features, "cpu") if features is not None else None)
+        return self._outputs[key]
+
+    def fits(self, token_lists: list, caches: list, rerun: bool) -> bool:
+        """Whether one pass can run these lists: every row (given or not) has room for the pass's tokens."""
+        length = max(len(tokens) for tokens in token_lists) + rerun
+        given = {cache.slot_index for cache in caches}
+        for index, cache in enumerate(self.pool.caches):
+            first = cache.length - 1 if rerun and index in given else cache.length
+            if first < 0 or first + length > cache.capacity:
+                return False
+        return True
+
+    def run(self, token_lists: list, caches: list, rerun: bool) -> list[np.ndarray]:
+        engine, pool = self.engine, self.pool
+        length = max(len(tokens) for tokens in token_lists) + rerun
+        start = 1 if rerun else 0
+        ids, logits, features, ids_value, logits_value, features_value = self._buffers(length, start)
+        given = {cache.slot_index: (cache, tokens) for cache, tokens in zip(caches, token_lists)}
+        firsts = []
+        for index, cache in enumerate(pool.caches):
+            row = given.get(index)
+            if row is None:  # filler at the pending positions, past the valid ones
+                ids[index] = 0
+                first = cache.length
+            else:
+                tokens = ([cache.tokens[-1]] if rerun else []) + list(row[1])
+                ids[index, : len(tokens)] = tokens
+                ids[index, len(tokens) :] = tokens[-1]  # padding after the row's own tokens (causal: no effect on them)
+                first = cache.length - start
+            firsts.append(first)
+            cache.mask_to(first + length)
+        binding = self._binding
+        binding.bind_ortvalue_input("input_ids", ids_value)
+        binding.bind_cpu_input(LOGITS_FROM, self._from[start])
+        binding.bind_ortvalue_output("logits", logits_value)
+        if features_value is not None:
+            binding.bind_ortvalue_output(engine.features, features_value)
+        begin = time.perf_counter()
+        try:
+            self.session.run_with_iobinding(binding)
+        finally:
+            engine.seconds += time.perf_counter() - begin
+            engine.calls += 1
+            for index, cache in enumerate(pool.caches):
+                if index not in given:
+                    cache.mask_to(cache.length)
+        out = []
+        for cache, tokens in zip(caches, token_lists):
+            index, count, first = cache.slot_index, len(tokens), firsts[cache.slot_index]
+            if features is not None:  # every position run, the re-run one included (its row is rewritten alike)
+                cache.features[first : first + count + start] = features[index, : count + start]
+            cache.length += count
+            cache.tokens += list(tokens)
+            cache.mask_to(cache.length)
+            rows_out = logits[index, :count]
+            out.append(rows_out if engine._float32_logits else rows_out.astype(np.float32))
+        return out

@@ -1,0 +1,120 @@
+"""Rows passes (runtime/rows.py): several sequences' multi-token passes in one run, each row bit for bit its own pass."""
+
+import numpy as np
+import pytest
+
+import specdeploy
+from specdeploy.errors import SpecdeployError
+from specdeploy.runtime.rows import rows_graph
+
+PROMPTS = ["def f(x):", "import os\n", "class A:\n    def __init__(self):", "x = [", "for i in range(10):\n    "]
+
+
+@pytest.fixture(scope="module")
+def int8_bundle(tmp_path_factory, checkpoints):
+    from conftest import export_pair
+
+    out = tmp_path_factory.mktemp("rows-int8") / "bundle"
+    export_pair(checkpoints("llama"), out, quantize="int8", allow_lossy=True)
+    return out
+
+
+def alone_logits(target, prompt: list[int], tokens: list[int], capacity: int) -> np.ndarray:
+    cache = target.new_cache(capacity)
+    target.prefill(prompt, cache)
+    return np.array(target.run(tokens, cache))
+
+
+def check_rows_pass(bundle, lists: dict[int, list[int]], features: bool = False):
+    """Rows `lists` (slot -> tokens) in one rows pass against each alone; the other slots keep their caches."""
+    generator = specdeploy.load(bundle, max_batch=4, warm_up=False)
+    target, slots = generator.target, generator.slots
+    prompts = [generator.codec.encode(p) for p in PROMPTS[:4]]
+    expected = {slot: alone_logits(target, prompts[slot], tokens, generator.max_context) for slot, tokens in lists.items()}
+    expected_features = {}
+    if features:
+        for slot, tokens in lists.items():
+            cache = target.new_cache(generator.max_context)
+            target.prefill(prompts[slot] + tokens, cache)
+            expected_features[slot] = cache.features[: cache.length].copy()
+    pool = slots[0].target_cache.pool
+    for slot, prompt in enumerate(prompts):
+        target.prefill(prompt, slots[slot].target_cache)
+    idle = {slot: [b[slot, :, : len(prompts[slot])].copy() for b in pool.buffers] for slot in range(4) if slot not in lists}
+    calls = target.calls
+    caches = [slots[slot].target_cache for slot in lists]
+    out = target.run_rows(list(lists.values()), caches)
+    assert target.calls == calls + 1  # one pass for every row
+    for (slot, tokens), logits in zip(lists.items(), out):
+        assert np.array_equal(logits, expected[slot])
+        cache = slots[slot].target_cache
+        assert cache.length == len(prompts[slot]) + len(tokens) and cache.tokens == prompts[slot] + tokens
+        assert int(cache.mask.sum()) == cache.length
+        if features:
+            assert np.array_equal(cache.features[: cache.length], expected_features[slot])
+    for slot, buffers in idle.items():
+        cache = slots[slot].target_cache
+        assert cache.length == len(prompts[slot]) and int(cache.mask.sum()) == cache.length
+        assert all(np.array_equal(b[slot, :, : cache.length], kept) for b, kept in zip(pool.buffers, buffers))
+    return generator
+
+
+def test_verify_rows_of_uneven_lengths_are_bit_equal_to_their_own_passes(agreeing_bundle):
+    check_rows_pass(agreeing_bundle, {0: [5, 6, 7], 2: [9, 4], 3: [11, 12, 13, 14, 15]})
+
+
+def test_a_quantized_targets_single_tokens_run_beside_their_previous_one(int8_bundle):
+    """int8: single tokens and verify rows in one pass, each as its own two-or-more-token pass."""
+    generator = check_rows_pass(int8_bundle, {0: [5], 1: [6, 7, 8], 3: [9]})
+    assert generator.target.min_pass_tokens == 2
+
+
+def test_an_eagle_targets_feature_rows_land_at_their_positions(eagle_bundle):
+    check_rows_pass(eagle_bundle, {1: [5, 6], 2: [7, 8, 9]}, features=True)
+
+
+def test_rows_without_room_run_one_pass_each(agreeing_bundle):
+    """An idle slot whose filler would run past its capacity: the given rows go one by one, with the same logits."""
+    generator = specdeploy.load(agreeing_bundle, max_batch=3, warm_up=False)
+    target, slots = generator.target, generator.slots
+    full = slots[1].target_cache
+    target.prefill([7] * (generator.max_context - 1), full)
+    prompts = [generator.codec.encode(p) for p in PROMPTS[:2]]
+    expected = [alone_logits(target, prompt, [5, 6], generator.max_context) for prompt in prompts]
+    caches = [slots[0].target_cache, slots[2].target_cache]
+    for prompt, cache in zip(prompts, caches):
+        target.prefill(prompt, cache)
+    calls = target.calls
+    out = target.run_rows([[5, 6], [5, 6]], caches)
+    assert all(np.array_equal(a, b) for a, b in zip(out, expected)) and target.calls == calls + 2
+    assert full.length == generator.max_context - 1
+
+
+def test_a_graph_without_attention_nodes_has_no_rows_graph(tmp_path):
+    from onnx import TensorProto, helper, save
+
+    graph = helper.make_graph([helper.make_node("Identity", ["input_ids"], ["logits"])], "g",
+                              [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, 1])],
+                              [helper.make_tensor_value_info("logits", TensorProto.INT64, [1, 1])])
+    save(helper.make_model(graph), tmp_path / "model.onnx")
+    with pytest.raises(SpecdeployError, match="no attention nodes"):
+        rows_graph(tmp_path / "model.onnx", 2)
+
+
+@pytest.mark.parametrize("policy", ["always", "auto"])
+def test_rounds_share_one_rows_pass_and_give_what_each_gives_alone(int8_bundle, policy):
+    """Batched int8 target-only and speculative rounds: each output equals its sequence decoded alone, and a
+    round of several rows runs the target once."""
+    alone = specdeploy.load(int8_bundle)
+    prompts = PROMPTS[:4]
+    generator = specdeploy.load(int8_bundle, max_batch=4, policy=policy)
+    # a rows pass whenever one can run (the tiny model's per-row passes may cost less, and the policy would see it)
+    generator.scheduler.policy.rows_pay = lambda verify_rows, plain_rows, tokens: True
+    for speculative in (False, True):
+        expected = [alone.generate(p, max_new_tokens=24, speculative=speculative, ignore_eos=True).token_ids
+                    for p in prompts]
+        calls = generator.target.calls
+        outputs = generator.generate_many(prompts, max_new_tokens=24, speculative=speculative, ignore_eos=True)
+        assert [o.token_ids for o in outputs] == expected
+        if not speculative:  # one prefill per prompt (a few chunks at most), then one pass per round
+            assert generator.target.calls - calls < 24 + 4 * 3
