@@ -8,7 +8,7 @@ import specdeploy
 from specdeploy.errors import SpecdeployError
 from specdeploy.runtime.session import PREFILL_CHUNK
 from specdeploy.runtime.sampling import SamplingParams
-from specdeploy.runtime.scheduler import SpeculationPolicy
+from specdeploy.runtime.policy import SpeculationPolicy
 from specdeploy.testing import exact_continuation_probs
 
 PROMPTS = ["def f(x):", "import os\n", "class A:\n    def __init__(self):", "x = [", "for i in range(10):\n    "]
@@ -289,7 +289,7 @@ def test_a_rows_expected_tokens_come_from_its_own_rounds():
     """Acceptance comes in runs: a row whose rounds accepted all 4 drafts or none (rate 0.5) emits
     1 + 2 = 3 tokens a round at k = 4, where the i.i.d. formula says 1.94; at k = 2 its rounds would
     have accepted min(j, 2)."""
-    from specdeploy.runtime.scheduler import _expected_tokens, _row_tokens
+    from specdeploy.runtime.policy import _expected_tokens, _row_tokens
 
     class Row:
         def __init__(self, ended_at):

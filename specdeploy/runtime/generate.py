@@ -23,7 +23,8 @@ from .config import (MAX_DRAFT_TOKENS, MIN_TEMPERATURE, SEED_LIMIT, GenerationCo
                      GenerationStats, TokenLogprob)
 from .drafters import Drafter
 from .engine import OrtEngine
-from .scheduler import Scheduler, SpeculationPolicy
+from .policy import SpeculationPolicy
+from .scheduler import Scheduler
 from .sequence import Sequence, Slot
 from .text import TextCodec
 

@@ -37,7 +37,7 @@ def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verif
 
     max_batch: sequences that decode together (generate_many, a server's requests); above 1 the
     speculation policy ("auto": speculate where the measured costs say it pays, "always", "never")
-    picks each round's draft length (see scheduler.SpeculationPolicy).
+    picks each round's draft length (see policy.SpeculationPolicy).
 
     warm_up=True (the default) runs each kind of pass once before returning (Generator.warm_up), so
     that the first request runs as fast as later ones; False returns sooner, the first request slower."""

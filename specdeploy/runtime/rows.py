@@ -39,7 +39,8 @@ LOGITS_FROM = "logits_from"
 _ATTENTION = "GroupQueryAttention"
 _SPLIT_INPUTS = (0, 1, 2, 5)  # query (or packed qkv), key, value, seqlens_k: one slice per row
 _PER_ROW_IO = (3, 4)  # past key and value: each row's own cache
-_SHARED_INPUTS = (6, 7, 8)  # total_sequence_length, cos_cache, sin_cache: the same for every row
+# the rest (total_sequence_length, cos_cache, sin_cache) is the same for every row
+_ONES, _END, _AXIS = "rows/ones", "rows/end", "rows/axis"  # the Split sizes and the head's Slice
 
 
 def row_name(name: str, row: int) -> str:
@@ -64,43 +65,56 @@ def rows_graph(model_path: Path, rows: int) -> bytes:
     heads = [node for node in nodes if "logits" in node.output]
     if len(heads) != 1:
         raise SpecdeployError(f"{model_path.name}: no single node computes the logits")
-    head = heads[0]
-    ones = "rows/ones"
-    graph.initializer.append(helper.make_tensor(ones, TensorProto.INT64, [rows], [1] * rows))
-    graph.initializer.append(helper.make_tensor("rows/end", TensorProto.INT64, [1], [np.iinfo(np.int64).max]))
-    graph.initializer.append(helper.make_tensor("rows/axis", TensorProto.INT64, [1], [1]))
-    split: dict[str, list[str]] = {}  # a tensor split by rows -> its row slices
+    graph.initializer.extend([helper.make_tensor(_ONES, TensorProto.INT64, [rows], [1] * rows),
+                              helper.make_tensor(_END, TensorProto.INT64, [1], [np.iinfo(np.int64).max]),
+                              helper.make_tensor(_AXIS, TensorProto.INT64, [1], [1])])
+    cache_io: set[str] = set()  # the cache inputs and outputs, one per row in the new graph
+    new_nodes = _split_nodes(nodes, rows, heads[0], cache_io)
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+    inputs = _per_row(graph.input, rows, cache_io) + [helper.make_tensor_value_info(LOGITS_FROM, TensorProto.INT64, [1])]
+    outputs = _per_row(graph.output, rows, cache_io)
+    del graph.input[:]
+    graph.input.extend(inputs)
+    del graph.output[:]
+    graph.output.extend(outputs)
+    return model.SerializeToString()
 
-    def slices(name: str, out: list) -> list[str]:
+
+def _split_nodes(nodes: list, rows: int, head, cache_io: set[str]) -> list:
+    """The graph's nodes with each attention node split by rows and the head reading from logits_from."""
+    from onnx import helper
+
+    split: dict[str, list[str]] = {}  # a tensor split by rows -> its row slices
+    new_nodes: list = []
+
+    def slices(name: str) -> list[str]:
         if name not in split:
             split[name] = [f"{name}/row{r}" for r in range(rows)]
-            out.append(helper.make_node("Split", [name, ones], split[name], axis=0, name=f"{name}/split_rows"))
+            new_nodes.append(helper.make_node("Split", [name, _ONES], split[name], axis=0, name=f"{name}/split_rows"))
         return split[name]
 
-    cache_io: set[str] = set()
-    new_nodes: list = []
     for node in nodes:
         if node.op_type == _ATTENTION:
-            row_inputs = {i: slices(node.input[i], new_nodes) for i in _SPLIT_INPUTS if node.input[i]}
+            row_inputs = {i: slices(node.input[i]) for i in _SPLIT_INPUTS if node.input[i]}
+            cache_io.update(node.input[i] for i in _PER_ROW_IO)
+            cache_io.update(node.output[1:3])
             outputs = []
             for r in range(rows):
                 inputs = list(node.input[:9])
                 for i, names in row_inputs.items():
                     inputs[i] = names[r]
                 for i in _PER_ROW_IO:
-                    cache_io.add(node.input[i])
                     inputs[i] = row_name(node.input[i], r)
-                out = f"{node.output[0]}/row{r}"
-                outputs.append(out)
-                cache_io.update(node.output[1:3])
-                row_node = helper.make_node(_ATTENTION, inputs, [out] + [row_name(o, r) for o in node.output[1:3]],
+                outputs.append(f"{node.output[0]}/row{r}")
+                row_node = helper.make_node(_ATTENTION, inputs, [outputs[-1]] + [row_name(o, r) for o in node.output[1:3]],
                                             name=f"{node.name}/row{r}", domain=node.domain)
                 row_node.attribute.extend(node.attribute)
                 new_nodes.append(row_node)
             new_nodes.append(helper.make_node("Concat", outputs, [node.output[0]], axis=0, name=f"{node.name}/rows"))
         elif node is head:
             kept = f"{node.input[0]}/from"
-            new_nodes.append(helper.make_node("Slice", [node.input[0], LOGITS_FROM, "rows/end", "rows/axis"], [kept],
+            new_nodes.append(helper.make_node("Slice", [node.input[0], LOGITS_FROM, _END, _AXIS], [kept],
                                               name="rows/logits_from"))
             sliced = helper.make_node(node.op_type, [kept, *node.input[1:]], list(node.output), name=node.name,
                                       domain=node.domain)
@@ -108,30 +122,25 @@ def rows_graph(model_path: Path, rows: int) -> bytes:
             new_nodes.append(sliced)
         else:
             new_nodes.append(node)
-    del graph.node[:]
-    graph.node.extend(new_nodes)
+    return new_nodes
 
-    def per_row(values) -> list:
-        kept = []
-        for value in values:
-            if value.name not in cache_io:
-                kept.append(value)
-                continue
-            for r in range(rows):
-                copy = onnx.ValueInfoProto()
-                copy.CopyFrom(value)
-                copy.name = row_name(value.name, r)
-                copy.type.tensor_type.shape.dim[0].dim_value = 1
-                kept.append(copy)
-        return kept
 
-    inputs = per_row(graph.input) + [helper.make_tensor_value_info(LOGITS_FROM, TensorProto.INT64, [1])]
-    outputs = per_row(graph.output)
-    del graph.input[:]
-    graph.input.extend(inputs)
-    del graph.output[:]
-    graph.output.extend(outputs)
-    return model.SerializeToString()
+def _per_row(values, rows: int, cache_io: set[str]) -> list:
+    """Graph inputs or outputs with each cache tensor replaced by one of batch 1 per row."""
+    import onnx
+
+    kept = []
+    for value in values:
+        if value.name not in cache_io:
+            kept.append(value)
+            continue
+        for r in range(rows):
+            copy = onnx.ValueInfoProto()
+            copy.CopyFrom(value)
+            copy.name = row_name(value.name, r)
+            copy.type.tensor_type.shape.dim[0].dim_value = 1
+            kept.append(copy)
+    return kept
 
 
 class RowsPass:

@@ -1,0 +1,128 @@
+"""The speculation policy: how many draft tokens a batched round proposes, and whether its target passes
+share one rows pass, from costs measured as the rounds run (see SpeculationPolicy)."""
+
+from __future__ import annotations
+
+from .sequence import Sequence
+
+POLICIES = ("auto", "always", "never")
+
+
+class SpeculationPolicy:
+    """How many draft tokens the rows of a round may propose (0: target-only), from measured costs.
+
+    The rule (after SmartSpec, Liu et al. 2024, "Optimizing Speculative Decoding for Serving Large
+    Language Models Using Goodput"): for a batch of B rows whose acceptance rates are a_i, a
+    round of k draft tokens emits sum_i (1 - a_i^(k+1)) / (1 - a_i) tokens in about
+    B * verify_ms[k + 1] + k * draft_ms[B] (a verify pass per row, k batched draft steps), and a
+    target-only round emits B tokens in target_ms[B] (one batched pass). Each kind of round also
+    costs its time outside the engines until the next round (sampling, acceptance, bookkeeping,
+    and a server's detokenizing and streaming: outside_ms, measured as rounds run), which a
+    target-only round pays per token and a speculative round shares among the tokens it emits;
+    with a small model it decides. The k in 0..K with the most tokens per
+    millisecond wins. Engine costs come from `calibrate` (passes timed at load) and are refreshed
+    as rounds run; a row's acceptance is its own running mean, starting from the
+    scheduler's. A row alone keeps its request's k, as generate does. "always" speculates with each
+    request's k, "never" never does."""
+
+    def __init__(self, mode: str = "auto"):
+        if mode not in POLICIES:
+            raise ValueError(f"unknown speculation policy '{mode}' (choose from {', '.join(POLICIES)})")
+        self.mode = mode
+        self.target_ms: dict[int, float] = {}  # rows -> one batched target step
+        self.draft_ms: dict[int, float] = {}  # rows -> one batched draft step
+        self.verify_ms: dict[int, float] = {}  # tokens -> one verify pass of one row
+        # tokens per row -> one rows pass (every slot's row, rows.py), the re-run token included (rerun)
+        self.rows_ms: dict[int, float] = {}
+        self.rerun = False  # the target runs single tokens beside the previous one (and rows passes too)
+        # round kind ("target", "speculative") -> rows -> one round's time outside the engines
+        self.outside_ms: dict[str, dict[int, float]] = {"target": {}, "speculative": {}}
+        self.acceptance = 0.6  # the running mean over every round, a new row's starting estimate
+
+    def draft_limit(self, rows: list[Sequence], max_k: int) -> int:
+        if self.mode != "auto" or max_k == 0:
+            return max_k if self.mode != "never" else 0
+        count = len(rows)
+        if count == 1:  # one row decodes as `generate` alone does: with its own k
+            return max_k
+        target = _nearest(self.target_ms, count)
+        if target is None:
+            return max_k
+        steps = _nearest(self.rows_ms, 2) if self.rerun else None  # a rounded target's steps in one rows pass
+        target = min(target, steps) if steps is not None else target
+        best_k, best_rate = 0, count / (target + (_nearest(self.outside_ms["target"], count) or 0.0))
+        outside = _nearest(self.outside_ms["speculative"], count) or 0.0
+        for k in range(1, max_k + 1):
+            verify, draft = _nearest(self.verify_ms, k + 1), _nearest(self.draft_ms, count)
+            if verify is None or draft is None:
+                return max_k
+            passes = self.verify_cost(count, 0, k + 1 + self.rerun)
+            tokens = sum(_row_tokens(row, k, self.acceptance) for row in rows)
+            rate = tokens / (passes + k * draft + outside)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k
+
+    def verify_cost(self, verify_rows: int, plain_rows: int, tokens: int) -> float:
+        """The cheaper of one rows pass of `tokens` per row (see rows_pay) and a verify pass per verify row
+        plus one batched step of the plain rows."""
+        verify = _nearest(self.verify_ms, tokens - self.rerun) or 0.0
+        alone = verify_rows * verify + (_nearest(self.target_ms, plain_rows) or 0.0 if plain_rows else 0.0)
+        rows = _nearest(self.rows_ms, tokens)
+        return alone if rows is None else min(alone, rows)
+
+    def rows_pay(self, verify_rows: int, plain_rows: int, tokens: int) -> bool:
+        """Whether one rows pass of `tokens` per row costs less than a verify pass per verify row plus one
+        batched step of the plain rows (a rows pass runs every slot, whatever the rows given)."""
+        rows = _nearest(self.rows_ms, tokens)
+        if rows is None:
+            return True
+        verify = _nearest(self.verify_ms, tokens - self.rerun) or 0.0
+        return rows < verify_rows * verify + (_nearest(self.target_ms, plain_rows) or 0.0 if plain_rows else 0.0)
+
+    def observe(self, table: dict[int, float], size: int, ms: float) -> None:
+        """Fold a timed pass into the cost table (a running mean that follows the machine's load)."""
+        old = table.get(size)
+        table[size] = ms if old is None else 0.8 * old + 0.2 * ms
+
+    def observe_round(self, num_drafted: int, num_accepted: int) -> None:
+        if num_drafted:
+            self.acceptance = 0.95 * self.acceptance + 0.05 * (num_accepted / num_drafted)
+
+
+def _nearest(table: dict[int, float], size: int) -> float | None:
+    if not table:
+        return None
+    if size in table:
+        return table[size]
+    key = min(table, key=lambda known: (abs(known - size), -known))
+    return table[key] * size / key if key < size else table[key]
+
+
+def _acceptance(row: Sequence, prior: float) -> float:
+    drafted, ended_at = row.stats.drafted, row.ended_at
+    accepted = sum(count * accepted for accepted, count in enumerate(ended_at))
+    # A row's own rate once it has drafted a few tokens; the scheduler's before.
+    return (accepted + 8 * prior) / (drafted + 8)
+
+
+def _row_tokens(row: Sequence, k: int, prior: float) -> float:
+    """Tokens a round of k drafts is expected to emit for this row: its own rounds so far (a round
+    that accepted j drafts of more would have accepted min(j, k) of k: acceptance stops at the first
+    rejection), blended with the i.i.d. formula at its acceptance while it has few rounds. Acceptance
+    comes in runs (a repeated span, a predictable stretch of code), so the formula alone undercounts."""
+    formula = _expected_tokens(_acceptance(row, prior), k)
+    rounds = sum(row.ended_at)
+    if not rounds:
+        return formula
+    own = 1.0 + sum(count * min(accepted, k) for accepted, count in enumerate(row.ended_at)) / rounds
+    weight = rounds / (rounds + 8)
+    return weight * own + (1.0 - weight) * formula
+
+
+def _expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens a round of k drafts emits when each draft is kept with probability `acceptance`
+    (Leviathan et al. 2023): 1 + a + ... + a^k."""
+    if acceptance >= 1.0:
+        return k + 1.0
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
