@@ -1,6 +1,8 @@
 """Engine pieces that run without a GPU: the one pass (`OrtEngine.run`), KV rollback, the TensorRT
 profile strings, provider checks."""
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -375,3 +377,21 @@ def test_allow_spinning_is_set_for_per_session_pools_only():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "absent"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="resident memory is read from Linux's smaps")
+def test_a_caches_memory_grows_with_the_positions_written():
+    """A written position maps its own pages only, not 2 MiB ones (NumPy asks for huge pages on large arrays)."""
+    from specdeploy.runtime.kv_cache import KVSlots
+
+    slots = KVSlots(num_layers=2, num_kv_heads=4, head_dim=64, dtype=np.float32, capacity=8192, slots=4)
+    size = sum(buffer.nbytes for buffer in slots.buffers)  # 4 slots x 2 layers x 2 x 4 heads x 2 MiB = 128 MiB
+    before = _resident_bytes()
+    for buffer in slots.buffers:
+        buffer[:, :, 0] = 1.0  # position 0 of every slot, head and layer
+    assert _resident_bytes() - before < size / 16
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))

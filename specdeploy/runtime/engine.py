@@ -121,7 +121,10 @@ class OrtEngine:
         pool = KVSlots(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.cache_dtype, capacity, slots,
                        feature_size=self.feature_size)
         if spec.role == "target" and slots > 1:  # verify passes (and a rounded target's steps) share one run
-            pool.rows_pass = RowsPass(self, pool, self.model_path, self.config)
+            try:
+                pool.rows_pass = RowsPass(self, pool, self.model_path, self.config)
+            except SpecdeployError:  # a graph rows.py cannot split: each row runs its own passes, as exactly
+                pool.rows_pass = None
         return pool
 
     def run_rows(self, token_lists: list[list[int]], caches: list) -> list[np.ndarray]:

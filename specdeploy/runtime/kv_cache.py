@@ -15,7 +15,25 @@ Two layouts, named by the manifest's `kv_cache.shared_buffer`:
 
 from __future__ import annotations
 
+import mmap
+import sys
+
 import numpy as np
+
+
+def lazy_zeros(shape: tuple, dtype) -> np.ndarray:
+    """Zeros whose pages are mapped as they are first written, 4 KiB at a time, so that a cache's memory
+    grows with the context it holds. NumPy asks Linux for 2 MiB pages on large arrays (madvise
+    MADV_HUGEPAGE): a first write at position p of one head's [capacity, head_dim] rows then maps 2 MiB,
+    which at a capacity of 8,192 positions and 64 dimensions is the whole row. Here the memory is an
+    anonymous map advised MADV_NOHUGEPAGE (other systems: plain np.zeros)."""
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape))
+    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_NOHUGEPAGE") or count == 0:
+        return np.zeros(shape, dtype=dtype)
+    memory = mmap.mmap(-1, count * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    memory.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(memory, dtype=dtype, count=count).reshape(shape)
 
 
 def ort_value(array: np.ndarray, device: str):
@@ -140,12 +158,12 @@ class SharedKVCache(_Cache):
         # The engine's feature output, row p for position p, valid below `length` as the keys and values are
         # (an eagle draft reads the target's); in host memory on every device, lazily mapped as the buffers.
         self.features = slot[2] if slot is not None else (
-            np.zeros((capacity, feature_size), dtype=np.float32) if feature_size else None)
+            lazy_zeros((capacity, feature_size), np.float32) if feature_size else None)
         slot = slot[:2] if slot is not None else None
         if device == "cpu":
-            # np.zeros maps untouched pages lazily: memory grows with the context actually used.
+            # lazy_zeros maps untouched pages lazily: memory grows with the context actually used.
             self._backing, self.mask = slot if slot is not None else (
-                [np.zeros(shape, dtype=dtype) for _ in range(2 * num_layers)], np.zeros((1, capacity), dtype=np.int64))
+                [lazy_zeros(shape, dtype) for _ in range(2 * num_layers)], np.zeros((1, capacity), dtype=np.int64))
             self.tensors = [ort_value(a, device) for a in self._backing]
             self._mask_row = self.mask[0]  # [capacity]: a 1-D index is the cheapest write
             self.mask_value = ort_value(self.mask, device)
@@ -196,10 +214,10 @@ class KVSlots:
                  slots: int, feature_size: int = 0):
         shape = (slots, num_kv_heads, capacity, head_dim)
         self.num_slots, self.capacity = slots, capacity
-        self.buffers = [np.zeros(shape, dtype=dtype) for _ in range(2 * num_layers)]  # [slots, kv_heads, capacity, head_dim]
+        self.buffers = [lazy_zeros(shape, dtype) for _ in range(2 * num_layers)]  # [slots, kv_heads, capacity, head_dim]
         self.mask = np.zeros((slots, capacity), dtype=np.int64)  # [slots, capacity]
         # [slots, capacity, F]: each row's feature buffer (see SharedKVCache), and a batched pass's [slots, 1, F] output
-        self.features = np.zeros((slots, capacity, feature_size), dtype=np.float32) if feature_size else None
+        self.features = lazy_zeros((slots, capacity, feature_size), np.float32) if feature_size else None
         self._feature_out = np.zeros((slots, 1, feature_size), dtype=np.float32) if feature_size else None
         self._feature_values: dict[int, object] = {}
         self.caches = [SharedKVCache(num_layers, num_kv_heads, head_dim, dtype, capacity, "cpu",
