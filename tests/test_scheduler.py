@@ -69,6 +69,24 @@ def test_sampled_batched_equals_alone_with_the_same_choices(self_draft_bundle):
         assert [o.token_ids for o in outputs] == expected, policy
 
 
+def test_a_sampled_row_keeps_its_draft_length_whatever_the_policy_chooses(self_draft_bundle):
+    """The policy limits greedy rows only: with a policy that would run every round target-only, a sampled
+    request still drafts its own k, so its seed gives the sample it gives alone, beside greedy neighbours."""
+    alone = specdeploy.load(self_draft_bundle, drafter="model")
+    generator = batched(self_draft_bundle, "auto", drafter="model", max_batch=4)
+    limits = []
+    generator.scheduler.policy.draft_limit = lambda rows, max_k: limits.append(len(rows)) or 0
+    sampled = dict(max_new_tokens=24, temperature=0.8, top_p=0.95)
+    expected = [alone.generate(PROMPTS[i], seed=seed, **sampled).token_ids for i, seed in ((0, 21), (2, 22))]
+    sequences = [generator._sequence(PROMPTS[0], generator._config(dict(seed=21, **sampled)), streaming=False),
+                 generator._sequence(PROMPTS[1], generator._config(dict(max_new_tokens=24)), streaming=False),
+                 generator._sequence(PROMPTS[2], generator._config(dict(seed=22, **sampled)), streaming=False)]
+    outputs = generator._run_all(sequences)
+    assert [outputs[0].token_ids, outputs[2].token_ids] == expected
+    assert limits and max(limits) == 1  # asked about the greedy row only
+    assert outputs[0].stats.drafted > 0 and outputs[1].stats.drafted == 0
+
+
 def test_a_sequence_joining_mid_flight(agreeing_bundle, alone):
     generator = batched(agreeing_bundle, "always")
     scheduler = generator.scheduler

@@ -23,8 +23,9 @@ one batched target pass serves every row. A batched row computes as a one-token 
 does, bit for bit; a verify row as a multi-token pass, which in fp32 differs from it in the last
 bits (see OrtEngine: fp16 and quantized targets run every row as a multi-token pass for that reason).
 So the choice changes speed, and a greedy output only where fp32 rounding splits a near-tie, as
-speculative against target-only decoding alone can; a sampled output is an exact sample either
-way, and the same seed gives the same output for the same sequence of choices (always, run alone).
+speculative against target-only decoding alone can. The policy chooses for greedy rows only: a
+sampled row's random numbers depend on its draft lengths, so it always drafts its request's k,
+and the same seed gives the sample it gives alone, whatever its neighbours.
 """
 
 from __future__ import annotations
@@ -140,14 +141,16 @@ class Scheduler:
             wanted.append(row.num_draft_tokens())
         speculative = [row for row, k in zip(rows, wanted) if k > 0]
         start = self._observe_period(rows)
-        drafting = []
-        if speculative:
-            limit = self.policy.draft_limit(speculative, max(wanted))
-            drafting = [row for row in speculative if row.num_draft_tokens(limit) > 0]
+        # The policy limits the greedy rows' drafts only: a sampled row's random numbers depend on its
+        # draft lengths, so it keeps its request's k and a seed gives the sample it gives alone.
+        greedy = [row for row in speculative if row.sampler.greedy]
+        limit = self.policy.draft_limit(greedy, max(wanted)) if greedy else None
+        ks = {row: row.num_draft_tokens(limit if row.sampler.greedy else None) for row in speculative}
+        drafting = [row for row in speculative if ks[row] > 0]
         plain = [row for row in rows if row not in drafting]
         verifying = []
         if drafting:
-            verifying, without = self._propose(drafting, limit)
+            verifying, without = self._propose(drafting, ks)
             plain += without
         self._target_passes(verifying, plain)
         # filed under the rows the policy decides for (those that want drafts)
@@ -220,14 +223,13 @@ class Scheduler:
             row.stats.target_calls += target.calls - calls
             self._guarded(row, self._plain_token, row, row_logits)
 
-    def _propose(self, rows: list[Sequence], limit: int) -> tuple[list[tuple], list[Sequence]]:
-        """Draft for every row together; returns (row, drafts, draft probabilities) for the rows that
-        proposed, and the rows that proposed nothing."""
+    def _propose(self, rows: list[Sequence], ks: dict) -> tuple[list[tuple], list[Sequence]]:
+        """Draft for every row together (ks: each row's draft length); returns (row, drafts, draft
+        probabilities) for the rows that proposed, and the rows that proposed nothing."""
         draft = rows[0].drafter.engine
         requests = []
         for row in rows:
-            requests.append((row.drafter, row.context, row.num_draft_tokens(limit), row.sampler, row.rng,
-                             row.config.draft_confidence))
+            requests.append((row.drafter, row.context, ks[row], row.sampler, row.rng, row.config.draft_confidence))
         seconds, calls = (draft.seconds, draft.calls) if draft is not None else (0.0, 0)
         try:
             proposals = propose_many(requests)
