@@ -74,19 +74,21 @@ def test_an_eagle_targets_feature_rows_land_at_their_positions(eagle_bundle):
 
 
 def test_rows_without_room_run_one_pass_each(agreeing_bundle):
-    """An idle slot whose filler would run past its capacity: the given rows go one by one, with the same logits."""
-    generator = specdeploy.load(agreeing_bundle, max_batch=3, warm_up=False)
+    """Three rows of a four-slot pool run its four-row graph, with the fourth slot as filler; a filler
+    that would run past its capacity sends the given rows one by one, with the same logits."""
+    generator = specdeploy.load(agreeing_bundle, max_batch=4, warm_up=False)
     target, slots = generator.target, generator.slots
+    assert slots[0].target_cache.pool.rows_pass.sizes == [2, 4]
     full = slots[1].target_cache
     target.prefill([7] * (generator.max_context - 1), full)
-    prompts = [generator.codec.encode(p) for p in PROMPTS[:2]]
+    prompts = [generator.codec.encode(p) for p in PROMPTS[:3]]
     expected = [alone_logits(target, prompt, [5, 6], generator.max_context) for prompt in prompts]
-    caches = [slots[0].target_cache, slots[2].target_cache]
+    caches = [slots[i].target_cache for i in (0, 2, 3)]
     for prompt, cache in zip(prompts, caches):
         target.prefill(prompt, cache)
     calls = target.calls
-    out = target.run_rows([[5, 6], [5, 6]], caches)
-    assert all(np.array_equal(a, b) for a, b in zip(out, expected)) and target.calls == calls + 2
+    out = target.run_rows([[5, 6]] * 3, caches)
+    assert all(np.array_equal(a, b) for a, b in zip(out, expected)) and target.calls == calls + 3
     assert full.length == generator.max_context - 1
 
 

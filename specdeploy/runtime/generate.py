@@ -153,10 +153,11 @@ class Generator:
             policy.target_ms[rows] = timed(lambda: _step_back(target, caches[:rows], length))
         for tokens in range(2, num_draft_tokens + 2):
             policy.verify_ms[tokens] = timed(lambda: _verify_back(target, caches[0], prompt, tokens))
-        if target.can_run_rows(caches):
-            rerun = target.min_pass_tokens > 1
+        rerun = target.min_pass_tokens > 1
+        for size in policy.rows_sizes:
+            table = policy.rows_ms.setdefault(size, {})
             for tokens in range(2, num_draft_tokens + 2 + rerun):
-                policy.rows_ms[tokens] = timed(lambda: _rows_back(target, caches, prompt, tokens - rerun))
+                table[tokens] = timed(lambda: _rows_back(target, caches[:size], prompt, tokens - rerun))
         engine = self.drafter.engine if self.drafter is not None else None
         if engine is None:
             return

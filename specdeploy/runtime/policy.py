@@ -32,8 +32,9 @@ class SpeculationPolicy:
         self.target_ms: dict[int, float] = {}  # rows -> one batched target step
         self.draft_ms: dict[int, float] = {}  # rows -> one batched draft step
         self.verify_ms: dict[int, float] = {}  # tokens -> one verify pass of one row
-        # tokens per row -> one rows pass (every slot's row, rows.py), the re-run token included (rerun)
-        self.rows_ms: dict[int, float] = {}
+        # graph rows -> tokens per row -> one pass of that rows graph (rows.py), the re-run token included (rerun)
+        self.rows_ms: dict[int, dict[int, float]] = {}
+        self.rows_sizes: list[int] = []  # the target's rows graphs (none: it runs a pass per row)
         self.rerun = False  # the target runs single tokens beside the previous one (and rows passes too)
         # round kind ("target", "speculative") -> rows -> one round's time outside the engines
         self.outside_ms: dict[str, dict[int, float]] = {"target": {}, "speculative": {}}
@@ -48,7 +49,7 @@ class SpeculationPolicy:
         target = _nearest(self.target_ms, count)
         if target is None:
             return max_k
-        steps = _nearest(self.rows_ms, 2) if self.rerun else None  # a rounded target's steps in one rows pass
+        steps = self.rows_cost(count, 2) if self.rerun else None  # a rounded target's steps in one rows pass
         target = min(target, steps) if steps is not None else target
         best_k, best_rate = 0, count / (target + (_nearest(self.outside_ms["target"], count) or 0.0))
         outside = _nearest(self.outside_ms["speculative"], count) or 0.0
@@ -68,13 +69,22 @@ class SpeculationPolicy:
         plus one batched step of the plain rows."""
         verify = _nearest(self.verify_ms, tokens - self.rerun) or 0.0
         alone = verify_rows * verify + (_nearest(self.target_ms, plain_rows) or 0.0 if plain_rows else 0.0)
-        rows = _nearest(self.rows_ms, tokens)
+        rows = self.rows_cost(verify_rows + plain_rows, tokens)
         return alone if rows is None else min(alone, rows)
+
+    def rows_size(self, count: int) -> int | None:
+        """The rows graph a pass of `count` rows runs (None: no graph)."""
+        return next((size for size in self.rows_sizes if size >= count), None)
+
+    def rows_cost(self, count: int, tokens: int) -> float | None:
+        """One rows pass of `count` rows of `tokens` each, as measured (None: not yet)."""
+        size = self.rows_size(count)
+        return _nearest(self.rows_ms.get(size, {}), tokens) if size is not None else None
 
     def rows_pay(self, verify_rows: int, plain_rows: int, tokens: int) -> bool:
         """Whether one rows pass of `tokens` per row costs less than a verify pass per verify row plus one
         batched step of the plain rows (a rows pass runs every slot, whatever the rows given)."""
-        rows = _nearest(self.rows_ms, tokens)
+        rows = self.rows_cost(verify_rows + plain_rows, tokens)
         if rows is None:
             return True
         verify = _nearest(self.verify_ms, tokens - self.rerun) or 0.0

@@ -18,9 +18,10 @@ Everything else (the MatMuls, norms and the head) runs over all rows at once. Ev
 attention computes each row of its input independently, and each row's attention node is the one a
 pass of that sequence alone runs, so a row's logits and keys and values are bit for bit those of
 its own pass (tests/test_rows.py). The graph is built from the bundle's graph at load (the `onnx`
-package edits it in memory; the weights are the bundle's data file, read again by a second
-session), for a fixed number of rows: a slot without tokens this pass computes filler tokens at its
-pending positions, past its valid ones, and keeps its length.
+package edits it in memory; the weights are the bundle's data file, read again by each graph's
+session), for a fixed number of rows (one graph per size, rows_sizes): a slot without tokens in a
+pass of its graph computes filler tokens at its pending positions, past its valid ones, and keeps
+its length.
 
 The head reads only the positions from the `logits_from` input on: a token run again beside the
 next needs no logits.
@@ -143,8 +144,19 @@ def _per_row(values, rows: int, cache_io: set[str]) -> list:
     return kept
 
 
+def rows_sizes(slots: int) -> list[int]:
+    """The rows graphs a pool of `slots` gets: 2, 4, 8, ... below slots, and slots itself."""
+    sizes, size = [], 2
+    while size < slots:
+        sizes.append(size)
+        size *= 2
+    return sizes + [slots]
+
+
 class RowsPass:
-    """The rows graph of one engine over one KVSlots pool (one row per slot), bound once.
+    """The rows graphs of one engine over one KVSlots pool: one per size in rows_sizes(slots), so that a
+    pass of n rows runs the smallest graph of n rows or more (slots not given fill the rest). Each
+    graph is a session of its own, with the target's weights: a pool of 8 slots holds them 3 more times.
 
     `run(token_lists, caches, rerun)`: see OrtEngine.run_rows, its one caller."""
 
@@ -154,79 +166,108 @@ class RowsPass:
         from .kv_cache import ort_value
         from .session import session_options
 
-        self.engine, self.pool, self.rows = engine, pool, pool.num_slots
+        self.engine, self.pool, self.sizes = engine, pool, rows_sizes(pool.num_slots)
         spec = engine.spec
         options = session_options(config, spec)
         # The graph comes as bytes: its weights are the bundle's data file beside model_path.
         options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(model_path.parent))
-        try:
-            self.session = ort.InferenceSession(rows_graph(model_path, self.rows), options,
-                                                providers=["CPUExecutionProvider"])
-        except SpecdeployError:
-            raise
-        except Exception as exc:
-            raise SpecdeployError(f"ONNX Runtime cannot load the rows graph of {model_path}: {str(exc).splitlines()[0]}") from None
-        binding = self._binding = self.session.io_binding()
+        self._sessions = {}
+        for size in self.sizes:
+            try:
+                self._sessions[size] = ort.InferenceSession(rows_graph(model_path, size), options,
+                                                            providers=["CPUExecutionProvider"])
+            except SpecdeployError:
+                raise
+            except Exception as exc:
+                raise SpecdeployError(f"ONNX Runtime cannot load the rows graph of {model_path}: "
+                                      f"{str(exc).splitlines()[0]}") from None
         kv = spec.kv_cache
-        names = [(kv.past_key % i, kv.present_key % i, kv.past_value % i, kv.present_value % i)
-                 for i in range(spec.num_layers)]
-        self._values = []  # the OrtValues bound (the binding does not keep them alive)
-        for layer, (past_key, present_key, past_value, present_value) in enumerate(names):
-            for r in range(self.rows):
-                for past, present, buffer in ((past_key, present_key, pool.buffers[2 * layer]),
-                                              (past_value, present_value, pool.buffers[2 * layer + 1])):
-                    value = ort_value(buffer[r : r + 1], "cpu")
-                    self._values.append(value)
-                    binding.bind_ortvalue_input(row_name(past, r), value)
-                    binding.bind_ortvalue_output(row_name(present, r), value)
-        self._mask = ort_value(pool.mask, "cpu")
-        binding.bind_ortvalue_input("attention_mask", self._mask)
-        self._from = {start: np.array([start], dtype=np.int64) for start in (0, 1)}
-        self._outputs: dict[tuple[int, int], tuple] = {}  # (S, logits_from) -> (ids, logits, their OrtValues)
+        # (past, present, pool buffer index) of every cache tensor
+        self._names = [(name % i, present % i, 2 * i + j) for i in range(spec.num_layers)
+                       for j, (name, present) in enumerate(((kv.past_key, kv.present_key), (kv.past_value, kv.present_value)))]
         self._ort_value = ort_value
+        self._row_values: dict[tuple[int, int], object] = {}  # (buffer, slot) -> an OrtValue over that slot's row
+        self._bindings: dict[tuple[int, ...], object] = {}  # the slots of a pass -> its binding
+        # A graph smaller than the pool reads the masks of its slots from its own [size, capacity] copy.
+        self._masks = {size: np.zeros((size, pool.capacity), dtype=np.int64) for size in self.sizes}
+        self._mask_values = {size: ort_value(pool.mask if size == pool.num_slots else mask, "cpu")
+                             for size, mask in self._masks.items()}
+        self._from = {start: np.array([start], dtype=np.int64) for start in (0, 1)}
+        self._outputs: dict[tuple[int, int, int], tuple] = {}  # (size, S, logits_from) -> buffers and OrtValues
 
-    def _buffers(self, length: int, start: int):
-        key = (length, start)
+    def size_for(self, count: int) -> int:
+        """The rows graph a pass of `count` rows runs."""
+        return next(size for size in self.sizes if size >= count)
+
+    def _binding(self, slots: tuple[int, ...]):
+        binding = self._bindings.get(slots)
+        if binding is None:
+            binding = self._bindings[slots] = self._sessions[len(slots)].io_binding()
+            for row, slot in enumerate(slots):
+                for past, present, buffer in self._names:
+                    value = self._row_values.get((buffer, slot))
+                    if value is None:
+                        value = self._row_values[(buffer, slot)] = self._ort_value(self.pool.buffers[buffer][slot : slot + 1], "cpu")
+                    binding.bind_ortvalue_input(row_name(past, row), value)
+                    binding.bind_ortvalue_output(row_name(present, row), value)
+            binding.bind_ortvalue_input("attention_mask", self._mask_values[len(slots)])
+        return binding
+
+    def _buffers(self, size: int, length: int, start: int):
+        key = (size, length, start)
         if key not in self._outputs:
             engine = self.engine
-            ids = np.zeros((self.rows, length), dtype=np.int64)
-            logits = np.empty((self.rows, length - start, engine.columns), dtype=engine._logits_dtype)
-            features = (np.empty((self.rows, length, engine.feature_size), dtype=np.float32)
+            ids = np.zeros((size, length), dtype=np.int64)
+            logits = np.empty((size, length - start, engine.columns), dtype=engine._logits_dtype)
+            features = (np.empty((size, length, engine.feature_size), dtype=np.float32)
                         if engine.features is not None else None)
             self._outputs[key] = (ids, logits, features, self._ort_value(ids, "cpu"), self._ort_value(logits, "cpu"),
                                   self._ort_value(features, "cpu") if features is not None else None)
         return self._outputs[key]
 
-    def fits(self, token_lists: list, caches: list, rerun: bool) -> bool:
-        """Whether one pass can run these lists: every row (given or not) has room for the pass's tokens."""
+    def _slots(self, token_lists: list, caches: list, rerun: bool) -> tuple[int, ...] | None:
+        """The slots of one pass over these lists: theirs, and the first others with room for filler
+        (None where a row lacks room)."""
         length = max(len(tokens) for tokens in token_lists) + rerun
-        given = {cache.slot_index for cache in caches}
-        for index, cache in enumerate(self.pool.caches):
-            first = cache.length - 1 if rerun and index in given else cache.length
+        for cache in caches:
+            first = cache.length - rerun
             if first < 0 or first + length > cache.capacity:
-                return False
-        return True
+                return None
+        size = self.size_for(len(caches))
+        given = {cache.slot_index for cache in caches}
+        fillers = [index for index, cache in enumerate(self.pool.caches)
+                   if index not in given and cache.length + length <= cache.capacity][: size - len(given)]
+        if len(given) + len(fillers) < size:
+            return None
+        return tuple(sorted(given.union(fillers)))
+
+    def fits(self, token_lists: list, caches: list, rerun: bool) -> bool:
+        """Whether one pass can run these lists: every row it runs (given or filler) has room for its tokens."""
+        return self._slots(token_lists, caches, rerun) is not None
 
     def run(self, token_lists: list, caches: list, rerun: bool) -> list[np.ndarray]:
         engine, pool = self.engine, self.pool
-        length = max(len(tokens) for tokens in token_lists) + rerun
-        start = 1 if rerun else 0
-        ids, logits, features, ids_value, logits_value, features_value = self._buffers(length, start)
-        given = {cache.slot_index: (cache, tokens) for cache, tokens in zip(caches, token_lists)}
-        firsts = []
-        for index, cache in enumerate(pool.caches):
-            row = given.get(index)
-            if row is None:  # filler at the pending positions, past the valid ones
-                ids[index] = 0
+        slots = self._slots(token_lists, caches, rerun)
+        size, length, start = len(slots), max(len(tokens) for tokens in token_lists) + rerun, int(rerun)
+        ids, logits, features, ids_value, logits_value, features_value = self._buffers(size, length, start)
+        given = {cache.slot_index: tokens for cache, tokens in zip(caches, token_lists)}
+        firsts, mask = {}, self._masks[size]
+        for row, slot in enumerate(slots):
+            cache = pool.caches[slot]
+            tokens = given.get(slot)
+            if tokens is None:  # filler at the pending positions, past the valid ones
+                ids[row] = 0
                 first = cache.length
             else:
-                tokens = ([cache.tokens[-1]] if rerun else []) + list(row[1])
-                ids[index, : len(tokens)] = tokens
-                ids[index, len(tokens) :] = tokens[-1]  # padding after the row's own tokens (causal: no effect on them)
+                tokens = ([cache.tokens[-1]] if rerun else []) + list(tokens)
+                ids[row, : len(tokens)] = tokens
+                ids[row, len(tokens) :] = tokens[-1]  # padding after the row's own tokens (causal: no effect on them)
                 first = cache.length - start
-            firsts.append(first)
+            firsts[slot] = (row, first)
             cache.mask_to(first + length)
-        binding = self._binding
+            if size < pool.num_slots:
+                mask[row] = pool.mask[slot]
+        binding = self._binding(slots)
         binding.bind_ortvalue_input("input_ids", ids_value)
         binding.bind_cpu_input(LOGITS_FROM, self._from[start])
         binding.bind_ortvalue_output("logits", logits_value)
@@ -234,21 +275,21 @@ class RowsPass:
             binding.bind_ortvalue_output(engine.features, features_value)
         begin = time.perf_counter()
         try:
-            self.session.run_with_iobinding(binding)
+            self._sessions[size].run_with_iobinding(binding)
         finally:
             engine.seconds += time.perf_counter() - begin
             engine.calls += 1
-            for index, cache in enumerate(pool.caches):
-                if index not in given:
-                    cache.mask_to(cache.length)
+            for slot in slots:
+                if slot not in given:
+                    pool.caches[slot].mask_to(pool.caches[slot].length)
         out = []
         for cache, tokens in zip(caches, token_lists):
-            index, count, first = cache.slot_index, len(tokens), firsts[cache.slot_index]
+            (row, first), count = firsts[cache.slot_index], len(tokens)
             if features is not None:  # every position run, the re-run one included (its row is rewritten alike)
-                cache.features[first : first + count + start] = features[index, : count + start]
+                cache.features[first : first + count + start] = features[row, : count + start]
             cache.length += count
             cache.tokens += list(tokens)
             cache.mask_to(cache.length)
-            rows_out = logits[index, :count]
+            rows_out = logits[row, :count]
             out.append(rows_out if engine._float32_logits else rows_out.astype(np.float32))
         return out

@@ -52,6 +52,8 @@ class Scheduler:
         self.free: list[Slot] = list(slots)
         self.policy = policy or SpeculationPolicy("always" if len(slots) == 1 else "auto")
         self.policy.rerun = target.min_pass_tokens > 1
+        rows = getattr(getattr(slots[0].target_cache, "pool", None), "rows_pass", None)
+        self.policy.rows_sizes = rows.sizes if rows is not None else []
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # the last round: (kind, its rows' ids, its start, engine seconds then, the rows its costs are filed under)
@@ -294,7 +296,8 @@ class Scheduler:
         spent = (target.seconds - seconds) * 1000
         if target.calls - calls == 1:  # one rows pass (not the one-by-one fallback)
             length = max(len(tokens) for _, tokens, _, _ in entries) + (target.min_pass_tokens > 1)
-            self.policy.observe(self.policy.rows_ms, length, spent)
+            size = self.policy.rows_size(len(entries))
+            self.policy.observe(self.policy.rows_ms.setdefault(size, {}), length, spent)
         for (row, tokens, drafts, draft_probs), row_logits in zip(entries, logits):
             row.stats.target_ms += spent
             row.stats.target_calls += target.calls - calls
