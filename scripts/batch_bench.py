@@ -10,6 +10,10 @@ then target-only) on a max_batch 1 generator. Aggregate tok/s = all new tokens /
 prefill included; EOS does not end a sequence (ignore_eos), so every system emits B x tokens.
 Rounds repeat the whole grid in the same order; the table gives each cell's median and its
 ratio to the sequential speculative figure of the same B and setting.
+
+First it prints the pass costs the largest batch's speculation policy measured at load (calibrate):
+a batched one-token step of n rows, a verify pass of one row, and a pass of each rows graph
+(runtime/rows.py) at each number of tokens per row.
 """
 
 from __future__ import annotations
@@ -34,6 +38,17 @@ def settings_arg(text: str) -> tuple[str, dict]:
     return name, values
 
 
+def print_costs(policy) -> None:
+    """The policy's measured pass costs (ms) as Markdown."""
+    print("| pass | " + " | ".join(f"{n}" for n in range(1, 9)) + " |")
+    print("|---|" + "---:|" * 8)
+    print("| batched one-token step, n rows | " + " | ".join(f"{policy.target_ms.get(n, float('nan')):.1f}" for n in range(1, 9)) + " |")
+    print("| verify pass of one row, n tokens | " + " | ".join(f"{policy.verify_ms[n]:.1f}" if n in policy.verify_ms else "" for n in range(1, 9)) + " |")
+    for size, table in sorted(policy.rows_ms.items()):
+        print(f"| {size}-row graph, n tokens per row | " + " | ".join(f"{table[n]:.1f}" if n in table else "" for n in range(1, 9)) + " |")
+    print()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("bundle")
@@ -49,6 +64,8 @@ def main() -> None:
     single = specdeploy.load(args.bundle)
     batched = {size: {policy: specdeploy.load(args.bundle, max_batch=size, policy=policy)
                       for policy in ("auto", "always", "never")} for size in sizes if size > 1}
+    if batched:
+        print_costs(batched[max(batched)]["auto"].scheduler.policy)
     results: dict[tuple, list[float]] = {}
     for _ in range(args.rounds):
         for size in sizes:

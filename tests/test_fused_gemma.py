@@ -201,3 +201,10 @@ def test_an_eagle_head_for_gemma3_round_trips(gemma3, tmp_path):
         alone = generator.generate(ids, max_new_tokens=24, speculative=False)
         spec = generator.generate(ids, max_new_tokens=24, num_draft_tokens=3)
         assert spec.token_ids == alone.token_ids and spec.stats.drafted > 0
+
+
+def test_gemma3_verify_rows_share_one_pass_bit_for_bit(gemma3):
+    """Its sliding-window and global attention nodes split by rows as any (runtime/rows.py)."""
+    from test_rows import check_rows_pass
+
+    check_rows_pass(gemma3[1], {0: [5, 6, 7], 2: [9, 4], 3: [8, 8]})

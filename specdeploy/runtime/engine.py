@@ -133,14 +133,15 @@ class OrtEngine:
 
         Caches that are rows of one KVSlots with a rows graph (rows.py) run in one pass, each row bit
         for bit as its own pass: lists of two or more tokens, or of any length on an engine whose single
-        tokens run beside another (min_pass_tokens > 1: there every row runs its previous token again in
-        front). Anything else runs one pass per cache."""
+        tokens run beside another (min_pass_tokens > 1: where a list has one token, every row of the pass
+        runs its previous token again in front). Anything else runs one pass per cache."""
         pool = getattr(caches[0], "pool", None)
         rows = getattr(pool, "rows_pass", None)
-        rerun = self.min_pass_tokens > 1
+        single = any(len(tokens) == 1 for tokens in token_lists)
+        rerun = single and self.min_pass_tokens > 1
         if (rows is not None and len(caches) > 1 and all(cache.pool is pool for cache in caches)
                 and len({cache.slot_index for cache in caches}) == len(caches)
-                and (rerun or all(len(tokens) > 1 for tokens in token_lists)) and rows.fits(token_lists, caches, rerun)):
+                and (rerun or not single) and rows.fits(token_lists, caches, rerun)):
             self._stepping = None
             return rows.run(token_lists, caches, rerun)
         return [np.array(self.run(tokens, cache)) for tokens, cache in zip(token_lists, caches)]

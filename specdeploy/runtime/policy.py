@@ -57,7 +57,7 @@ class SpeculationPolicy:
             verify, draft = _nearest(self.verify_ms, k + 1), _nearest(self.draft_ms, count)
             if verify is None or draft is None:
                 return max_k
-            passes = self.verify_cost(count, 0, k + 1 + self.rerun)
+            passes = self.verify_cost(count, 0, k + 1)
             tokens = sum(_row_tokens(row, k, self.acceptance) for row in rows)
             rate = tokens / (passes + k * draft + outside)
             if rate > best_rate:
@@ -67,7 +67,7 @@ class SpeculationPolicy:
     def verify_cost(self, verify_rows: int, plain_rows: int, tokens: int) -> float:
         """The cheaper of one rows pass of `tokens` per row (see rows_pay) and a verify pass per verify row
         plus one batched step of the plain rows."""
-        verify = _nearest(self.verify_ms, tokens - self.rerun) or 0.0
+        verify = _nearest(self.verify_ms, tokens - bool(plain_rows and self.rerun)) or 0.0
         alone = verify_rows * verify + (_nearest(self.target_ms, plain_rows) or 0.0 if plain_rows else 0.0)
         rows = self.rows_cost(verify_rows + plain_rows, tokens)
         return alone if rows is None else min(alone, rows)
@@ -87,7 +87,7 @@ class SpeculationPolicy:
         rows = self.rows_cost(verify_rows + plain_rows, tokens)
         if rows is None:
             return True
-        verify = _nearest(self.verify_ms, tokens - self.rerun) or 0.0
+        verify = _nearest(self.verify_ms, tokens - bool(plain_rows and self.rerun)) or 0.0
         return rows < verify_rows * verify + (_nearest(self.target_ms, plain_rows) or 0.0 if plain_rows else 0.0)
 
     def observe(self, table: dict[int, float], size: int, ms: float) -> None:

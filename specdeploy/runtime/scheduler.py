@@ -78,6 +78,7 @@ class Scheduler:
         self._admit()
         prefilling = [s for s in self.running if not s.prefilled]
         # Sequences with one prompt prefill it once: the first runs it, the others wait, then copy its cache.
+        ready = []
         for sequence in prefilling:
             donor = None
             if not sequence.target_started:
@@ -85,13 +86,45 @@ class Scheduler:
                 if any(other.target_prefilling and other.context[:-1] == prompt for other in prefilling):
                     continue
                 donor = self._donor(sequence)
-            self._guarded(sequence, sequence.prefill_step, self.target, donor)
+            ready.append((sequence, donor))
+        self._prefill(ready)
         decoding = [s for s in self.running if s.prefilled and not s.finished]
         if decoding:
             self._decode(decoding)
         else:
             self._last_round = None  # prefill only: no round to charge it to
         return self._retire()
+
+    def _prefill(self, ready: list[tuple]) -> None:
+        """One prefill step of each (sequence, donor). Target chunks of two or more tokens share one rows
+        pass (each row as its own pass, bit for bit) where the target has rows graphs; the rest run
+        their own passes (a draft's prefill, a one-token chunk)."""
+        chunks, start = [], time.perf_counter()
+        if len(ready) > 1 and self.target.can_run_rows([sequence.slot.target_cache for sequence, _ in ready]):
+            for sequence, donor in ready:
+                chunk = self._guarded(sequence, sequence.take_prefill_chunk, donor)
+                if chunk is not None and len(chunk) > 1:
+                    chunks.append((sequence, chunk))
+                elif chunk is not None:  # one token: its own pass (run_rows takes lists of two or more)
+                    self._guarded(sequence, self.target.run, chunk, sequence.slot.target_cache)
+                    self._guarded(sequence, sequence.end_prefill_step, start)
+                elif not sequence.finished:
+                    self._guarded(sequence, sequence.prefill_step, self.target)
+            ready = []
+        if len(chunks) == 1:
+            (sequence, chunk), = chunks
+            self._guarded(sequence, self.target.run, chunk, sequence.slot.target_cache)
+        elif chunks:
+            try:
+                self.target.run_rows([chunk for _, chunk in chunks], [s.slot.target_cache for s, _ in chunks])
+            except Exception as exc:  # noqa: BLE001 - a failed pass fails its rows
+                for sequence, _ in chunks:
+                    sequence.fail(exc)
+        for sequence, _ in chunks:
+            if not sequence.finished:
+                self._guarded(sequence, sequence.end_prefill_step, start)
+        for sequence, donor in ready:
+            self._guarded(sequence, sequence.prefill_step, self.target, donor)
 
     def _donor(self, sequence: Sequence):
         """Another slot's target cache that holds more of this sequence's prompt than its own (or None)."""
@@ -165,11 +198,11 @@ class Scheduler:
         rows of a target whose single tokens run beside another: when the policy's costs say one pass of
         them all beats a pass per verify row. Plain rows otherwise share one batched step."""
         target = self.target
-        rerun = target.min_pass_tokens > 1
-        joining = plain if rerun else []
+        joining = plain if target.min_pass_tokens > 1 else []
         group = [row for row, _, _ in verifying] + joining
         if len(group) > 1 and target.can_run_rows([row.slot.target_cache for row in group]):
-            tokens = max([len(drafts) + 1 for _, drafts, _ in verifying] + [1]) + rerun
+            # tokens per row, the previous one included where plain rows run it again (run_rows)
+            tokens = max([len(drafts) + 1 for _, drafts, _ in verifying] + [1]) + bool(joining)
             if self.policy.rows_pay(len(verifying), len(joining), tokens):
                 self._rows_round(verifying, joining)
                 verifying, plain = [], [row for row in plain if row not in joining]
@@ -295,7 +328,8 @@ class Scheduler:
             return
         spent = (target.seconds - seconds) * 1000
         if target.calls - calls == 1:  # one rows pass (not the one-by-one fallback)
-            length = max(len(tokens) for _, tokens, _, _ in entries) + (target.min_pass_tokens > 1)
+            rerun = target.min_pass_tokens > 1 and any(len(tokens) == 1 for _, tokens, _, _ in entries)
+            length = max(len(tokens) for _, tokens, _, _ in entries) + rerun
             size = self.policy.rows_size(len(entries))
             self.policy.observe(self.policy.rows_ms.setdefault(size, {}), length, spent)
         for (row, tokens, drafts, draft_probs), row_logits in zip(entries, logits):

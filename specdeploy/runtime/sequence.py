@@ -118,6 +118,18 @@ class Sequence:
         is done. The cache may already hold a prefix of the prompt (an earlier request on this slot),
         and a donor (another slot's target cache that holds more of it) gives its positions first."""
         start = time.perf_counter()
+        chunk = self.take_prefill_chunk(donor)
+        if chunk is not None:
+            target.run(chunk, self.slot.target_cache)
+        elif not self._draft_prefilled:
+            self.drafter.prefill(self.context[:-1])
+            self._draft_prefilled = True
+        self.end_prefill_step(start)
+
+    def take_prefill_chunk(self, donor=None) -> list[int] | None:
+        """The target tokens of this sequence's next prefill step, taken off what is left (None: the
+        target's prefill is done). The caller runs them on the slot's target cache (prefill_step, or
+        the scheduler's rows pass over several sequences' chunks), then calls end_prefill_step."""
         cache = self.slot.target_cache
         if self._prefill_rest is None:
             self._prefill_rest = cache.truncate_to_prefix(self.context[:-1])
@@ -127,12 +139,13 @@ class Sequence:
                 if donated > shared:
                     cache.copy_prefix(donor, donated)
                     self._prefill_rest = self.context[donated:-1]
-        if self._prefill_rest:
-            chunk, self._prefill_rest = self._prefill_rest[:PREFILL_CHUNK], self._prefill_rest[PREFILL_CHUNK:]
-            target.run(chunk, cache)
-        elif not self._draft_prefilled:
-            self.drafter.prefill(self.context[:-1])
-            self._draft_prefilled = True
+        if not self._prefill_rest:
+            return None
+        chunk, self._prefill_rest = self._prefill_rest[:PREFILL_CHUNK], self._prefill_rest[PREFILL_CHUNK:]
+        return chunk
+
+    def end_prefill_step(self, start: float) -> None:
+        """A prefill step that began at `start` (perf_counter) is over: its time, and decoding's start."""
         self.stats.prefill_ms += (time.perf_counter() - start) * 1000
         if self.prefilled:
             self._decode_start = time.perf_counter()
