@@ -5,7 +5,8 @@ One `step` is one iteration:
      prompt first), up to the generator's slots;
   2. every sequence still prefilling runs one chunk of the target's prefill (PREFILL_CHUNK tokens),
      so a long prompt delays the others by one chunk per iteration, not by its whole length (the
-     draft's prefill, a fraction of the target's cost, runs in one iteration after it);
+     draft's prefill, a fraction of the target's cost, runs in one iteration after it); the chunks
+     of several sequences share one rows pass (rows.py);
   3. every prefilled sequence decodes one round. Target-only rows share one batched target pass
      ([rows, 1], OrtEngine.run_batch). Speculative rows share batched draft passes (propose_many),
      then one rows pass (OrtEngine.run_rows, rows.py) verifies them all: the target's graph with
