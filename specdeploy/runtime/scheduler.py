@@ -5,8 +5,8 @@ One `step` is one iteration:
      prompt first), up to the generator's slots;
   2. every sequence still prefilling runs one chunk of the target's prefill (PREFILL_CHUNK tokens),
      so a long prompt delays the others by one chunk per iteration, not by its whole length (the
-     draft's prefill, a fraction of the target's cost, runs in one iteration after it); the chunks
-     of several sequences share one rows pass (rows.py);
+     draft's prefill, a fraction of the target's cost, runs in one iteration after it); short
+     chunks of several sequences share one rows pass (rows.py);
   3. every prefilled sequence decodes one round. Target-only rows share one batched target pass
      ([rows, 1], OrtEngine.run_batch). Speculative rows share batched draft passes (propose_many),
      then one rows pass (OrtEngine.run_rows, rows.py) verifies them all: the target's graph with
@@ -40,6 +40,11 @@ from .drafters import propose_many
 from .policy import SpeculationPolicy
 from .rejection import accept
 from .sequence import Sequence, Slot, shared_prefix
+
+# Prefill chunks up to this many tokens share a rows pass. Longer ones are compute-bound: on SmolLM2
+# int8 a rows pass of 8 rows x 45 tokens saved 10% against 8 passes, and its first run at a new length
+# cost twice theirs; a pass of 8 rows x 6 tokens costs half of 8 passes.
+ROWS_PREFILL_TOKENS = 8
 
 class Scheduler:
     """Steps every live sequence of one generator each iteration; see the module docstring.
@@ -77,18 +82,7 @@ class Scheduler:
     def step(self) -> list[Sequence]:
         """One iteration; returns the sequences that ended in it."""
         self._admit()
-        prefilling = [s for s in self.running if not s.prefilled]
-        # Sequences with one prompt prefill it once: the first runs it, the others wait, then copy its cache.
-        ready = []
-        for sequence in prefilling:
-            donor = None
-            if not sequence.target_started:
-                prompt = sequence.context[:-1]
-                if any(other.target_prefilling and other.context[:-1] == prompt for other in prefilling):
-                    continue
-                donor = self._donor(sequence)
-            ready.append((sequence, donor))
-        self._prefill(ready)
+        self._prefill([s for s in self.running if not s.prefilled])
         decoding = [s for s in self.running if s.prefilled and not s.finished]
         if decoding:
             self._decode(decoding)
@@ -96,36 +90,56 @@ class Scheduler:
             self._last_round = None  # prefill only: no round to charge it to
         return self._retire()
 
-    def _prefill(self, ready: list[tuple]) -> None:
-        """One prefill step of each (sequence, donor). Target chunks of two or more tokens share one rows
-        pass (each row as its own pass, bit for bit) where the target has rows graphs; the rest run
-        their own passes (a draft's prefill, a one-token chunk)."""
-        chunks, start = [], time.perf_counter()
-        if len(ready) > 1 and self.target.can_run_rows([sequence.slot.target_cache for sequence, _ in ready]):
-            for sequence, donor in ready:
-                chunk = self._guarded(sequence, sequence.take_prefill_chunk, donor)
-                if chunk is not None and len(chunk) > 1:
-                    chunks.append((sequence, chunk))
-                elif chunk is not None:  # one token: its own pass (run_rows takes lists of two or more)
-                    self._guarded(sequence, self.target.run, chunk, sequence.slot.target_cache)
-                    self._guarded(sequence, sequence.end_prefill_step, start)
-                elif not sequence.finished:
-                    self._guarded(sequence, sequence.prefill_step, self.target)
-            ready = []
+    def _prefill(self, prefilling: list[Sequence]) -> None:
+        """One prefill step of each prefilling sequence: first those under way, then those starting, so that
+        a starting one copies what the others' passes have just written. Sequences with one prompt prefill
+        it once: the first runs it, the others wait, then copy its cache. Short target chunks (2 to
+        ROWS_PREFILL_TOKENS tokens) share one rows pass (each row as its own pass, bit for bit) where the
+        target has rows graphs; the rest run their own passes (a draft's prefill, a one-token or a long chunk)."""
+        rows = len(prefilling) > 1 and self.target.can_run_rows([s.slot.target_cache for s in prefilling])
+        self._prefill_group([s for s in prefilling if s.target_started], prefilling, rows)
+        self._prefill_group([s for s in prefilling if not s.target_started], prefilling, rows)
+
+    def _prefill_group(self, group: list[Sequence], prefilling: list[Sequence], rows: bool) -> None:
+        target, start = self.target, time.perf_counter()
+        chunks, pending = [], []  # pending: the prompts whose chunk waits for the rows pass
+        for sequence in group:
+            donor = None
+            if not sequence.target_started:
+                prompt = sequence.context[:-1]
+                if prompt in pending or any(other.target_prefilling and other.context[:-1] == prompt
+                                            for other in prefilling):
+                    continue
+                donor = self._donor(sequence)
+            if not rows:
+                self._guarded(sequence, sequence.prefill_step, target, donor)
+                continue
+            chunk = self._guarded(sequence, sequence.take_prefill_chunk, donor)
+            if sequence.finished:
+                continue
+            if chunk is None:  # the target's prefill is done: the drafter's
+                self._guarded(sequence, sequence.prefill_step, target)
+            elif 1 < len(chunk) <= ROWS_PREFILL_TOKENS:
+                chunks.append((sequence, chunk))
+                pending.append(sequence.context[:-1])
+            else:
+                self._guarded(sequence, self._run_chunk, sequence, [chunk], start)
         if len(chunks) == 1:
-            (sequence, chunk), = chunks
-            self._guarded(sequence, self.target.run, chunk, sequence.slot.target_cache)
+            self._guarded(chunks[0][0], self._run_chunk, chunks[0][0], [chunks[0][1]], start)
         elif chunks:
             try:
-                self.target.run_rows([chunk for _, chunk in chunks], [s.slot.target_cache for s, _ in chunks])
+                target.run_rows([chunk for _, chunk in chunks], [s.slot.target_cache for s, _ in chunks])
             except Exception as exc:  # noqa: BLE001 - a failed pass fails its rows
                 for sequence, _ in chunks:
                     sequence.fail(exc)
-        for sequence, _ in chunks:
-            if not sequence.finished:
-                self._guarded(sequence, sequence.end_prefill_step, start)
-        for sequence, donor in ready:
-            self._guarded(sequence, sequence.prefill_step, self.target, donor)
+            for sequence, _ in chunks:
+                if not sequence.finished:
+                    self._guarded(sequence, sequence.end_prefill_step, start)
+
+    def _run_chunk(self, sequence: Sequence, chunks: list, start: float) -> None:
+        """A prefill chunk of one sequence in its own pass (chunks: [the chunk])."""
+        self.target.run(chunks[0], sequence.slot.target_cache)
+        sequence.end_prefill_step(start)
 
     def _donor(self, sequence: Sequence):
         """Another slot's target cache that holds more of this sequence's prompt than its own (or None)."""
