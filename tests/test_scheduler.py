@@ -203,10 +203,8 @@ def test_the_policy_speculates_where_it_pays():
     policy.verify_ms.update({k + 1: 10.0 + 1.5 * k for k in range(1, 5)})
     policy.draft_ms.update({1: 1.5, 8: 2.5})
 
-    class Row:  # acceptance 0.8 so far
-        def __init__(self):
-            self.stats = type("S", (), {"drafted": 100})()
-            self.ended_at = [0, 0, 0, 0, 20]  # 20 rounds x 4 accepted = 80 of 100
+    def Row():  # acceptance 0.8 so far: 20 rounds kept all 4 drafts, 5 kept none
+        return FakeRow([(4, 4)] * 20 + [(4, 0)] * 5)
 
     assert policy.draft_limit([Row()], 4) == 4  # alone: the request's own k, as generate runs it
     assert policy.draft_limit([Row(), Row()], 4) > 0  # two rows: ~3.4 tokens each per verify pass still pay
@@ -224,10 +222,8 @@ def test_the_policy_counts_each_rounds_time_outside_the_engines():
     policy.verify_ms.update({k + 1: 10.0 + 1.5 * k for k in range(1, 5)})
     policy.draft_ms.update({8: 2.5})
 
-    class Row:  # acceptance 0.8 so far
-        def __init__(self):
-            self.stats = type("S", (), {"drafted": 100})()
-            self.ended_at = [0, 0, 0, 0, 20]
+    def Row():  # acceptance 0.8 so far: 20 rounds kept all 4 drafts, 5 kept none
+        return FakeRow([(4, 4)] * 20 + [(4, 0)] * 5)
 
     rows = [Row() for _ in range(8)]
     assert policy.draft_limit(rows, 4) == 0  # engines alone: one batched step beats 8 verify passes
@@ -306,16 +302,27 @@ def test_a_quantized_target_keeps_its_two_token_steps_under_batching(tmp_path_fa
 def test_a_rows_expected_tokens_come_from_its_own_rounds():
     """Acceptance comes in runs: a row whose rounds accepted all 4 drafts or none (rate 0.5) emits
     1 + 2 = 3 tokens a round at k = 4, where the i.i.d. formula says 1.94; at k = 2 its rounds would
-    have accepted min(j, 2)."""
+    have accepted min(j, 2). Rounds of one draft say nothing of a fourth: the row's rate fills in."""
     from specdeploy.runtime.policy import _expected_tokens, _row_tokens
 
-    class Row:
-        def __init__(self, ended_at):
-            self.ended_at = ended_at
-            self.stats = type("S", (), {"drafted": 4 * sum(ended_at)})()
-
-    runs = Row([500, 0, 0, 0, 500])
-    assert _row_tokens(runs, 4, 0.5) == pytest.approx(3.0, abs=0.02)
+    runs = FakeRow([(4, 4)] * 500 + [(4, 0)] * 500)
+    assert _row_tokens(runs, 4, 0.5) == pytest.approx(3.0, abs=0.03)
     assert _row_tokens(runs, 2, 0.5) == pytest.approx(2.0, abs=0.02)
     assert _expected_tokens(0.5, 4) == pytest.approx(1.9375)
-    assert _row_tokens(Row([0, 0, 0, 0, 0]), 4, 0.6) == pytest.approx(_expected_tokens(0.6, 4))  # no rounds: the prior
+    assert _row_tokens(FakeRow([]), 4, 0.6) == pytest.approx(_expected_tokens(0.6, 4))  # no rounds: the prior
+    ones = FakeRow([(1, 1)] * 800 + [(1, 0)] * 200)  # kept 80% of single drafts: four drafts keep more than one
+    assert _row_tokens(ones, 4, 0.5) == pytest.approx(_expected_tokens(0.8, 4), abs=0.05)
+
+
+class FakeRow:
+    """What the policy reads of a sequence, from its rounds: (drafted, accepted) each, as Sequence.record_round keeps them."""
+
+    def __init__(self, rounds: list[tuple[int, int]]):
+        self.reached, self.kept, self.ended_at = [0] * 5, [0] * 5, [0] * 5
+        for drafted, accepted in rounds:
+            for position in range(1, min(drafted, accepted + 1) + 1):
+                self.reached[position] += 1
+                self.kept[position] += position <= accepted
+            self.ended_at[accepted] += 1
+        self.stats = type("S", (), {"drafted": sum(drafted for drafted, _ in rounds)})()
+

@@ -14,8 +14,10 @@ class SpeculationPolicy:
     The rule (after SmartSpec, Liu et al. 2024, "Optimizing Speculative Decoding for Serving Large
     Language Models Using Goodput"): for a batch of B rows whose acceptance rates are a_i, a
     round of k draft tokens emits sum_i (1 - a_i^(k+1)) / (1 - a_i) tokens in about
-    B * verify_ms[k + 1] + k * draft_ms[B] (a verify pass per row, k batched draft steps), and a
-    target-only round emits B tokens in target_ms[B] (one batched pass). Each kind of round also
+    min(B * verify_ms[k + 1], rows_ms[R][k + 1]) + k * draft_ms[B] (a verify pass per row, or one
+    pass of the smallest rows graph of R >= B rows, rows.py; and k batched draft steps), and a
+    target-only round emits B tokens in target_ms[B] (one batched pass; a quantized target's rows,
+    whose single tokens run beside the previous one, in rows_ms[R][2] where that is less). Each kind of round also
     costs its time outside the engines until the next round (sampling, acceptance, bookkeeping,
     and a server's detokenizing and streaming: outside_ms, measured as rounds run), which a
     target-only round pays per token and a speculative round shares among the tokens it emits;
@@ -117,17 +119,19 @@ def _acceptance(row: Sequence, prior: float) -> float:
 
 
 def _row_tokens(row: Sequence, k: int, prior: float) -> float:
-    """Tokens a round of k drafts is expected to emit for this row: its own rounds so far (a round
-    that accepted j drafts of more would have accepted min(j, k) of k: acceptance stops at the first
-    rejection), blended with the i.i.d. formula at its acceptance while it has few rounds. Acceptance
-    comes in runs (a repeated span, a predictable stretch of code), so the formula alone undercounts."""
-    formula = _expected_tokens(_acceptance(row, prior), k)
-    rounds = sum(row.ended_at)
-    if not rounds:
-        return formula
-    own = 1.0 + sum(count * min(accepted, k) for accepted, count in enumerate(row.ended_at)) / rounds
-    weight = rounds / (rounds + 8)
-    return weight * own + (1.0 - weight) * formula
+    """Tokens a round of k drafts is expected to emit for this row: 1 + sum over j <= k of the chance that
+    its first j drafts are kept, each draft's chance given the ones before it kept from the row's own
+    rounds (blended with its acceptance while they are few). Acceptance comes in runs (a repeated span,
+    a predictable stretch of code), so the i.i.d. formula undercounts; and a position no round has
+    tested yet (drafts longer than the row has proposed) takes the row's acceptance."""
+    rate = _acceptance(row, prior)
+    expected, survive = 1.0, 1.0
+    for position in range(1, k + 1):
+        reached = row.reached[position] if position < len(row.reached) else 0
+        kept = row.kept[position] if position < len(row.kept) else 0
+        survive *= (kept + 8 * rate) / (reached + 8)
+        expected += survive
+    return expected
 
 
 def _expected_tokens(acceptance: float, k: int) -> float:

@@ -193,9 +193,11 @@ class Scheduler:
         start = self._observe_period(rows)
         # The policy limits the greedy rows' drafts only: a sampled row's random numbers depend on its
         # draft lengths, so it keeps its request's k and a seed gives the sample it gives alone.
+        # ("never" still means never.)
         greedy = [row for row in speculative if row.sampler.greedy]
-        limit = self.policy.draft_limit(greedy, max(wanted)) if greedy else None
-        ks = {row: row.num_draft_tokens(limit if row.sampler.greedy else None) for row in speculative}
+        limit = self.policy.draft_limit(greedy or speculative, max(wanted)) if speculative else 0
+        own = self.policy.mode != "never"
+        ks = {row: row.num_draft_tokens(None if own and not row.sampler.greedy else limit) for row in speculative}
         drafting = [row for row in speculative if ks[row] > 0]
         plain = [row for row in rows if row not in drafting]
         verifying = []

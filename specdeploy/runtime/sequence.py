@@ -87,6 +87,9 @@ class Sequence:
         self.pieces: list[str] = []  # text that is ready and nobody has taken yet (see take_pieces)
         self.finish_reason: str | None = None
         self.ended_at = [0] * (config.num_draft_tokens + 1)  # [i]: rounds that accepted exactly i draft tokens
+        # [i]: rounds whose i-th draft token was tested (drafted, and every one before it kept), and kept
+        self.reached = [0] * (config.num_draft_tokens + 1)
+        self.kept = [0] * (config.num_draft_tokens + 1)
         self._prefill_rest: list[int] | None = None  # target tokens still to prefill (None: not started)
         self._draft_prefilled = False
         self._decode_start: float | None = None
@@ -180,6 +183,9 @@ class Sequence:
         if num_drafted:
             self.stats.drafted += num_drafted
             self.ended_at[num_accepted] += 1
+            for position in range(1, min(num_drafted, num_accepted + 1) + 1):
+                self.reached[position] += 1
+                self.kept[position] += position <= num_accepted
 
     def emit(self, tokens: list[int], logits: np.ndarray | None = None) -> None:
         """Append one round's tokens; ends the sequence at an end token, a stop string or the budget.
