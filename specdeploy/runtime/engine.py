@@ -140,16 +140,12 @@ class OrtEngine:
         single = any(len(tokens) == 1 for tokens in token_lists)
         rerun = single and self.min_pass_tokens > 1
         if (rows is not None and len(caches) > 1 and all(cache.pool is pool for cache in caches)
-                and len({cache.slot_index for cache in caches}) == len(caches)
-                and (rerun or not single) and rows.fits(token_lists, caches, rerun)):
-            self._stepping = None
-            return rows.run(token_lists, caches, rerun)
+                and len({cache.slot_index for cache in caches}) == len(caches) and (rerun or not single)):
+            slots = rows.slots(token_lists, caches, rerun)
+            if slots is not None:
+                self._stepping = None
+                return rows.run(token_lists, caches, rerun, slots)
         return [np.array(self.run(tokens, cache)) for tokens, cache in zip(token_lists, caches)]
-
-    def can_run_rows(self, caches: list) -> bool:
-        """Whether run_rows has a rows graph for these caches (rows of one pool that has one)."""
-        pool = getattr(caches[0], "pool", None)
-        return getattr(pool, "rows_pass", None) is not None
 
     def run_batch(self, token_ids: list[int], caches: list, features: list[np.ndarray] | None = None) -> np.ndarray:
         """One token after each of several caches ([n] tokens, n caches); returns their logits [n, vocab].

@@ -3,6 +3,7 @@ share one rows pass, from costs measured as the rounds run (see SpeculationPolic
 
 from __future__ import annotations
 
+from .rows import rows_size
 from .sequence import Sequence
 
 POLICIES = ("auto", "always", "never")
@@ -67,30 +68,33 @@ class SpeculationPolicy:
         return best_k
 
     def verify_cost(self, verify_rows: int, plain_rows: int, tokens: int) -> float:
-        """The cheaper of one rows pass of `tokens` per row (see rows_pay) and a verify pass per verify row
-        plus one batched step of the plain rows."""
-        verify = _nearest(self.verify_ms, tokens - bool(plain_rows and self.rerun)) or 0.0
-        alone = verify_rows * verify + (_nearest(self.target_ms, plain_rows) or 0.0 if plain_rows else 0.0)
-        rows = self.rows_cost(verify_rows + plain_rows, tokens)
+        """The cheaper of one rows pass of `tokens` per row and a verify pass per verify row plus one
+        batched step of the plain rows (see _passes)."""
+        alone, rows = self._passes(verify_rows, plain_rows, tokens)
         return alone if rows is None else min(alone, rows)
+
+    def rows_pay(self, verify_rows: int, plain_rows: int, tokens: int) -> bool:
+        """Whether one rows pass of `tokens` per row costs less than a verify pass per verify row plus one
+        batched step of the plain rows (a rows pass runs every row of its graph, whatever the rows given)."""
+        alone, rows = self._passes(verify_rows, plain_rows, tokens)
+        return rows is None or rows < alone
+
+    def _passes(self, verify_rows: int, plain_rows: int, tokens: int) -> tuple[float, float | None]:
+        """(a verify pass per verify row plus one batched step of the plain rows, one pass of the rows graph
+        that holds them all, None while unmeasured). `tokens` counts a previous token run again, which
+        the verify rows alone would not run."""
+        verify = _nearest(self.verify_ms, tokens - bool(plain_rows and self.rerun)) or 0.0
+        alone = verify_rows * verify + ((_nearest(self.target_ms, plain_rows) or 0.0) if plain_rows else 0.0)
+        return alone, self.rows_cost(verify_rows + plain_rows, tokens)
 
     def rows_size(self, count: int) -> int | None:
         """The rows graph a pass of `count` rows runs (None: no graph)."""
-        return next((size for size in self.rows_sizes if size >= count), None)
+        return rows_size(self.rows_sizes, count)
 
     def rows_cost(self, count: int, tokens: int) -> float | None:
         """One rows pass of `count` rows of `tokens` each, as measured (None: not yet)."""
         size = self.rows_size(count)
         return _nearest(self.rows_ms.get(size, {}), tokens) if size is not None else None
-
-    def rows_pay(self, verify_rows: int, plain_rows: int, tokens: int) -> bool:
-        """Whether one rows pass of `tokens` per row costs less than a verify pass per verify row plus one
-        batched step of the plain rows (a rows pass runs every slot, whatever the rows given)."""
-        rows = self.rows_cost(verify_rows + plain_rows, tokens)
-        if rows is None:
-            return True
-        verify = _nearest(self.verify_ms, tokens - bool(plain_rows and self.rerun)) or 0.0
-        return rows < verify_rows * verify + (_nearest(self.target_ms, plain_rows) or 0.0 if plain_rows else 0.0)
 
     def observe(self, table: dict[int, float], size: int, ms: float) -> None:
         """Fold a timed pass into the cost table (a running mean that follows the machine's load)."""

@@ -153,12 +153,17 @@ def rows_sizes(slots: int) -> list[int]:
     return sizes + [slots]
 
 
+def rows_size(sizes: list[int], count: int) -> int | None:
+    """The rows graph (of `sizes`) a pass of `count` rows runs: the smallest of count rows or more."""
+    return next((size for size in sizes if size >= count), None)
+
+
 class RowsPass:
     """The rows graphs of one engine over one KVSlots pool: one per size in rows_sizes(slots), so that a
     pass of n rows runs the smallest graph of n rows or more (slots not given fill the rest). Each
     graph is a session of its own, with the target's weights: a pool of 8 slots holds them 3 more times.
 
-    `run(token_lists, caches, rerun)`: see OrtEngine.run_rows, its one caller."""
+    `slots` then `run`: see OrtEngine.run_rows, their one caller."""
 
     def __init__(self, engine, pool, model_path: Path, config):
         import onnxruntime as ort
@@ -173,11 +178,9 @@ class RowsPass:
         options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(model_path.parent))
         self._sessions = {}
         for size in self.sizes:
+            graph = rows_graph(model_path, size)
             try:
-                self._sessions[size] = ort.InferenceSession(rows_graph(model_path, size), options,
-                                                            providers=["CPUExecutionProvider"])
-            except SpecdeployError:
-                raise
+                self._sessions[size] = ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
             except Exception as exc:
                 raise SpecdeployError(f"ONNX Runtime cannot load the rows graph of {model_path}: "
                                       f"{str(exc).splitlines()[0]}") from None
@@ -194,10 +197,6 @@ class RowsPass:
                              for size, mask in self._masks.items()}
         self._from = {start: np.array([start], dtype=np.int64) for start in (0, 1)}
         self._outputs: dict[tuple[int, int, int], tuple] = {}  # (size, S, logits_from) -> buffers and OrtValues
-
-    def size_for(self, count: int) -> int:
-        """The rows graph a pass of `count` rows runs."""
-        return next(size for size in self.sizes if size >= count)
 
     def _binding(self, slots: tuple[int, ...]):
         binding = self._bindings.get(slots)
@@ -225,15 +224,15 @@ class RowsPass:
                                   self._ort_value(features, "cpu") if features is not None else None)
         return self._outputs[key]
 
-    def _slots(self, token_lists: list, caches: list, rerun: bool) -> tuple[int, ...] | None:
+    def slots(self, token_lists: list, caches: list, rerun: bool) -> tuple[int, ...] | None:
         """The slots of one pass over these lists: theirs, and the first others with room for filler
-        (None where a row lacks room)."""
+        (None where a row it runs, given or filler, lacks room for its tokens)."""
         length = max(len(tokens) for tokens in token_lists) + rerun
         for cache in caches:
             first = cache.length - rerun
             if first < 0 or first + length > cache.capacity:
                 return None
-        size = self.size_for(len(caches))
+        size = rows_size(self.sizes, len(caches))
         given = {cache.slot_index for cache in caches}
         fillers = [index for index, cache in enumerate(self.pool.caches)
                    if index not in given and cache.length + length <= cache.capacity][: size - len(given)]
@@ -241,13 +240,9 @@ class RowsPass:
             return None
         return tuple(sorted(given.union(fillers)))
 
-    def fits(self, token_lists: list, caches: list, rerun: bool) -> bool:
-        """Whether one pass can run these lists: every row it runs (given or filler) has room for its tokens."""
-        return self._slots(token_lists, caches, rerun) is not None
-
-    def run(self, token_lists: list, caches: list, rerun: bool) -> list[np.ndarray]:
+    def run(self, token_lists: list, caches: list, rerun: bool, slots: tuple[int, ...]) -> list[np.ndarray]:
+        """One pass over `slots` (from slots()); see OrtEngine.run_rows."""
         engine, pool = self.engine, self.pool
-        slots = self._slots(token_lists, caches, rerun)
         size, length, start = len(slots), max(len(tokens) for tokens in token_lists) + rerun, int(rerun)
         ids, logits, features, ids_value, logits_value, features_value = self._buffers(size, length, start)
         given = {cache.slot_index: tokens for cache, tokens in zip(caches, token_lists)}

@@ -96,7 +96,7 @@ class Scheduler:
         it once: the first runs it, the others wait, then copy its cache. Short target chunks (2 to
         ROWS_PREFILL_TOKENS tokens) share one rows pass (each row as its own pass, bit for bit) where the
         target has rows graphs; the rest run their own passes (a draft's prefill, a one-token or a long chunk)."""
-        rows = len(prefilling) > 1 and self.target.can_run_rows([s.slot.target_cache for s in prefilling])
+        rows = len(prefilling) > 1 and bool(self.policy.rows_sizes)  # the slots' target pool has rows graphs
         self._prefill_group([s for s in prefilling if s.target_started], prefilling, rows)
         self._prefill_group([s for s in prefilling if not s.target_started], prefilling, rows)
 
@@ -104,28 +104,24 @@ class Scheduler:
         target, start = self.target, time.perf_counter()
         chunks, pending = [], []  # pending: the prompts whose chunk waits for the rows pass
         for sequence in group:
-            donor = None
+            donor, begin = None, time.perf_counter()
             if not sequence.target_started:
                 prompt = sequence.context[:-1]
                 if prompt in pending or any(other.target_prefilling and other.context[:-1] == prompt
                                             for other in prefilling):
                     continue
                 donor = self._donor(sequence)
-            if not rows:
-                self._guarded(sequence, sequence.prefill_step, target, donor)
-                continue
             chunk = self._guarded(sequence, sequence.take_prefill_chunk, donor)
             if sequence.finished:
                 continue
-            if chunk is None:  # the target's prefill is done: the drafter's
-                self._guarded(sequence, sequence.prefill_step, target)
-            elif 1 < len(chunk) <= ROWS_PREFILL_TOKENS:
+            if rows and chunk is not None and 1 < len(chunk) <= ROWS_PREFILL_TOKENS:
                 chunks.append((sequence, chunk))
                 pending.append(sequence.context[:-1])
             else:
-                self._guarded(sequence, self._run_chunk, sequence, [chunk], start)
+                self._guarded(sequence, sequence.prefill_step, target, chunk, begin)
         if len(chunks) == 1:
-            self._guarded(chunks[0][0], self._run_chunk, chunks[0][0], [chunks[0][1]], start)
+            (sequence, chunk), = chunks
+            self._guarded(sequence, sequence.prefill_step, target, chunk, start)
         elif chunks:
             try:
                 target.run_rows([chunk for _, chunk in chunks], [s.slot.target_cache for s, _ in chunks])
@@ -135,11 +131,6 @@ class Scheduler:
             for sequence, _ in chunks:
                 if not sequence.finished:
                     self._guarded(sequence, sequence.end_prefill_step, start)
-
-    def _run_chunk(self, sequence: Sequence, chunks: list, start: float) -> None:
-        """A prefill chunk of one sequence in its own pass (chunks: [the chunk])."""
-        self.target.run(chunks[0], sequence.slot.target_cache)
-        sequence.end_prefill_step(start)
 
     def _donor(self, sequence: Sequence):
         """Another slot's target cache that holds more of this sequence's prompt than its own (or None)."""
@@ -217,7 +208,7 @@ class Scheduler:
         target = self.target
         joining = plain if target.min_pass_tokens > 1 else []
         group = [row for row, _, _ in verifying] + joining
-        if len(group) > 1 and target.can_run_rows([row.slot.target_cache for row in group]):
+        if len(group) > 1 and self.policy.rows_sizes:
             # tokens per row, the previous one included where plain rows run it again (run_rows)
             tokens = max([len(drafts) + 1 for _, drafts, _ in verifying] + [1]) + bool(joining)
             if self.policy.rows_pay(len(verifying), len(joining), tokens):

@@ -116,12 +116,9 @@ class Sequence:
     def prefilled(self) -> bool:
         return self._prefill_rest is not None and not self._prefill_rest and self._draft_prefilled
 
-    def prefill_step(self, target, donor=None) -> None:
-        """One chunk of prefill (PREFILL_CHUNK tokens of the target), or the drafter's once the target's
-        is done. The cache may already hold a prefix of the prompt (an earlier request on this slot),
-        and a donor (another slot's target cache that holds more of it) gives its positions first."""
-        start = time.perf_counter()
-        chunk = self.take_prefill_chunk(donor)
+    def prefill_step(self, target, chunk: list[int] | None, start: float) -> None:
+        """Run a chunk take_prefill_chunk gave (PREFILL_CHUNK tokens of the target) in its own pass, or
+        the drafter's prefill once the target's is done (chunk None); the step began at `start`."""
         if chunk is not None:
             target.run(chunk, self.slot.target_cache)
         elif not self._draft_prefilled:
@@ -131,8 +128,10 @@ class Sequence:
 
     def take_prefill_chunk(self, donor=None) -> list[int] | None:
         """The target tokens of this sequence's next prefill step, taken off what is left (None: the
-        target's prefill is done). The caller runs them on the slot's target cache (prefill_step, or
-        the scheduler's rows pass over several sequences' chunks), then calls end_prefill_step."""
+        target's prefill is done). The cache may already hold a prefix of the prompt (an earlier request
+        on this slot), and a donor (another slot's target cache that holds more of it) gives its
+        positions first. The caller runs the chunk (prefill_step, or the scheduler's rows pass over
+        several sequences' chunks, then end_prefill_step)."""
         cache = self.slot.target_cache
         if self._prefill_rest is None:
             self._prefill_rest = cache.truncate_to_prefix(self.context[:-1])
