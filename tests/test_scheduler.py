@@ -215,6 +215,48 @@ def test_the_policy_speculates_where_it_pays():
         SpeculationPolicy("sometimes")
 
 
+def test_the_policy_probes_with_one_draft_after_a_run_of_target_only_rounds():
+    """Rows that never draft never measure their acceptance: a stale, low estimate must not keep them
+    target-only for good."""
+    from specdeploy.runtime.policy import PROBE_EVERY
+
+    policy = SpeculationPolicy("auto")
+    policy.target_ms.update({8: 14.0})
+    policy.verify_ms.update({k + 1: 10.0 + 1.5 * k for k in range(1, 5)})
+    policy.draft_ms.update({8: 2.5})
+    rows = [FakeRow([(4, 4)] * 20 + [(4, 0)] * 5) for _ in range(8)]
+    limits = [policy.draft_limit(rows, 4) for _ in range(2 * (PROBE_EVERY + 1))]
+    assert limits == ([0] * PROBE_EVERY + [1]) * 2
+    assert SpeculationPolicy("never").draft_limit(rows, 4) == 0
+
+
+def test_draft_steps_are_timed_without_the_catch_ups_before_them(agreeing_bundle):
+    """A row whose draft cache lags (after target-only rounds) catches up alone; the policy's cost of a
+    batched draft step must not carry that pass, or one catch-up keeps the rows target-only."""
+    from specdeploy.runtime.drafters import propose_many
+
+    generator = specdeploy.load(agreeing_bundle, max_batch=4, drafter="model")
+    slots = generator.scheduler.slots
+    params = SamplingParams()
+    contexts = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14]]
+    drafters = [slots[0].drafter, slots[1].drafter]
+    for drafter, context in zip(drafters, contexts):
+        drafter.prefill(context[:-1])
+    contexts[0] += [15, 16, 17]  # the first row's cache lacks three tokens: it catches up alone
+    engine = drafters[0].engine
+    sampler = generator.new_sequence(contexts[0], temperature=0).sampler
+    calls = engine.calls
+    steps = []
+    requests = [(d, c, 3, sampler, np.random.default_rng(0), 0.0) for d, c in zip(drafters, contexts)]
+    proposals = propose_many(requests, steps)
+    assert [len(tokens) for tokens, _ in proposals] == [3, 3]
+    # the first row's catch-up gives its first draft position; the second row's pending token then runs
+    # alone, and both rows step together for the next positions: each batched step timed, the catch-up not
+    assert engine.calls - calls == 1 + len(steps)
+    assert [rows for rows, _ in steps] == [1, 2, 2]
+    assert all(seconds > 0 for _, seconds in steps)
+
+
 def test_the_policy_counts_each_rounds_time_outside_the_engines():
     """A target-only round pays its Python (sampling, bookkeeping) per token; a speculative round shares it."""
     policy = SpeculationPolicy("auto")

@@ -318,13 +318,15 @@ class HybridDrafter:
         return self.model_drafter.propose(context, num_tokens, sampler, rng, min_confidence)
 
 
-def propose_many(requests: list[tuple]) -> list[tuple[list[int], np.ndarray | None]]:
+def propose_many(requests: list[tuple], steps: list[tuple[int, float]] | None = None) -> list[tuple[list[int], np.ndarray | None]]:
     """Drafter.propose for several sequences at once: requests are (drafter, context, num_tokens,
     sampler, rng, min_confidence), one per sequence, each drafter on its own slot's cache.
 
     Lookup proposals are made first (a hybrid's model runs only where the lookup finds nothing);
     the draft model's rows then step together, one batched pass per draft position (run_batch),
-    each row choosing its tokens exactly as ModelDrafter.propose does and stopping on its own."""
+    each row choosing its tokens exactly as ModelDrafter.propose does and stopping on its own.
+    `steps`, when given, receives (rows, engine seconds) of each batched step: a row's catch-up on
+    tokens its cache lacks (after target-only rounds) runs alone first, and is not a step."""
     results: list = [None] * len(requests)
     model_rows = []
     for index, (drafter, context, num_tokens, sampler, rng, min_confidence) in enumerate(requests):
@@ -343,7 +345,7 @@ def propose_many(requests: list[tuple]) -> list[tuple[list[int], np.ndarray | No
         index, drafter, *arguments = model_rows[0]
         results[index] = drafter.propose(*arguments)
     elif model_rows:
-        _propose_model_rows(model_rows, results)
+        _propose_model_rows(model_rows, results, steps)
     return results
 
 
@@ -381,7 +383,7 @@ class _Row:
         return True
 
 
-def _propose_model_rows(model_rows: list[tuple], results: list) -> None:
+def _propose_model_rows(model_rows: list[tuple], results: list, steps: list[tuple[int, float]] | None) -> None:
     engine = model_rows[0][1].engine
     rows = []
     for index, drafter, context, num_tokens, sampler, rng, min_confidence in model_rows:
@@ -399,8 +401,11 @@ def _propose_model_rows(model_rows: list[tuple], results: list) -> None:
     while True:
         if stepping:
             features = [row.drafter.step_features() for row in stepping]
+            seconds = engine.seconds
             logits = engine.run_batch([row.pending for row in stepping], [row.drafter.cache for row in stepping],
                                       features if features[0] is not None else None)
+            if steps is not None:
+                steps.append((len(stepping), engine.seconds - seconds))
             for row, row_logits in zip(stepping, logits):
                 row.logits = row.drafter.widen(row_logits)
         stepping = []

@@ -7,6 +7,9 @@ from .rows import rows_size
 from .sequence import Sequence
 
 POLICIES = ("auto", "always", "never")
+# Rounds the auto policy lets pass target-only before one round of a single draft token: rows that
+# never draft never measure their acceptance, and a stale estimate would keep them target-only for good.
+PROBE_EVERY = 16
 
 
 class SpeculationPolicy:
@@ -25,8 +28,9 @@ class SpeculationPolicy:
     with a small model it decides. The k in 0..K with the most tokens per
     millisecond wins. Engine costs come from `calibrate` (passes timed at load) and are refreshed
     as rounds run; a row's acceptance is its own running mean, starting from the
-    scheduler's. A row alone keeps its request's k, as generate does. "always" speculates with each
-    request's k, "never" never does."""
+    scheduler's. After PROBE_EVERY target-only rounds in a row, one round drafts a single token,
+    so that the estimates follow the text. A row alone keeps its request's k, as generate does.
+    "always" speculates with each request's k, "never" never does."""
 
     def __init__(self, mode: str = "auto"):
         if mode not in POLICIES:
@@ -42,6 +46,7 @@ class SpeculationPolicy:
         # round kind ("target", "speculative") -> rows -> one round's time outside the engines
         self.outside_ms: dict[str, dict[int, float]] = {"target": {}, "speculative": {}}
         self.acceptance = 0.6  # the running mean over every round, a new row's starting estimate
+        self.target_rounds = 0  # target-only rounds the auto policy chose since it last let rows draft
 
     def draft_limit(self, rows: list[Sequence], max_k: int) -> int:
         if self.mode != "auto" or max_k == 0:
@@ -65,6 +70,10 @@ class SpeculationPolicy:
             rate = tokens / (passes + k * draft + outside)
             if rate > best_rate:
                 best_k, best_rate = k, rate
+        self.target_rounds = 0 if best_k else self.target_rounds + 1
+        if self.target_rounds > PROBE_EVERY:
+            self.target_rounds = 0
+            return 1
         return best_k
 
     def verify_cost(self, verify_rows: int, plain_rows: int, tokens: int) -> float:

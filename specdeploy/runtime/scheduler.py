@@ -274,16 +274,17 @@ class Scheduler:
         for row in rows:
             requests.append((row.drafter, row.context, ks[row], row.sampler, row.rng, row.config.draft_confidence))
         seconds, calls = (draft.seconds, draft.calls) if draft is not None else (0.0, 0)
+        steps = []  # (rows, seconds) of each batched draft step
         try:
-            proposals = propose_many(requests)
+            proposals = propose_many(requests, steps)
         except Exception as exc:  # noqa: BLE001 - a failed batched draft fails its rows
             for row in rows:
                 row.fail(exc)
             return [], []
+        for count, step_seconds in steps:  # catch-ups left out: they follow target-only rounds, not a draft length
+            self.policy.observe(self.policy.draft_ms, count, 1000 * step_seconds)
         if draft is not None and draft.calls > calls:
             spent = (draft.seconds - seconds) * 1000
-            steps = max(len(p[0]) for p in proposals)
-            self.policy.observe(self.policy.draft_ms, len(rows), spent / max(1, steps))
             for row in rows:
                 row.stats.draft_ms += spent
                 row.stats.draft_calls += draft.calls - calls
