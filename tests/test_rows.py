@@ -70,6 +70,13 @@ def test_a_quantized_targets_single_tokens_run_beside_their_previous_one(int8_bu
     assert generator.target.min_pass_tokens == 2
 
 
+def test_a_quantized_targets_single_tokens_alone_in_a_pass_compute_as_their_own_two_token_passes(int8_bundle):
+    """int8, every row one token: each row's attention runs a spare query row (rows.py), so that its one
+    token takes the several-row kernels a two-token pass alone takes; no token is run twice."""
+    generator = check_rows_pass(int8_bundle, {0: [5], 2: [9], 3: [4]})
+    assert generator.slots[0].target_cache.pool.rows_pass.spare == 1
+
+
 def test_an_eagle_targets_feature_rows_land_at_their_positions(eagle_bundle):
     check_rows_pass(eagle_bundle, {1: [5, 6], 2: [7, 8, 9]}, features=True)
 

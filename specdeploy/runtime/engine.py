@@ -133,18 +133,17 @@ class OrtEngine:
 
         Caches that are rows of one KVSlots with a rows graph (rows.py) run in one pass, each row bit
         for bit as its own pass: lists of two or more tokens, or of any length on an engine whose single
-        tokens run beside another (min_pass_tokens > 1: where a list has one token, every row of the pass
-        runs its previous token again in front). Anything else runs one pass per cache."""
+        tokens never run alone (min_pass_tokens > 1: its rows graphs have a spare attention row). Anything
+        else runs one pass per cache."""
         pool = getattr(caches[0], "pool", None)
         rows = getattr(pool, "rows_pass", None)
         single = any(len(tokens) == 1 for tokens in token_lists)
-        rerun = single and self.min_pass_tokens > 1
         if (rows is not None and len(caches) > 1 and all(cache.pool is pool for cache in caches)
-                and len({cache.slot_index for cache in caches}) == len(caches) and (rerun or not single)):
-            slots = rows.slots(token_lists, caches, rerun)
+                and len({cache.slot_index for cache in caches}) == len(caches) and (rows.spare or not single)):
+            slots = rows.slots(token_lists, caches)
             if slots is not None:
                 self._stepping = None
-                return rows.run(token_lists, caches, rerun, slots)
+                return rows.run(token_lists, caches, slots)
         return [np.array(self.run(tokens, cache)) for tokens, cache in zip(token_lists, caches)]
 
     def run_batch(self, token_ids: list[int], caches: list, features: list[np.ndarray] | None = None) -> np.ndarray:

@@ -153,13 +153,11 @@ class Generator:
             policy.target_ms[rows] = timed(lambda: _step_back(target, caches[:rows], length))
         for tokens in range(2, num_draft_tokens + 2):
             policy.verify_ms[tokens] = timed(lambda: _verify_back(target, caches[0], prompt, tokens))
-        rerun = target.min_pass_tokens > 1  # its target-only rows run their previous token again (run_rows)
+        single = 1 if policy.single_rows else 2  # target-only rows of one token each join rows passes
         for size in policy.rows_sizes:
             table = policy.rows_ms.setdefault(size, {})
-            for tokens in range(2, num_draft_tokens + 2):
+            for tokens in range(single, num_draft_tokens + 2):
                 table[tokens] = timed(lambda: _rows_back(target, caches[:size], prompt, tokens))
-            if rerun:  # verify rows beside such rows: k + 1 tokens and the previous one
-                table[num_draft_tokens + 2] = timed(lambda: _rows_back(target, caches[:size], prompt, num_draft_tokens + 2))
         engine = self.drafter.engine if self.drafter is not None else None
         if engine is None:
             return

@@ -21,7 +21,7 @@ class SpeculationPolicy:
     min(B * verify_ms[k + 1], rows_ms[R][k + 1]) + k * draft_ms[B] (a verify pass per row, or one
     pass of the smallest rows graph of R >= B rows, rows.py; and k batched draft steps), and a
     target-only round emits B tokens in target_ms[B] (one batched pass; a quantized target's rows,
-    whose single tokens run beside the previous one, in rows_ms[R][2] where that is less). Each kind of round also
+    whose single tokens never run alone, in rows_ms[R][1] where that is less). Each kind of round also
     costs its time outside the engines until the next round (sampling, acceptance, bookkeeping,
     and a server's detokenizing and streaming: outside_ms, measured as rounds run), which a
     target-only round pays per token and a speculative round shares among the tokens it emits;
@@ -39,10 +39,12 @@ class SpeculationPolicy:
         self.target_ms: dict[int, float] = {}  # rows -> one batched target step
         self.draft_ms: dict[int, float] = {}  # rows -> one batched draft step
         self.verify_ms: dict[int, float] = {}  # tokens -> one verify pass of one row
-        # graph rows -> tokens per row -> one pass of that rows graph (rows.py), the re-run token included (rerun)
+        # graph rows -> tokens per row -> one pass of that rows graph (rows.py)
         self.rows_ms: dict[int, dict[int, float]] = {}
         self.rows_sizes: list[int] = []  # the target's rows graphs (none: it runs a pass per row)
-        self.rerun = False  # the target runs single tokens beside the previous one (and rows passes too)
+        # Target-only rows join rows passes: a target whose single tokens never run alone (fp16, quantized)
+        # has rows graphs with a spare attention row (rows.py), where its batched step runs a pass per row.
+        self.single_rows = False
         # round kind ("target", "speculative") -> rows -> one round's time outside the engines
         self.outside_ms: dict[str, dict[int, float]] = {"target": {}, "speculative": {}}
         self.acceptance = 0.6  # the running mean over every round, a new row's starting estimate
@@ -57,7 +59,7 @@ class SpeculationPolicy:
         target = _nearest(self.target_ms, count)
         if target is None:
             return max_k
-        steps = self.rows_cost(count, 2) if self.rerun else None  # a rounded target's steps in one rows pass
+        steps = self.rows_cost(count, 1) if self.single_rows else None  # a rounded target's steps in one rows pass
         target = min(target, steps) if steps is not None else target
         best_k, best_rate = 0, count / (target + (_nearest(self.outside_ms["target"], count) or 0.0))
         outside = _nearest(self.outside_ms["speculative"], count) or 0.0
@@ -90,9 +92,8 @@ class SpeculationPolicy:
 
     def _passes(self, verify_rows: int, plain_rows: int, tokens: int) -> tuple[float, float | None]:
         """(a verify pass per verify row plus one batched step of the plain rows, one pass of the rows graph
-        that holds them all, None while unmeasured). `tokens` counts a previous token run again, which
-        the verify rows alone would not run."""
-        verify = _nearest(self.verify_ms, tokens - bool(plain_rows and self.rerun)) or 0.0
+        that holds them all, None while unmeasured)."""
+        verify = _nearest(self.verify_ms, tokens) or 0.0
         alone = verify_rows * verify + ((_nearest(self.target_ms, plain_rows) or 0.0) if plain_rows else 0.0)
         return alone, self.rows_cost(verify_rows + plain_rows, tokens)
 

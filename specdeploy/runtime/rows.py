@@ -5,10 +5,11 @@ a past ("batch_size must be 1 when sequence_length > 1 and past context is given
 pass over [rows, 1] is all a fused graph runs as it is. That is not enough for two passes:
 
 - verification, k + 1 tokens per row;
-- a quantized (or fp16) target's single token, which runs beside the previous one (OrtEngine's
-  min_pass_tokens): one-token attention sums its values in another order (MLAS's one-row kernel),
-  which moves an int8 model's logits by up to 0.7 and splits greedy near-ties in 7 of 10 SmolLM2
-  outputs of 128 tokens, where a pass of two or more tokens matches verification bit for bit.
+- a quantized (or fp16) target's single tokens (OrtEngine's min_pass_tokens): alone, such a token
+  runs beside the previous one, since one-token attention sums its values in another order (MLAS's
+  one-row kernel), which moves an int8 model's logits by up to 0.7 and splits greedy near-ties in 7
+  of 10 SmolLM2 outputs of 128 tokens, where a pass of two or more tokens matches verification bit
+  for bit.
 
 The rows graph is the target's own graph with each attention node split into one node per row:
 
@@ -17,14 +18,14 @@ The rows graph is the target's own graph with each attention node split into one
 Everything else (the MatMuls, norms and the head) runs over all rows at once. Every kernel but
 attention computes each row of its input independently, and each row's attention node is the one a
 pass of that sequence alone runs, so a row's logits and keys and values are bit for bit those of
-its own pass (tests/test_rows.py). The graph is built from the bundle's graph at load (the `onnx`
-package edits it in memory; the weights are the bundle's data file, read again by each graph's
-session), for a fixed number of rows (one graph per size, rows_sizes): a slot without tokens in a
-pass of its graph computes filler tokens at its pending positions, past its valid ones, and keeps
-its length.
-
-The head reads only the positions from the `logits_from` input on: a token run again beside the
-next needs no logits.
+its own pass (tests/test_rows.py). For a target whose single tokens never run alone, each row's
+attention also runs a spare query row, a copy of its last one at the next position (past the valid
+ones): a row of one token then takes attention's several-row kernels, as its two-token pass alone
+does, and the MatMuls see every row of the pass at once, so no token runs twice. The graph is built
+from the bundle's graph at load (the `onnx` package edits it in memory; the weights are the bundle's
+data file, read again by each graph's session), for a fixed number of rows (one graph per size,
+rows_sizes): a slot without tokens in a pass of its graph computes filler tokens at its pending
+positions, past its valid ones, and keeps its length.
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ import numpy as np
 
 from ..errors import SpecdeployError
 
-LOGITS_FROM = "logits_from"
 _ATTENTION = "GroupQueryAttention"
 _SPLIT_INPUTS = (0, 1, 2, 5)  # query (or packed qkv), key, value, seqlens_k: one slice per row
 _PER_ROW_IO = (3, 4)  # past key and value: each row's own cache
 # the rest (total_sequence_length, cos_cache, sin_cache) is the same for every row
-_ONES, _END, _AXIS = "rows/ones", "rows/end", "rows/axis"  # the Split sizes and the head's Slice
+_ONES = "rows/ones"  # the Split sizes
+_END, _AXIS, _LAST, _ZERO, _ONE32 = "rows/end", "rows/axis", "rows/last", "rows/zero", "rows/one32"  # the spare row's Slices and count
 
 
 def row_name(name: str, row: int) -> str:
@@ -49,8 +50,9 @@ def row_name(name: str, row: int) -> str:
     return f"{name}.row{row}"
 
 
-def rows_graph(model_path: Path, rows: int) -> bytes:
-    """The rows graph of the fused graph at model_path (see the module docstring), serialized.
+def rows_graph(model_path: Path, rows: int, spare_row: bool = False) -> bytes:
+    """The rows graph of the fused graph at model_path (see the module docstring), serialized; with
+    spare_row, each row's attention node runs one query row more (see _split_nodes).
 
     Raises SpecdeployError for a graph it cannot split: one with no attention node, or one whose
     attention nodes take inputs beyond the rotary caches (position ids, an attention bias)."""
@@ -63,17 +65,18 @@ def rows_graph(model_path: Path, rows: int) -> bytes:
     attention = [node for node in nodes if node.op_type == _ATTENTION]
     if not attention or any(len([i for i in node.input[9:] if i]) for node in attention):
         raise SpecdeployError(f"{model_path.name}: no attention nodes a rows graph can split")
-    heads = [node for node in nodes if "logits" in node.output]
-    if len(heads) != 1:
-        raise SpecdeployError(f"{model_path.name}: no single node computes the logits")
-    graph.initializer.extend([helper.make_tensor(_ONES, TensorProto.INT64, [rows], [1] * rows),
-                              helper.make_tensor(_END, TensorProto.INT64, [1], [np.iinfo(np.int64).max]),
-                              helper.make_tensor(_AXIS, TensorProto.INT64, [1], [1])])
+    graph.initializer.append(helper.make_tensor(_ONES, TensorProto.INT64, [rows], [1] * rows))
+    if spare_row:
+        graph.initializer.extend([helper.make_tensor(_END, TensorProto.INT64, [1], [np.iinfo(np.int64).max]),
+                                  helper.make_tensor(_AXIS, TensorProto.INT64, [1], [1]),
+                                  helper.make_tensor(_LAST, TensorProto.INT64, [1], [-1]),
+                                  helper.make_tensor(_ZERO, TensorProto.INT64, [1], [0]),
+                                  helper.make_tensor(_ONE32, TensorProto.INT32, [1], [1])])
     cache_io: set[str] = set()  # the cache inputs and outputs, one per row in the new graph
-    new_nodes = _split_nodes(nodes, rows, heads[0], cache_io)
+    new_nodes = _split_nodes(nodes, rows, cache_io, spare_row)
     del graph.node[:]
     graph.node.extend(new_nodes)
-    inputs = _per_row(graph.input, rows, cache_io) + [helper.make_tensor_value_info(LOGITS_FROM, TensorProto.INT64, [1])]
+    inputs = _per_row(graph.input, rows, cache_io)
     outputs = _per_row(graph.output, rows, cache_io)
     del graph.input[:]
     graph.input.extend(inputs)
@@ -82,8 +85,13 @@ def rows_graph(model_path: Path, rows: int) -> bytes:
     return model.SerializeToString()
 
 
-def _split_nodes(nodes: list, rows: int, head, cache_io: set[str]) -> list:
-    """The graph's nodes with each attention node split by rows and the head reading from logits_from."""
+def _split_nodes(nodes: list, rows: int, cache_io: set[str], spare_row: bool) -> list:
+    """The graph's nodes with each attention node split by rows.
+
+    spare_row: each row's attention runs its last query, key and value row twice, one position after
+    the row's tokens (a pending position, past the valid ones, as filler is), and keeps the outputs of
+    its own tokens. One token's attention then takes the kernels' several-row path, which a pass of two
+    or more tokens alone takes; the MatMuls around it see every row of the pass at once already."""
     from onnx import helper
 
     split: dict[str, list[str]] = {}  # a tensor split by rows -> its row slices
@@ -107,23 +115,39 @@ def _split_nodes(nodes: list, rows: int, head, cache_io: set[str]) -> list:
                     inputs[i] = names[r]
                 for i in _PER_ROW_IO:
                     inputs[i] = row_name(node.input[i], r)
-                outputs.append(f"{node.output[0]}/row{r}")
-                row_node = helper.make_node(_ATTENTION, inputs, [outputs[-1]] + [row_name(o, r) for o in node.output[1:3]],
+                output = outputs.append(f"{node.output[0]}/row{r}") or outputs[-1]
+                if spare_row:
+                    inputs, output = _with_spare_row(node, r, inputs, output, new_nodes)
+                row_node = helper.make_node(_ATTENTION, inputs, [output] + [row_name(o, r) for o in node.output[1:3]],
                                             name=f"{node.name}/row{r}", domain=node.domain)
                 row_node.attribute.extend(node.attribute)
                 new_nodes.append(row_node)
+                if spare_row:
+                    new_nodes.append(helper.make_node("Slice", [output, _ZERO, _LAST, _AXIS], [outputs[-1]],
+                                                      name=f"{node.name}/row{r}/own"))
             new_nodes.append(helper.make_node("Concat", outputs, [node.output[0]], axis=0, name=f"{node.name}/rows"))
-        elif node is head:
-            kept = f"{node.input[0]}/from"
-            new_nodes.append(helper.make_node("Slice", [node.input[0], LOGITS_FROM, _END, _AXIS], [kept],
-                                              name="rows/logits_from"))
-            sliced = helper.make_node(node.op_type, [kept, *node.input[1:]], list(node.output), name=node.name,
-                                      domain=node.domain)
-            sliced.attribute.extend(node.attribute)
-            new_nodes.append(sliced)
         else:
             new_nodes.append(node)
     return new_nodes
+
+
+def _with_spare_row(node, row: int, inputs: list[str], output: str, new_nodes: list) -> tuple[list[str], str]:
+    """One row's attention inputs with the spare row (see _split_nodes): the last token's query, key and
+    value again after its own, and one more in its count (seqlens_k); and the wider output's name."""
+    from onnx import helper
+
+    inputs = list(inputs)
+    for i in (0, 1, 2):  # packed qkv, or query, key and value
+        if inputs[i]:
+            last, wider = f"{inputs[i]}/last", f"{inputs[i]}/spare"
+            new_nodes.append(helper.make_node("Slice", [inputs[i], _LAST, _END, _AXIS], [last], name=f"{node.name}/row{row}/last{i}"))
+            new_nodes.append(helper.make_node("Concat", [inputs[i], last], [wider], axis=1, name=f"{node.name}/row{row}/spare{i}"))
+            inputs[i] = wider
+    counted = f"{inputs[5]}/spare"
+    if not any(counted in made.output for made in new_nodes):  # every layer reads the same count
+        new_nodes.append(helper.make_node("Add", [inputs[5], _ONE32], [counted], name=f"{inputs[5]}/count"))
+    inputs[5] = counted
+    return inputs, f"{output}/spare"
 
 
 def _per_row(values, rows: int, cache_io: set[str]) -> list:
@@ -172,13 +196,16 @@ class RowsPass:
         from .session import session_options
 
         self.engine, self.pool, self.sizes = engine, pool, rows_sizes(pool.num_slots)
+        # An engine whose single tokens never run alone (min_pass_tokens > 1) gets graphs with a spare
+        # attention row, so that a pass of single tokens computes each as its own two-token pass does.
+        self.spare = int(engine.min_pass_tokens > 1)
         spec = engine.spec
         options = session_options(config, spec)
         # The graph comes as bytes: its weights are the bundle's data file beside model_path.
         options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(model_path.parent))
         self._sessions = {}
         for size in self.sizes:
-            graph = rows_graph(model_path, size)
+            graph = rows_graph(model_path, size, spare_row=bool(self.spare))
             try:
                 self._sessions[size] = ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
             except Exception as exc:
@@ -195,8 +222,7 @@ class RowsPass:
         self._masks = {size: np.zeros((size, pool.capacity), dtype=np.int64) for size in self.sizes}
         self._mask_values = {size: ort_value(pool.mask if size == pool.num_slots else mask, "cpu")
                              for size, mask in self._masks.items()}
-        self._from = {start: np.array([start], dtype=np.int64) for start in (0, 1)}
-        self._outputs: dict[tuple[int, int, int], tuple] = {}  # (size, S, logits_from) -> buffers and OrtValues
+        self._outputs: dict[tuple[int, int], tuple] = {}  # (size, S) -> buffers and OrtValues
 
     def _binding(self, slots: tuple[int, ...]):
         binding = self._bindings.get(slots)
@@ -212,25 +238,24 @@ class RowsPass:
             binding.bind_ortvalue_input("attention_mask", self._mask_values[len(slots)])
         return binding
 
-    def _buffers(self, size: int, length: int, start: int):
-        key = (size, length, start)
+    def _buffers(self, size: int, length: int):
+        key = (size, length)
         if key not in self._outputs:
             engine = self.engine
             ids = np.zeros((size, length), dtype=np.int64)
-            logits = np.empty((size, length - start, engine.columns), dtype=engine._logits_dtype)
+            logits = np.empty((size, length, engine.columns), dtype=engine._logits_dtype)
             features = (np.empty((size, length, engine.feature_size), dtype=np.float32)
                         if engine.features is not None else None)
             self._outputs[key] = (ids, logits, features, self._ort_value(ids, "cpu"), self._ort_value(logits, "cpu"),
                                   self._ort_value(features, "cpu") if features is not None else None)
         return self._outputs[key]
 
-    def slots(self, token_lists: list, caches: list, rerun: bool) -> tuple[int, ...] | None:
+    def slots(self, token_lists: list, caches: list) -> tuple[int, ...] | None:
         """The slots of one pass over these lists: theirs, and the first others with room for filler
-        (None where a row it runs, given or filler, lacks room for its tokens)."""
-        length = max(len(tokens) for tokens in token_lists) + rerun
+        (None where a row it runs, given or filler, lacks room for its tokens and the spare row)."""
+        length = max(len(tokens) for tokens in token_lists) + self.spare
         for cache in caches:
-            first = cache.length - rerun
-            if first < 0 or first + length > cache.capacity:
+            if cache.length + length > cache.capacity:
                 return None
         size = rows_size(self.sizes, len(caches))
         given = {cache.slot_index for cache in caches}
@@ -240,31 +265,28 @@ class RowsPass:
             return None
         return tuple(sorted(given.union(fillers)))
 
-    def run(self, token_lists: list, caches: list, rerun: bool, slots: tuple[int, ...]) -> list[np.ndarray]:
+    def run(self, token_lists: list, caches: list, slots: tuple[int, ...]) -> list[np.ndarray]:
         """One pass over `slots` (from slots()); see OrtEngine.run_rows."""
         engine, pool = self.engine, self.pool
-        size, length, start = len(slots), max(len(tokens) for tokens in token_lists) + rerun, int(rerun)
-        ids, logits, features, ids_value, logits_value, features_value = self._buffers(size, length, start)
+        size, length = len(slots), max(len(tokens) for tokens in token_lists)
+        ids, logits, features, ids_value, logits_value, features_value = self._buffers(size, length)
         given = {cache.slot_index: tokens for cache, tokens in zip(caches, token_lists)}
         firsts, mask = {}, self._masks[size]
         for row, slot in enumerate(slots):
             cache = pool.caches[slot]
             tokens = given.get(slot)
+            first = cache.length
             if tokens is None:  # filler at the pending positions, past the valid ones
                 ids[row] = 0
-                first = cache.length
             else:
-                tokens = ([cache.tokens[-1]] if rerun else []) + list(tokens)
                 ids[row, : len(tokens)] = tokens
                 ids[row, len(tokens) :] = tokens[-1]  # padding after the row's own tokens (causal: no effect on them)
-                first = cache.length - start
             firsts[slot] = (row, first)
             cache.mask_to(first + length)
             if size < pool.num_slots:
                 mask[row] = pool.mask[slot]
         binding = self._binding(slots)
         binding.bind_ortvalue_input("input_ids", ids_value)
-        binding.bind_cpu_input(LOGITS_FROM, self._from[start])
         binding.bind_ortvalue_output("logits", logits_value)
         if features_value is not None:
             binding.bind_ortvalue_output(engine.features, features_value)
@@ -280,8 +302,8 @@ class RowsPass:
         out = []
         for cache, tokens in zip(caches, token_lists):
             (row, first), count = firsts[cache.slot_index], len(tokens)
-            if features is not None:  # every position run, the re-run one included (its row is rewritten alike)
-                cache.features[first : first + count + start] = features[row, : count + start]
+            if features is not None:
+                cache.features[first : first + count] = features[row, :count]
             cache.length += count
             cache.tokens += list(tokens)
             cache.mask_to(cache.length)

@@ -12,8 +12,8 @@ One `step` is one iteration:
      then one rows pass (OrtEngine.run_rows, rows.py) verifies them all: the target's graph with
      one attention node per slot, since ONNX Runtime's CPU GroupQueryAttention refuses a batch of
      several rows with several tokens each over a past; each row computes as its own verify pass,
-     bit for bit. A quantized or fp16 target's target-only rows join that pass too (their single
-     tokens run beside the previous one, as alone). Where the measured costs say a pass per row is
+     bit for bit. A quantized or fp16 target's target-only rows join that pass too (its rows graphs
+     compute a single token as its two-token pass alone does). Where the measured costs say a pass per row is
      cheaper (a tiny model, or few rows beside many idle slots), each row runs its own. Acceptance
      is per row;
   4. finished sequences leave; their slots keep their caches for a later prompt's prefix.
@@ -57,9 +57,9 @@ class Scheduler:
         self.slots = slots
         self.free: list[Slot] = list(slots)
         self.policy = policy or SpeculationPolicy("always" if len(slots) == 1 else "auto")
-        self.policy.rerun = target.min_pass_tokens > 1
         rows = getattr(getattr(slots[0].target_cache, "pool", None), "rows_pass", None)
         self.policy.rows_sizes = rows.sizes if rows is not None else []
+        self.policy.single_rows = bool(rows is not None and rows.spare)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # the last round: (kind, its rows' ids, its start, engine seconds then, the rows its costs are filed under)
@@ -206,11 +206,10 @@ class Scheduler:
         rows of a target whose single tokens run beside another: when the policy's costs say one pass of
         them all beats a pass per verify row. Plain rows otherwise share one batched step."""
         target = self.target
-        joining = plain if target.min_pass_tokens > 1 else []
+        joining = plain if self.policy.single_rows else []
         group = [row for row, _, _ in verifying] + joining
         if len(group) > 1 and self.policy.rows_sizes:
-            # tokens per row, the previous one included where plain rows run it again (run_rows)
-            tokens = max([len(drafts) + 1 for _, drafts, _ in verifying] + [1]) + bool(joining)
+            tokens = max([len(drafts) + 1 for _, drafts, _ in verifying] + [1])
             if self.policy.rows_pay(len(verifying), len(joining), tokens):
                 self._rows_round(verifying, joining)
                 verifying, plain = [], [row for row in plain if row not in joining]
@@ -337,8 +336,7 @@ class Scheduler:
             return
         spent = (target.seconds - seconds) * 1000
         if target.calls - calls == 1:  # one rows pass (not the one-by-one fallback)
-            rerun = target.min_pass_tokens > 1 and any(len(tokens) == 1 for _, tokens, _, _ in entries)
-            length = max(len(tokens) for _, tokens, _, _ in entries) + rerun
+            length = max(len(tokens) for _, tokens, _, _ in entries)
             size = self.policy.rows_size(len(entries))
             self.policy.observe(self.policy.rows_ms.setdefault(size, {}), length, spent)
         for (row, tokens, drafts, draft_probs), row_logits in zip(entries, logits):
