@@ -115,7 +115,8 @@ def _split_nodes(nodes: list, rows: int, cache_io: set[str], spare_row: bool) ->
                     inputs[i] = names[r]
                 for i in _PER_ROW_IO:
                     inputs[i] = row_name(node.input[i], r)
-                output = outputs.append(f"{node.output[0]}/row{r}") or outputs[-1]
+                outputs.append(f"{node.output[0]}/row{r}")
+                output = outputs[-1]
                 if spare_row:
                     inputs, output = _with_spare_row(node, r, inputs, output, new_nodes)
                 row_node = helper.make_node(_ATTENTION, inputs, [output] + [row_name(o, r) for o in node.output[1:3]],
