@@ -103,11 +103,28 @@ def _split_nodes(nodes: list, rows: int, cache_io: set[str], spare_row: bool) ->
             new_nodes.append(helper.make_node("Split", [name, _ONES], split[name], axis=0, name=f"{name}/split_rows"))
         return split[name]
 
+    spare: dict[str, str] = {}  # a tensor -> it with its spare row (spare_row)
+
+    def with_spare(name: str, index: int) -> str:
+        """The attention input `name` with the spare row: its last token again after its own (query, key,
+        value), or one more in the count (seqlens_k, index 5)."""
+        if name not in spare:
+            spare[name] = f"{name}/spare"
+            if index == 5:
+                new_nodes.append(helper.make_node("Add", [name, _ONE32], [spare[name]], name=f"{name}/count"))
+            else:
+                last = f"{name}/last"
+                new_nodes.append(helper.make_node("Slice", [name, _LAST, _END, _AXIS], [last], name=f"{name}/last"))
+                new_nodes.append(helper.make_node("Concat", [name, last], [spare[name]], axis=1, name=f"{name}/spare"))
+        return spare[name]
+
     for node in nodes:
         if node.op_type == _ATTENTION:
-            row_inputs = {i: slices(node.input[i]) for i in _SPLIT_INPUTS if node.input[i]}
+            row_inputs = {i: slices(with_spare(node.input[i], i) if spare_row else node.input[i])
+                          for i in _SPLIT_INPUTS if node.input[i]}
             cache_io.update(node.input[i] for i in _PER_ROW_IO)
             cache_io.update(node.output[1:3])
+            output = f"{node.output[0]}/spare" if spare_row else node.output[0]
             outputs = []
             for r in range(rows):
                 inputs = list(node.input[:9])
@@ -115,40 +132,18 @@ def _split_nodes(nodes: list, rows: int, cache_io: set[str], spare_row: bool) ->
                     inputs[i] = names[r]
                 for i in _PER_ROW_IO:
                     inputs[i] = row_name(node.input[i], r)
-                outputs.append(f"{node.output[0]}/row{r}")
-                output = outputs[-1]
-                if spare_row:
-                    inputs, output = _with_spare_row(node, r, inputs, output, new_nodes)
-                row_node = helper.make_node(_ATTENTION, inputs, [output] + [row_name(o, r) for o in node.output[1:3]],
+                outputs.append(f"{output}/row{r}")
+                row_node = helper.make_node(_ATTENTION, inputs, [outputs[-1]] + [row_name(o, r) for o in node.output[1:3]],
                                             name=f"{node.name}/row{r}", domain=node.domain)
                 row_node.attribute.extend(node.attribute)
                 new_nodes.append(row_node)
-                if spare_row:
-                    new_nodes.append(helper.make_node("Slice", [output, _ZERO, _LAST, _AXIS], [outputs[-1]],
-                                                      name=f"{node.name}/row{r}/own"))
-            new_nodes.append(helper.make_node("Concat", outputs, [node.output[0]], axis=0, name=f"{node.name}/rows"))
+            new_nodes.append(helper.make_node("Concat", outputs, [output], axis=0, name=f"{node.name}/rows"))
+            if spare_row:  # every row's own tokens
+                new_nodes.append(helper.make_node("Slice", [output, _ZERO, _LAST, _AXIS], [node.output[0]],
+                                                  name=f"{node.name}/own"))
         else:
             new_nodes.append(node)
     return new_nodes
-
-
-def _with_spare_row(node, row: int, inputs: list[str], output: str, new_nodes: list) -> tuple[list[str], str]:
-    """One row's attention inputs with the spare row (see _split_nodes): the last token's query, key and
-    value again after its own, and one more in its count (seqlens_k); and the wider output's name."""
-    from onnx import helper
-
-    inputs = list(inputs)
-    for i in (0, 1, 2):  # packed qkv, or query, key and value
-        if inputs[i]:
-            last, wider = f"{inputs[i]}/last", f"{inputs[i]}/spare"
-            new_nodes.append(helper.make_node("Slice", [inputs[i], _LAST, _END, _AXIS], [last], name=f"{node.name}/row{row}/last{i}"))
-            new_nodes.append(helper.make_node("Concat", [inputs[i], last], [wider], axis=1, name=f"{node.name}/row{row}/spare{i}"))
-            inputs[i] = wider
-    counted = f"{inputs[5]}/spare"
-    if not any(counted in made.output for made in new_nodes):  # every layer reads the same count
-        new_nodes.append(helper.make_node("Add", [inputs[5], _ONE32], [counted], name=f"{inputs[5]}/count"))
-    inputs[5] = counted
-    return inputs, f"{output}/spare"
 
 
 def _per_row(values, rows: int, cache_io: set[str]) -> list:
