@@ -119,7 +119,7 @@ def test_rounds_share_one_rows_pass_and_give_what_each_gives_alone(int8_bundle, 
     prompts = PROMPTS[:4]
     generator = specdeploy.load(int8_bundle, max_batch=4, policy=policy)
     # a rows pass whenever one can run (the tiny model's per-row passes may cost less, and the policy would see it)
-    generator.scheduler.policy.rows_pay = lambda verify_rows, plain_rows, tokens: True
+    generator.scheduler.policy.round_plan = lambda verify_rows, plain_rows, tokens: (0.0, True, False, False)
     for speculative in (False, True):
         expected = [alone.generate(p, max_new_tokens=24, speculative=speculative, ignore_eos=True).token_ids
                     for p in prompts]

@@ -64,10 +64,11 @@ class SpeculationPolicy:
         best_k, best_rate = 0, count / (target + (_nearest(self.outside_ms["target"], count) or 0.0))
         outside = _nearest(self.outside_ms["speculative"], count) or 0.0
         for k in range(1, max_k + 1):
-            verify, draft = _nearest(self.verify_ms, k + 1), _nearest(self.draft_ms, count)
-            if verify is None or draft is None:
+            # no draft step measured: a drafter without a model (prompt lookup), or one not timed yet
+            verify, draft = _nearest(self.verify_ms, k + 1), _nearest(self.draft_ms, count) or 0.0
+            if verify is None:
                 return max_k
-            passes = self.verify_cost(count, 0, k + 1)
+            passes = self.round_plan(count, 0, k + 1)[0]
             tokens = sum(_row_tokens(row, k, self.acceptance) for row in rows)
             rate = tokens / (passes + k * draft + outside)
             if rate > best_rate:
@@ -78,24 +79,33 @@ class SpeculationPolicy:
             return 1
         return best_k
 
-    def verify_cost(self, verify_rows: int, plain_rows: int, tokens: int) -> float:
-        """The cheaper of one rows pass of `tokens` per row and a verify pass per verify row plus one
-        batched step of the plain rows (see _passes)."""
-        alone, rows = self._passes(verify_rows, plain_rows, tokens)
-        return alone if rows is None else min(alone, rows)
-
-    def rows_pay(self, verify_rows: int, plain_rows: int, tokens: int) -> bool:
-        """Whether one rows pass of `tokens` per row costs less than a verify pass per verify row plus one
-        batched step of the plain rows (a rows pass runs every row of its graph, whatever the rows given)."""
-        alone, rows = self._passes(verify_rows, plain_rows, tokens)
-        return rows is None or rows < alone
-
-    def _passes(self, verify_rows: int, plain_rows: int, tokens: int) -> tuple[float, float | None]:
-        """(a verify pass per verify row plus one batched step of the plain rows, one pass of the rows graph
-        that holds them all, None while unmeasured)."""
-        verify = _nearest(self.verify_ms, tokens) or 0.0
-        alone = verify_rows * verify + ((_nearest(self.target_ms, plain_rows) or 0.0) if plain_rows else 0.0)
-        return alone, self.rows_cost(verify_rows + plain_rows, tokens)
+    def round_plan(self, verify_rows: int, plain_rows: int, tokens: int) -> tuple[float, bool, bool, bool]:
+        """The cheapest target passes for a round of verify rows (`tokens` each, the longest) and plain rows
+        (target-only, one token each): (its cost, every row in one rows pass, the verify rows in one rows
+        pass, the plain rows in one rows pass). A rows pass runs every row of its graph at the longest
+        row's length, so plain rows beside verify rows pay for tokens they do not run; apart, the verify
+        rows take one rows pass or a pass each, and the plain rows one rows pass (a target whose single
+        tokens join them, single_rows) or one batched step. A cost not measured yet counts as a rows
+        pass paying."""
+        rows = bool(self.rows_sizes)
+        together = self.rows_cost(verify_rows + plain_rows, tokens) if rows and verify_rows + plain_rows > 1 and (
+            self.single_rows or not plain_rows) else None
+        verify = alone = verify_rows * (_nearest(self.verify_ms, tokens) or 0.0)
+        verify_shared = rows and verify_rows > 1
+        if verify_shared:
+            shared = self.rows_cost(verify_rows, tokens)
+            verify_shared = shared is None or shared < alone
+            verify = alone if not verify_shared else (shared or 0.0)
+        plain_shared = rows and self.single_rows and plain_rows > 1
+        plain = 0.0
+        if plain_shared:
+            plain = self.rows_cost(plain_rows, 1) or 0.0
+        elif plain_rows:
+            plain = _nearest(self.target_ms, plain_rows) or 0.0
+        apart = verify + plain
+        if rows and verify_rows + plain_rows > 1 and (self.single_rows or not plain_rows) and (together is None or together < apart):
+            return together or 0.0, True, False, False
+        return apart, False, verify_shared, plain_shared
 
     def rows_size(self, count: int) -> int | None:
         """The rows graph a pass of `count` rows runs (None: no graph)."""

@@ -200,22 +200,24 @@ class Scheduler:
         self._last_round = ("speculative" if verifying else "target", *start, len(speculative) or len(rows))
 
     def _target_passes(self, verifying: list[tuple], plain: list[Sequence]) -> None:
-        """The round's target passes: verify passes (rows with drafts) and target-only steps (plain rows).
-
-        Where the target has a rows graph (rows.py), the verify rows share one pass, and so do the plain
-        rows of a target whose single tokens run beside another: when the policy's costs say one pass of
-        them all beats a pass per verify row. Plain rows otherwise share one batched step."""
-        target = self.target
-        joining = plain if self.policy.single_rows else []
-        group = [row for row, _, _ in verifying] + joining
-        if len(group) > 1 and self.policy.rows_sizes:
-            tokens = max([len(drafts) + 1 for _, drafts, _ in verifying] + [1])
-            if self.policy.rows_pay(len(verifying), len(joining), tokens):
-                self._rows_round(verifying, joining)
-                verifying, plain = [], [row for row in plain if row not in joining]
-        for row, drafts, draft_probs in verifying:
-            self._guarded(row, self._verify, row, drafts, draft_probs)
-        if plain:
+        """The round's target passes: verify passes (rows with drafts) and target-only steps (plain rows),
+        as the policy's costs say (round_plan): where the target has rows graphs (rows.py), every row in
+        one rows pass (a target whose single tokens join them, or verify rows alone), or the verify rows
+        in one and the plain rows in another; else a verify pass per row, and one batched step of the
+        plain rows."""
+        tokens = max([len(drafts) + 1 for _, drafts, _ in verifying] + [1])
+        _, together, verify_shared, plain_shared = self.policy.round_plan(len(verifying), len(plain), tokens)
+        if together:
+            self._rows_round(verifying, plain)
+            return
+        if verify_shared:
+            self._rows_round(verifying, [])
+        else:
+            for row, drafts, draft_probs in verifying:
+                self._guarded(row, self._verify, row, drafts, draft_probs)
+        if plain_shared:
+            self._rows_round([], plain)
+        elif plain:
             self._target_round(plain)
 
     def _observe_period(self, rows: list[Sequence]) -> tuple:
