@@ -322,11 +322,10 @@ def propose_many(requests: list[tuple], steps: list[tuple[int, float]] | None = 
     """Drafter.propose for several sequences at once: requests are (drafter, context, num_tokens,
     sampler, rng, min_confidence), one per sequence, each drafter on its own slot's cache.
 
-    Lookup proposals are made first (a hybrid's model runs only where the lookup finds nothing);
-    the draft model's rows then step together, one batched pass per draft position (run_batch),
-    each row choosing its tokens exactly as ModelDrafter.propose does and stopping on its own.
-    `steps`, when given, receives (rows, engine seconds) of each batched step: a row's catch-up on
-    tokens its cache lacks (after target-only rounds) runs alone first, and is not a step."""
+    Lookup proposals are made first (a hybrid's model runs only where the lookup finds nothing); the
+    draft model's rows then step together, one batched pass per draft position (run_batch), each row
+    choosing its tokens exactly as ModelDrafter.propose does and stopping on its own. `steps` (if given) gets
+    (rows, engine seconds) of each batched step; a catch-up (after target-only rounds) is no step."""
     results: list = [None] * len(requests)
     model_rows = []
     for index, (drafter, context, num_tokens, sampler, rng, min_confidence) in enumerate(requests):

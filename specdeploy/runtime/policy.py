@@ -88,8 +88,8 @@ class SpeculationPolicy:
         tokens join them, single_rows) or one batched step. A cost not measured yet counts as a rows
         pass paying."""
         rows = bool(self.rows_sizes)
-        together = self.rows_cost(verify_rows + plain_rows, tokens) if rows and verify_rows + plain_rows > 1 and (
-            self.single_rows or not plain_rows) else None
+        joined = rows and verify_rows + plain_rows > 1 and (self.single_rows or not plain_rows)  # one pass can hold them
+        together = self.rows_cost(verify_rows + plain_rows, tokens) if joined else None
         verify = alone = verify_rows * (_nearest(self.verify_ms, tokens) or 0.0)
         verify_shared = rows and verify_rows > 1
         if verify_shared:
@@ -103,7 +103,7 @@ class SpeculationPolicy:
         elif plain_rows:
             plain = _nearest(self.target_ms, plain_rows) or 0.0
         apart = verify + plain
-        if rows and verify_rows + plain_rows > 1 and (self.single_rows or not plain_rows) and (together is None or together < apart):
+        if joined and (together is None or together < apart):
             return together or 0.0, True, False, False
         return apart, False, verify_shared, plain_shared
 
