@@ -64,7 +64,7 @@ def test_verify_rows_of_uneven_lengths_are_bit_equal_to_their_own_passes(agreein
     check_rows_pass(agreeing_bundle, {0: [5, 6, 7], 2: [9, 4], 3: [11, 12, 13, 14, 15]})
 
 
-def test_a_quantized_targets_single_tokens_run_beside_their_previous_one(int8_bundle):
+def test_a_quantized_targets_single_tokens_and_verify_rows_share_a_pass(int8_bundle):
     """int8: single tokens and verify rows in one pass, each as its own two-or-more-token pass."""
     generator = check_rows_pass(int8_bundle, {0: [5], 1: [6, 7, 8], 3: [9]})
     assert generator.target.min_pass_tokens == 2
@@ -79,6 +79,42 @@ def test_a_quantized_targets_single_tokens_alone_in_a_pass_compute_as_their_own_
 
 def test_an_eagle_targets_feature_rows_land_at_their_positions(eagle_bundle):
     check_rows_pass(eagle_bundle, {1: [5, 6], 2: [7, 8, 9]}, features=True)
+
+
+@pytest.mark.parametrize("free, tokens, passes", [(3, 2, 1), (2, 2, 2), (2, 1, 1), (1, 1, 2)])
+def test_a_quantized_targets_spare_row_needs_room_past_the_rows_tokens(int8_bundle, free, tokens, passes):
+    """A row whose cache has `free` positions left runs `tokens` in a rows pass only if the spare row fits
+    too; else every row runs its own pass. The logits are each row's own pass's either way."""
+    generator = specdeploy.load(int8_bundle, max_batch=2, warm_up=False)
+    target, slots = generator.target, generator.slots
+    capacity = slots[0].target_cache.capacity
+    prompts = [[7 + i % 50 for i in range(capacity - free)], [9, 10, 11, 12]]
+    lists = [[5, 6][:tokens], [13, 14][:tokens]]
+    expected = [alone_logits(target, prompt, tokens_, capacity) for prompt, tokens_ in zip(prompts, lists)]
+    caches = [slot.target_cache for slot in slots]
+    for prompt, cache in zip(prompts, caches):
+        target.prefill(prompt, cache)
+    calls = target.calls
+    out = target.run_rows(lists, caches)
+    assert target.calls - calls == passes
+    assert all(np.array_equal(a, b) for a, b in zip(out, expected))
+    assert caches[0].length == capacity - free + tokens and int(caches[0].mask.sum()) == caches[0].length
+
+
+def test_verify_rows_and_plain_rows_in_passes_of_their_own_give_what_each_gives_alone(int8_bundle):
+    """Prompt lookup proposes for the repetitive prompts only: their verify rows share one rows pass and
+    the other rows' single tokens another, and every output is its prompt's decoded alone."""
+    prompts = ["x = 1\nx = 1\nx = 1\nx = 1\nx =", "def f(x):", "a b a b a b a b a", "class A:\n    def __init__(self):"]
+    alone = specdeploy.load(int8_bundle, drafter="prompt-lookup")
+    expected = [alone.generate(p, max_new_tokens=24, ignore_eos=True).token_ids for p in prompts]
+    generator = specdeploy.load(int8_bundle, max_batch=4, drafter="prompt-lookup", policy="always")
+    scheduler = generator.scheduler
+    scheduler.policy.round_plan = lambda verify_rows, plain_rows, tokens: (1.0, False, verify_rows > 1, plain_rows > 1)
+    passes, rows_round = [], scheduler._rows_round
+    scheduler._rows_round = lambda verifying, plain: passes.append((len(verifying), len(plain))) or rows_round(verifying, plain)
+    outputs = generator.generate_many(prompts, max_new_tokens=24, ignore_eos=True)
+    assert [o.token_ids for o in outputs] == expected
+    assert (0, 2) in passes or (0, 3) in passes  # a round whose plain rows ran apart from its verify rows
 
 
 def test_rows_without_room_run_one_pass_each(agreeing_bundle):
@@ -119,7 +155,9 @@ def test_rounds_share_one_rows_pass_and_give_what_each_gives_alone(int8_bundle, 
     prompts = PROMPTS[:4]
     generator = specdeploy.load(int8_bundle, max_batch=4, policy=policy)
     # a rows pass whenever one can run (the tiny model's per-row passes may cost less, and the policy would see it)
-    generator.scheduler.policy.round_plan = lambda verify_rows, plain_rows, tokens: (0.0, True, False, False)
+    plan = generator.scheduler.policy.round_plan  # its cost still steers the auto policy's k
+    generator.scheduler.policy.round_plan = lambda verify_rows, plain_rows, tokens: (
+        plan(verify_rows, plain_rows, tokens)[0], True, False, False)
     for speculative in (False, True):
         expected = [alone.generate(p, max_new_tokens=24, speculative=speculative, ignore_eos=True).token_ids
                     for p in prompts]

@@ -69,6 +69,8 @@ class SpeculationPolicy:
             if verify is None:
                 return max_k
             passes = self.round_plan(count, 0, k + 1)[0]
+            if passes + k * draft + outside <= 0:  # nothing measured yet
+                return max_k
             tokens = sum(_row_tokens(row, k, self.acceptance) for row in rows)
             rate = tokens / (passes + k * draft + outside)
             if rate > best_rate:
@@ -85,26 +87,26 @@ class SpeculationPolicy:
         pass, the plain rows in one rows pass). A rows pass runs every row of its graph at the longest
         row's length, so plain rows beside verify rows pay for tokens they do not run; apart, the verify
         rows take one rows pass or a pass each, and the plain rows one rows pass (a target whose single
-        tokens join them, single_rows) or one batched step. A cost not measured yet counts as a rows
-        pass paying."""
+        tokens join them, single_rows) or one batched step. A rows pass not measured yet is taken, at
+        the cost of the passes it replaces."""
         rows = bool(self.rows_sizes)
         joined = rows and verify_rows + plain_rows > 1 and (self.single_rows or not plain_rows)  # one pass can hold them
         together = self.rows_cost(verify_rows + plain_rows, tokens) if joined else None
-        verify = alone = verify_rows * (_nearest(self.verify_ms, tokens) or 0.0)
+        verify = verify_rows * (_nearest(self.verify_ms, tokens) or 0.0)
         verify_shared = rows and verify_rows > 1
         if verify_shared:
             shared = self.rows_cost(verify_rows, tokens)
-            verify_shared = shared is None or shared < alone
-            verify = alone if not verify_shared else (shared or 0.0)
+            verify_shared = shared is None or shared < verify
+            verify = verify if shared is None else min(shared, verify)
+        plain = (_nearest(self.target_ms, plain_rows) or 0.0) if plain_rows else 0.0
         plain_shared = rows and self.single_rows and plain_rows > 1
-        plain = 0.0
         if plain_shared:
-            plain = self.rows_cost(plain_rows, 1) or 0.0
-        elif plain_rows:
-            plain = _nearest(self.target_ms, plain_rows) or 0.0
+            shared = self.rows_cost(plain_rows, 1)
+            plain_shared = shared is None or not plain or shared < plain
+            plain = plain if shared is None else min(shared, plain or shared)
         apart = verify + plain
         if joined and (together is None or together < apart):
-            return together or 0.0, True, False, False
+            return apart if together is None else together, True, False, False
         return apart, False, verify_shared, plain_shared
 
     def rows_size(self, count: int) -> int | None:

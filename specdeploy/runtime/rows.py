@@ -89,8 +89,8 @@ def _split_nodes(nodes: list, rows: int, cache_io: set[str], spare_row: bool) ->
     """The graph's nodes with each attention node split by rows.
 
     spare_row: each row's attention runs its last query, key and value row twice, one position after
-    the row's tokens (a pending position, past the valid ones, as filler is), and keeps the outputs of
-    its own tokens. One token's attention then takes the kernels' several-row path, which a pass of two
+    the pass's last (a pending position, past the valid ones and any padding, as filler is), and keeps
+    the outputs of the pass's positions. One token's attention then takes the kernels' several-row path, which a pass of two
     or more tokens alone takes; the MatMuls around it see every row of the pass at once already."""
     from onnx import helper
 

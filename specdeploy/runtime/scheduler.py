@@ -12,10 +12,10 @@ One `step` is one iteration:
      then one rows pass (OrtEngine.run_rows, rows.py) verifies them all: the target's graph with
      one attention node per slot, since ONNX Runtime's CPU GroupQueryAttention refuses a batch of
      several rows with several tokens each over a past; each row computes as its own verify pass,
-     bit for bit. A quantized or fp16 target's target-only rows join that pass too (its rows graphs
-     compute a single token as its two-token pass alone does). Where the measured costs say a pass per row is
-     cheaper (a tiny model, or few rows beside many idle slots), each row runs its own. Acceptance
-     is per row;
+     bit for bit. A quantized or fp16 target's target-only rows run in a rows pass too (its rows
+     graphs compute a single token as its two-token pass alone does), beside the verify rows or in
+     one of their own. The policy's measured costs choose (round_plan): a pass per verify row
+     where that is cheaper (a tiny model, or few rows beside many idle slots). Acceptance is per row;
   4. finished sequences leave; their slots keep their caches for a later prompt's prefix.
 
 Whether a round speculates, and with how many draft tokens, is the policy's choice
