@@ -56,11 +56,9 @@ class SpeculationPolicy:
         count = len(rows)
         if count == 1:  # one row decodes as `generate` alone does: with its own k
             return max_k
-        target = _nearest(self.target_ms, count)
-        if target is None:
+        target = self.round_plan(0, count, 1)[0]  # a target-only round's passes
+        if target <= 0:  # nothing measured yet
             return max_k
-        steps = self.rows_cost(count, 1) if self.single_rows else None  # a rounded target's steps in one rows pass
-        target = min(target, steps) if steps is not None else target
         best_k, best_rate = 0, count / (target + (_nearest(self.outside_ms["target"], count) or 0.0))
         outside = _nearest(self.outside_ms["speculative"], count) or 0.0
         for k in range(1, max_k + 1):

@@ -186,8 +186,8 @@ class Scheduler:
         # draft lengths, so it keeps its request's k and a seed gives the sample it gives alone.
         # ("never" still means never.)
         greedy = [row for row in speculative if row.sampler.greedy]
-        limit = self.policy.draft_limit(greedy or speculative, max(wanted)) if speculative else 0
         own = self.policy.mode != "never"
+        limit = self.policy.draft_limit(greedy, max(wanted)) if greedy or not own else None
         ks = {row: row.num_draft_tokens(None if own and not row.sampler.greedy else limit) for row in speculative}
         drafting = [row for row in speculative if ks[row] > 0]
         plain = [row for row in rows if row not in drafting]
