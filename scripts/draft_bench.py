@@ -8,7 +8,11 @@ target alone and then speculatively, back to back, the bundles in turn, so every
 seconds apart on this noisy host; `--repeat` runs the whole loop again.
 
     python scripts/draft_bench.py --bundle NAME=BUNDLE [--bundle ...] [--settings greedy,t0.7-p0.9]
-        [--max-new-tokens 128] [--repeat 2] [--drafter model] [-k 4] [--json OUT]
+        [--max-new-tokens 128] [--repeat 2] [--drafter model] [-k 4] [--policies auto,always] [--json OUT]
+
+--policies loads each bundle once per speculation policy (named "NAME POLICY"): "always" drafts k
+tokens every round; "auto" (the default) lets a greedy row of a quantized target draft fewer, or
+none, where the costs measured at load say that pays (runtime/policy.py).
 
 Prompts: `specdeploy bench`'s code prompts (specdeploy/data/code_prompts.json) as text, and CHAT below
 through the bundle's chat template (skipped without one); none is a seed prompt of `specdeploy
@@ -16,8 +20,9 @@ distill` (checked at start). EOS ends a run (the chat reply's end of turn too), 
 
 Reported per bundle, kind (chat, code) and setting: the target-only and speculative tokens/s
 (median over prompts and repeats), their ratio, acceptance by draft position (the share of
-rounds whose i-th draft token was kept), tokens per round, and the draft's step cost (draft time
-per draft pass, over target-only time per target pass).
+rounds whose i-th draft token was kept, among the rounds that drafted at least i tokens), draft
+tokens per draft round, the share of rounds that ran the target alone, tokens per round, and the
+draft's step cost (draft time per draft pass, over target-only time per target pass).
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ def main() -> int:
     parser.add_argument("-k", "--num-draft-tokens", type=int, default=4)
     parser.add_argument("--code-prompts", type=int, default=6)
     parser.add_argument("--chat-prompts", type=int, default=6)
+    parser.add_argument("--policies", default="auto", help="speculation policies, comma-separated (auto, always)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     seeds = set(seed_prompts.CHAT) | set(seed_prompts.CODE) | set(seed_prompts.HELDOUT_CHAT) | set(seed_prompts.HELDOUT_CODE)
@@ -56,7 +62,9 @@ def main() -> int:
     chat = CHAT[: args.chat_prompts]
     assert not seeds & (set(code) | set(chat)), "a benchmark prompt is a distill seed prompt"
     bundles = dict(item.split("=", 1) for item in args.bundle)
-    generators = {name: specdeploy.load(path, drafter=args.drafter) for name, path in bundles.items()}
+    policies = args.policies.split(",")
+    generators = {(name if len(policies) == 1 else f"{name} {policy}"): specdeploy.load(path, drafter=args.drafter, policy=policy)
+                  for name, path in bundles.items() for policy in policies}
     runs: list[dict] = []
     for repeat in range(args.repeat):
         for kind, texts in (("chat", chat), ("code", code)):
@@ -66,9 +74,9 @@ def main() -> int:
                         run = _pair(generator, kind, text, SETTINGS[setting], args, seed=repeat * 1000 + index)
                         if run is not None:
                             runs.append({"bundle": name, "kind": kind, "setting": setting, "repeat": repeat, **run})
-    table = _summarize(runs, list(bundles), args.settings.split(","), args.num_draft_tokens)
+    table = _summarize(runs, list(generators), args.settings.split(","), args.num_draft_tokens)
     print(_markdown(table), file=sys.stderr)
-    result = {"bundles": bundles, "settings": args.settings, "max_new_tokens": args.max_new_tokens,
+    result = {"bundles": bundles, "policies": policies, "settings": args.settings, "max_new_tokens": args.max_new_tokens,
               "k": args.num_draft_tokens, "drafter": args.drafter, "summary": table, "runs": runs}
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
@@ -91,7 +99,8 @@ def _pair(generator, kind: str, text: str, options: dict, args, seed: int) -> di
             "target_step_ms": alone.target_ms / max(1, alone.target_calls),
             "draft_step_ms": spec.draft_ms / max(1, spec.draft_calls), "draft_calls": spec.draft_calls,
             "rounds": spec.rounds, "draft_rounds": spec.draft_rounds, "new_tokens": spec.new_tokens,
-            "accepted": spec.accepted, "drafted": spec.drafted, "accepted_by_position": spec.accepted_by_position}
+            "accepted": spec.accepted, "drafted": spec.drafted, "accepted_by_position": spec.accepted_by_position,
+            "drafted_by_position": spec.drafted_by_position}
 
 
 def _summarize(runs: list[dict], bundles: list[str], settings: list[str], k: int) -> list[dict]:
@@ -103,7 +112,9 @@ def _summarize(runs: list[dict], bundles: list[str], settings: list[str], k: int
                 if not chosen:
                     continue
                 draft_rounds = sum(r["draft_rounds"] for r in chosen)
-                by_position = [sum(r["accepted_by_position"][i] for r in chosen) / max(1, draft_rounds) for i in range(k)]
+                by_position = [sum(r["accepted_by_position"][i] for r in chosen) / max(1, sum(r["drafted_by_position"][i] for r in chosen))
+                               for i in range(k)]
+                rounds = sum(r["rounds"] for r in chosen)
                 target = statistics.median(r["target_tok_s"] for r in chosen)
                 spec = statistics.median(r["spec_tok_s"] for r in chosen)
                 rows.append({
@@ -111,7 +122,9 @@ def _summarize(runs: list[dict], bundles: list[str], settings: list[str], k: int
                     "target_tok_s": round(target, 1), "spec_tok_s": round(spec, 1),
                     "speedup": round(statistics.median(r["spec_tok_s"] / r["target_tok_s"] for r in chosen), 3),
                     "acceptance_by_position": [round(a, 3) for a in by_position],
-                    "tokens_per_round": round(sum(r["new_tokens"] for r in chosen) / max(1, sum(r["rounds"] for r in chosen)), 2),
+                    "draft_tokens_per_draft_round": round(sum(r["drafted"] for r in chosen) / max(1, draft_rounds), 2),
+                    "target_only_rounds": round(1 - draft_rounds / max(1, rounds), 3),
+                    "tokens_per_round": round(sum(r["new_tokens"] for r in chosen) / max(1, rounds), 2),
                     "draft_step_cost": round(statistics.median(r["draft_step_ms"] / r["target_step_ms"] for r in chosen
                                                                if r["draft_calls"]) if any(r["draft_calls"] for r in chosen)
                                              else 0.0, 3),
@@ -121,10 +134,12 @@ def _summarize(runs: list[dict], bundles: list[str], settings: list[str], k: int
 
 def _markdown(rows: list[dict]) -> str:
     lines = ["| draft | prompts | setting | target-only tok/s | speculative tok/s | speedup | acceptance by position "
-             "| tokens/round | draft step / target step |", "|---|---|---|---|---|---|---|---|---|"]
+             "| drafts / draft round | target-only rounds | tokens/round | draft step / target step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['bundle']} | {r['kind']} | {r['setting']} | {r['target_tok_s']} | {r['spec_tok_s']} | "
                      f"{r['speedup']:.2f}x | {' / '.join(f'{a:.2f}' for a in r['acceptance_by_position'])} | "
+                     f"{r['draft_tokens_per_draft_round']} | {r['target_only_rounds']:.2f} | "
                      f"{r['tokens_per_round']} | {r['draft_step_cost']:.2f} |")
     return "\n".join(lines)
 

@@ -207,6 +207,7 @@ def test_the_policy_speculates_where_it_pays():
         return FakeRow([(4, 4)] * 20 + [(4, 0)] * 5)
 
     assert policy.draft_limit([Row()], 4) == 4  # alone: the request's own k, as generate runs it
+    assert policy.draft_limit([FakeRow([(4, 0)] * 40)], 4) == 4  # an fp32 target: even a draft that never agrees
     assert policy.draft_limit([Row(), Row()], 4) > 0  # two rows: ~3.4 tokens each per verify pass still pay
     assert policy.draft_limit([Row() for _ in range(8)], 4) == 0  # 8 verify passes lose to one batched step
     assert SpeculationPolicy("always").draft_limit([Row() for _ in range(8)], 4) == 4
@@ -346,13 +347,53 @@ def test_caches_outside_one_pool_are_stepped_one_by_one_with_their_own_logits(ag
         assert np.array_equal(row, one)
 
 
-def test_a_quantized_target_keeps_its_two_token_steps_under_batching(tmp_path_factory, checkpoints):
-    """An int8 target runs single tokens beside the previous one (min_pass_tokens 2); batched target-only
-    rounds must keep that arithmetic, so greedy outputs equal decoding each prompt alone."""
+def test_a_lone_greedy_row_of_an_exact_target_takes_the_policys_choice():
+    """A quantized or fp16 target's passes agree bit for bit whatever their length (exact_lengths), so
+    the policy picks a lone greedy row's k as it does a batch's: none for a draft that never agrees,
+    the request's k for one that mostly does."""
+    policy = SpeculationPolicy("auto")
+    policy.exact_lengths = True
+    policy.target_ms[1] = 10.0  # a quantized target's step runs two tokens: a short verify pass costs as much
+    policy.verify_ms.update({k + 1: 10.0 + 1.5 * (k - 1) for k in range(1, 5)})
+    policy.draft_ms[1] = 1.0
+    assert policy.draft_limit([FakeRow([(4, 0)] * 40)], 4) == 0
+    assert policy.draft_limit([FakeRow([(1, 1)] * 30 + [(1, 0)] * 70)], 4) == 1  # 0.3 at the first position pays at k = 1
+    assert policy.draft_limit([FakeRow([(4, 4)] * 20 + [(4, 0)] * 5)], 4) == 4
+
+
+@pytest.fixture(scope="module")
+def int8_bundle(tmp_path_factory, checkpoints):
     from conftest import export_pair
 
     out = tmp_path_factory.mktemp("int8") / "bundle"
     export_pair(checkpoints("llama"), out, quantize="int8", allow_lossy=True)
+    return out
+
+
+def test_a_lone_greedy_row_of_a_quantized_target_keeps_its_output_at_any_draft_length(int8_bundle):
+    """The policy's k for a lone greedy row of an int8 target, whatever it is from round to round
+    (target-only rounds included), leaves the output that of target-only decoding."""
+    generator = specdeploy.load(int8_bundle, drafter="model")
+    policy = generator.scheduler.policy
+    assert policy.mode == "auto" and policy.exact_lengths and policy.target_ms and policy.verify_ms  # timed at load
+    expected = [generator.generate(p, max_new_tokens=30, speculative=False).token_ids for p in PROMPTS[:3]]
+    choices, asked = iter([0, 3, 1, 0, 0, 4, 2] * 30), []
+    policy.draft_limit = lambda rows, max_k: asked.append(len(rows)) or next(choices)
+    outputs = [generator.generate(p, max_new_tokens=30) for p in PROMPTS[:3]]
+    assert [o.token_ids for o in outputs] == expected
+    assert asked and set(asked) == {1}
+    stats = outputs[0].stats  # rounds of 1 to 4 drafts: fewer reach the later positions
+    assert stats.drafted_by_position[0] == stats.draft_rounds > stats.drafted_by_position[3]
+    assert all(kept <= drafted for kept, drafted in zip(stats.accepted_by_position, stats.drafted_by_position))
+    before = len(asked)
+    generator.generate(PROMPTS[0], max_new_tokens=10, temperature=0.8, seed=3)
+    assert len(asked) == before  # a sampled row keeps its request's k: its seed's sample depends on it
+
+
+def test_a_quantized_target_keeps_its_two_token_steps_under_batching(int8_bundle):
+    """An int8 target runs single tokens beside the previous one (min_pass_tokens 2); batched target-only
+    rounds must keep that arithmetic, so greedy outputs equal decoding each prompt alone."""
+    out = int8_bundle
     alone = specdeploy.load(out)
     assert alone.target.min_pass_tokens == 2
     expected = [alone.generate(p, max_new_tokens=20, speculative=False).token_ids for p in PROMPTS[:3]]

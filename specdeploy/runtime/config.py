@@ -89,6 +89,7 @@ class GenerationStats:
     draft_rounds: int = 0  # rounds that verified at least one draft token (the rest ran the target alone)
     accepted: int = 0
     accepted_by_position: list[int] = field(default_factory=list)  # [k]: rounds that kept draft position i
+    drafted_by_position: list[int] = field(default_factory=list)  # [k]: rounds that drafted position i (at most draft_rounds)
     prefill_ms: float = 0.0
     draft_calls: int = 0  # draft forward passes during decode
     target_calls: int = 0

@@ -83,7 +83,7 @@ class Generator:
         self.slots = self._make_slots(target, drafter, max_context, max_batch)
         self.target_cache = self.slots[0].target_cache
         self.drafter = self.slots[0].drafter
-        self.scheduler = Scheduler(target, self.slots, SpeculationPolicy("always" if max_batch == 1 else policy))
+        self.scheduler = Scheduler(target, self.slots, SpeculationPolicy(policy))
 
     @staticmethod
     def _make_slots(target, drafter, max_context: int, max_batch: int) -> list[Slot]:
@@ -117,7 +117,8 @@ class Generator:
         later one (allocations, memory patterns, threads waking). Warming runs a short prefill, target
         steps (target-only decoding), draft steps and verify passes of the default k (speculative
         decoding, greedy and sampled), so a first request runs as fast as the ones after it. A
-        batching generator also times its batched passes for the speculation policy (calibrate)."""
+        generator whose speculation policy chooses draft lengths (batching, or a lone greedy row of an
+        fp16 or quantized target: SpeculationPolicy) also times its passes for it (calibrate)."""
         vocab, k = self.target.spec.vocab_size, GenerationConfig.num_draft_tokens
         new_tokens = 2 * (k + 1)
         length = max(2, min(WARM_UP_PROMPT_TOKENS, self.max_context - new_tokens - 1))
@@ -126,7 +127,8 @@ class Generator:
         if self.drafter is not None:
             self.generate(prompt, max_new_tokens=new_tokens, num_draft_tokens=k)
             self.generate(prompt, max_new_tokens=k + 1, num_draft_tokens=k, temperature=1.0)
-        if self.max_batch > 1:
+        policy = self.scheduler.policy
+        if self.max_batch > 1 or (policy.mode == "auto" and policy.exact_lengths and self.drafter is not None):
             self.calibrate(prompt, k)
         self.reset()
 

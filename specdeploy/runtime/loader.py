@@ -35,9 +35,11 @@ def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verif
     alternate); set SPECDEPLOY_SHARED_THREADS=0, or pass a SessionConfig with shared_threads=False,
     in a process whose other ONNX Runtime sessions need their own pools.
 
-    max_batch: sequences that decode together (generate_many, a server's requests); above 1 the
-    speculation policy ("auto": speculate where the measured costs say it pays, "always", "never")
-    picks each round's draft length (see policy.SpeculationPolicy).
+    max_batch: sequences that decode together (generate_many, a server's requests). The speculation
+    policy ("auto": speculate where the measured costs say it pays, "always", "never") picks each
+    round's draft length, up to the request's k, for several rows, and for a lone greedy row when the
+    target is fp16 or quantized, whose passes of every length agree bit for bit, so the choice cannot
+    change the output (see policy.SpeculationPolicy).
 
     warm_up=True (the default) runs each kind of pass once before returning (Generator.warm_up), so
     that the first request runs as fast as later ones; False returns sooner, the first request slower."""

@@ -29,8 +29,11 @@ class SpeculationPolicy:
     millisecond wins. Engine costs come from `calibrate` (passes timed at load) and are refreshed
     as rounds run; a row's acceptance is its own running mean, starting from the
     scheduler's. After PROBE_EVERY target-only rounds in a row, one round drafts a single token,
-    so that the estimates follow the text. A row alone keeps its request's k, as generate does.
-    "always" speculates with each request's k, "never" never does."""
+    so that the estimates follow the text. A row alone keeps its request's k, as generate always
+    did, unless the target's passes of every length give each token the same bits (exact_lengths:
+    an fp16 or quantized target never runs a single token, OrtEngine): then the choice cannot
+    change a greedy output, and a lone greedy row takes it too. "always" speculates with each
+    request's k, "never" never does."""
 
     def __init__(self, mode: str = "auto"):
         if mode not in POLICIES:
@@ -45,6 +48,9 @@ class SpeculationPolicy:
         # Target-only rows join rows passes: a target whose single tokens never run alone (fp16, quantized)
         # has rows graphs with a spare attention row (rows.py), where its batched step runs a pass per row.
         self.single_rows = False
+        # Passes of every length compute each token with the same bits (OrtEngine.min_pass_tokens > 1), so
+        # a lone greedy row's output is the same whatever k the policy picks.
+        self.exact_lengths = False
         # round kind ("target", "speculative") -> rows -> one round's time outside the engines
         self.outside_ms: dict[str, dict[int, float]] = {"target": {}, "speculative": {}}
         self.acceptance = 0.6  # the running mean over every round, a new row's starting estimate
@@ -54,7 +60,7 @@ class SpeculationPolicy:
         if self.mode != "auto" or max_k == 0:
             return max_k if self.mode != "never" else 0
         count = len(rows)
-        if count == 1:  # one row decodes as `generate` alone does: with its own k
+        if count == 1 and not self.exact_lengths:  # decodes as it always did alone: with its own k
             return max_k
         target = self.round_plan(0, count, 1)[0]  # a target-only round's passes
         if target <= 0:  # nothing measured yet

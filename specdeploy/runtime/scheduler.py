@@ -60,6 +60,7 @@ class Scheduler:
         rows = getattr(getattr(slots[0].target_cache, "pool", None), "rows_pass", None)
         self.policy.rows_sizes = rows.sizes if rows is not None else []
         self.policy.single_rows = bool(rows is not None and rows.spare)
+        self.policy.exact_lengths = getattr(target, "min_pass_tokens", 1) > 1
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # the last round: (kind, its rows' ids, its start, engine seconds then, the rows its costs are filed under)

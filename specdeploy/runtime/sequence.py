@@ -87,6 +87,7 @@ class Sequence:
         self.pieces: list[str] = []  # text that is ready and nobody has taken yet (see take_pieces)
         self.finish_reason: str | None = None
         self.ended_at = [0] * (config.num_draft_tokens + 1)  # [i]: rounds that accepted exactly i draft tokens
+        self.lengths = [0] * (config.num_draft_tokens + 1)  # [i]: rounds that drafted exactly i tokens (the policy may cut k)
         # [i]: rounds whose i-th draft token was tested (drafted, and every one before it kept), and kept
         self.reached = [0] * (config.num_draft_tokens + 1)
         self.kept = [0] * (config.num_draft_tokens + 1)
@@ -182,6 +183,7 @@ class Sequence:
         if num_drafted:
             self.stats.drafted += num_drafted
             self.ended_at[num_accepted] += 1
+            self.lengths[num_drafted] += 1
             for position in range(1, min(num_drafted, num_accepted + 1) + 1):
                 self.reached[position] += 1
                 self.kept[position] += position <= num_accepted
@@ -235,6 +237,7 @@ class Sequence:
         if self.config.speculative:
             k = self.config.num_draft_tokens
             stats.accepted_by_position = [sum(self.ended_at[position + 1 :]) for position in range(k)]
+            stats.drafted_by_position = [sum(self.lengths[position + 1 :]) for position in range(k)]
         stats.other_ms = max(0.0, stats.decode_ms - stats.target_ms - stats.draft_ms)
         if reason == "length" and self.budget < self.config.max_new_tokens:
             stats.note = (f"stopped at the bundle's max context of {self.max_context} tokens "
