@@ -8,7 +8,8 @@ target alone and then speculatively, back to back, the bundles in turn, so every
 seconds apart on this noisy host; `--repeat` runs the whole loop again.
 
     python scripts/draft_bench.py --bundle NAME=BUNDLE [--bundle ...] [--settings greedy,t0.7-p0.9]
-        [--max-new-tokens 128] [--repeat 2] [--drafter model] [-k 4] [--policies auto,always] [--json OUT]
+        [--max-new-tokens 128] [--repeat 2] [--drafter model] [-k 4] [--draft-confidence P]
+        [--policies auto,always] [--json OUT]
 
 --policies loads each bundle once per speculation policy (named "NAME POLICY"): "always" drafts k
 tokens every round; "auto" (the default) lets a greedy row of a quantized target draft fewer, or
@@ -54,6 +55,8 @@ def main() -> int:
     parser.add_argument("-k", "--num-draft-tokens", type=int, default=4)
     parser.add_argument("--code-prompts", type=int, default=6)
     parser.add_argument("--chat-prompts", type=int, default=6)
+    parser.add_argument("--draft-confidence", type=float, default=0.0,
+                        help="the speculative runs stop drafting once the draft's top probability falls below this")
     parser.add_argument("--policies", default="auto", help="speculation policies, comma-separated (auto, always)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
@@ -77,7 +80,7 @@ def main() -> int:
     table = _summarize(runs, list(generators), args.settings.split(","), args.num_draft_tokens)
     print(_markdown(table), file=sys.stderr)
     result = {"bundles": bundles, "policies": policies, "settings": args.settings, "max_new_tokens": args.max_new_tokens,
-              "k": args.num_draft_tokens, "drafter": args.drafter, "summary": table, "runs": runs}
+              "k": args.num_draft_tokens, "draft_confidence": args.draft_confidence, "drafter": args.drafter, "summary": table, "runs": runs}
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     print(json.dumps({"summary": table}))
@@ -94,7 +97,8 @@ def _pair(generator, kind: str, text: str, options: dict, args, seed: int) -> di
         prompt = dict(prompt=text)
     common = dict(max_new_tokens=args.max_new_tokens, seed=seed, **options)
     alone = generator.generate(**prompt, speculative=False, **common).stats
-    spec = generator.generate(**prompt, num_draft_tokens=args.num_draft_tokens, **common).stats
+    spec = generator.generate(**prompt, num_draft_tokens=args.num_draft_tokens, draft_confidence=args.draft_confidence,
+                              **common).stats
     return {"target_tok_s": alone.tokens_per_s, "spec_tok_s": spec.tokens_per_s,
             "target_step_ms": alone.target_ms / max(1, alone.target_calls),
             "draft_step_ms": spec.draft_ms / max(1, spec.draft_calls), "draft_calls": spec.draft_calls,

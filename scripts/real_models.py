@@ -255,7 +255,8 @@ def bench(args) -> None:
         systems += [(f"specdeploy speculative {name} ({drafter})", f"ours-{drafter}", path, name) for drafter in ("model", "hybrid")]
     systems += [(f"llama.cpp speculative {name}", "llama-spec", path, name)
                 for name, path in (g.split("=", 1) for g in args.llama_spec)]
-    ids = prompt_ids(bundle_dir(args.work, model, "none"), CODE_PROMPTS[0], chat=False)
+    exported = [bundle_dir(args.work, model, p) for p in PRECISIONS if bundle_dir(args.work, model, p).exists()]
+    ids = prompt_ids((exported or [Path(path) for *_, path, _ in systems])[0], CODE_PROMPTS[0], chat=False)  # one tokenizer
     rates: dict[str, list[float]] = {label: [] for label, *_ in systems}
     for round_index in range(args.rounds):
         for label, system, path, _ in systems:
