@@ -37,9 +37,8 @@ def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verif
 
     max_batch: sequences that decode together (generate_many, a server's requests). The speculation
     policy ("auto": speculate where the measured costs say it pays, "always", "never") picks each
-    round's draft length, up to the request's k, for several rows, and for a lone greedy row when the
-    target is fp16 or quantized, whose passes of every length agree bit for bit, so the choice cannot
-    change the output (see policy.SpeculationPolicy).
+    round's draft length up to the request's k: for several rows, and for a lone greedy row of an fp16
+    or quantized target (its passes agree bit for bit at every length: policy.SpeculationPolicy).
 
     warm_up=True (the default) runs each kind of pass once before returning (Generator.warm_up), so
     that the first request runs as fast as later ones; False returns sooner, the first request slower."""
