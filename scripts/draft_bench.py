@@ -66,8 +66,9 @@ def main() -> int:
     assert not seeds & (set(code) | set(chat)), "a benchmark prompt is a distill seed prompt"
     bundles = dict(item.split("=", 1) for item in args.bundle)
     policies = args.policies.split(",")
-    generators = {(name if len(policies) == 1 else f"{name} {policy}"): specdeploy.load(path, drafter=args.drafter, policy=policy)
-                  for name, path in bundles.items() for policy in policies}
+    labels = {(name if len(policies) == 1 else f"{name} {policy}"): (path, policy) for name, path in bundles.items()
+              for policy in policies}
+    generators = {label: specdeploy.load(path, drafter=args.drafter, policy=policy) for label, (path, policy) in labels.items()}
     runs: list[dict] = []
     for repeat in range(args.repeat):
         for kind, texts in (("chat", chat), ("code", code)):
@@ -79,7 +80,7 @@ def main() -> int:
                             runs.append({"bundle": name, "kind": kind, "setting": setting, "repeat": repeat, **run})
     table = _summarize(runs, list(generators), args.settings.split(","), args.num_draft_tokens)
     print(_markdown(table), file=sys.stderr)
-    result = {"bundles": bundles, "policies": policies, "settings": args.settings, "max_new_tokens": args.max_new_tokens,
+    result = {"bundles": {label: path for label, (path, _) in labels.items()}, "policies": policies, "settings": args.settings, "max_new_tokens": args.max_new_tokens,
               "k": args.num_draft_tokens, "draft_confidence": args.draft_confidence, "drafter": args.drafter, "summary": table, "runs": runs}
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

@@ -256,7 +256,10 @@ def bench(args) -> None:
     systems += [(f"llama.cpp speculative {name}", "llama-spec", path, name)
                 for name, path in (g.split("=", 1) for g in args.llama_spec)]
     exported = [bundle_dir(args.work, model, p) for p in PRECISIONS if bundle_dir(args.work, model, p).exists()]
-    ids = prompt_ids((exported or [Path(path) for *_, path, _ in systems])[0], CODE_PROMPTS[0], chat=False)  # one tokenizer
+    ours = exported or [Path(path) for _, system, path, _ in systems if system.startswith("ours")]
+    if not ours:
+        raise SystemExit("bench: no bundle of ours to time (export one with `prepare`, or pass --spec)")
+    ids = prompt_ids(ours[0], CODE_PROMPTS[0], chat=False)  # the prompt's ids, from one of our tokenizers
     rates: dict[str, list[float]] = {label: [] for label, *_ in systems}
     for round_index in range(args.rounds):
         for label, system, path, _ in systems:

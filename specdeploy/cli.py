@@ -306,7 +306,10 @@ def chat(bundle, system, max_new_tokens, temperature, top_k, top_p, min_p, repet
 @click.option("--plot", type=click.Path(), default=None, help="Draw speedup vs k and acceptance by position (PNG).")
 def bench(bundle, prompts_file, prompt_file, max_new_tokens, prompt_tokens, num_draft_tokens, temperature, top_k, top_p, min_p,
           repetition_penalty, draft_confidence, repeat, chat, seed, device, drafter, verify, as_json, plot) -> None:
-    """Target-only vs speculative decoding on the same prompts: speed, acceptance, cost model."""
+    """Target-only vs speculative decoding on the same prompts: speed, acceptance, cost model.
+
+    Each k is measured as given (policy "always", as the cost model assumes): `run` and `serve` may
+    draft fewer on an fp16 or quantized target's greedy rounds."""
     from rich.console import Console
 
     from .bench import BenchConfig, context_sweep, lengthen_prompts, run_bench
@@ -321,7 +324,7 @@ def bench(bundle, prompts_file, prompt_file, max_new_tokens, prompt_tokens, num_
         check_output_file(plot, "--plot")  # before the benchmark, not after it
     prompts = bench_prompts(prompts_file, prompt_file)
     bundle = resolve_bundle(bundle)
-    generator = load(bundle, device=device, drafter=drafter, verify=verify)
+    generator = load(bundle, device=device, drafter=drafter, verify=verify, policy="always")
     lengths = parse_prompt_tokens(prompt_tokens, max_new_tokens, generator.max_context)
     texts, encode, stop_token_ids = prompts, generator.codec.encode, ()
     if chat:  # each prompt's ids through the template, rendered before any run

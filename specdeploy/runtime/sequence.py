@@ -71,8 +71,9 @@ class Sequence:
         self.new_tokens: list[int] = []
         self.budget = min(config.max_new_tokens, max_context - len(prompt_ids))
         self.max_context = max_context
-        self.stats = GenerationStats(prompt_tokens=len(prompt_ids),
-                                     accepted_by_position=[0] * (config.num_draft_tokens if config.speculative else 0))
+        positions = config.num_draft_tokens if config.speculative else 0
+        self.stats = GenerationStats(prompt_tokens=len(prompt_ids), accepted_by_position=[0] * positions,
+                                     drafted_by_position=[0] * positions)
         self.sampler = Sampler(config.sampling, vocab_size, prompt_length=len(prompt_ids))  # every row of this sequence is processed through it
         self.rng = np.random.default_rng(config.seed)  # every draw of this sequence comes from it
         self.target_probs = None if self.sampler.greedy else np.empty((config.num_draft_tokens + 1, vocab_size),

@@ -41,6 +41,7 @@ def extension(done: Finished, options: dict) -> dict:
         "acceptance_rate": stats.acceptance_rate,
         "tokens_per_round": stats.mean_accepted_tokens if stats.rounds else 0.0,
         "accepted_by_position": stats.accepted_by_position,
+        "drafted_by_position": stats.drafted_by_position,
         "finish_reason": stats.finish_reason,  # the runtime's own: eos | stop | length | context
         "queue_ms": done.queue_s * 1000,
         "time_to_first_token_ms": done.first_token_s * 1000,
@@ -70,6 +71,7 @@ def request_extension(finished: list[Finished], choices: list[dict]) -> dict:
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "tokens_per_round": (accepted + rounds) / rounds if rounds else 0.0,
         "accepted_by_position": [sum(column) for column in zip(*(s.accepted_by_position for s in stats))],
+        "drafted_by_position": [sum(column) for column in zip(*(s.drafted_by_position for s in stats))],
         "queue_ms": min(part["queue_ms"] for part in parts),
         "time_to_first_token_ms": min(part["time_to_first_token_ms"] for part in parts),
         "prefill_ms": max(s.prefill_ms for s in stats),
