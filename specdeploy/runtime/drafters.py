@@ -324,7 +324,7 @@ def propose_many(requests: list[tuple], steps: list[tuple[int, float]] | None = 
 
     Lookup proposals are made first (a hybrid's model runs only where the lookup finds nothing); the
     draft model's rows then step together, one batched pass per draft position (run_batch), each row
-    choosing its tokens exactly as ModelDrafter.propose does and stopping on its own. `steps` (if given) gets
+    choosing its tokens exactly as ModelDrafter.propose does and stopping on its own. `steps` gets
     (rows, engine seconds) of each batched step; a catch-up (after target-only rounds) is no step."""
     results: list = [None] * len(requests)
     model_rows = []

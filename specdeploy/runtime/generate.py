@@ -128,7 +128,7 @@ class Generator:
             self.generate(prompt, max_new_tokens=new_tokens, num_draft_tokens=k)
             self.generate(prompt, max_new_tokens=k + 1, num_draft_tokens=k, temperature=1.0)
         policy = self.scheduler.policy
-        if self.max_batch > 1 or (policy.mode == "auto" and policy.exact_lengths and self.drafter is not None):
+        if self.max_batch > 1 or (policy.picks_lone_k and self.drafter is not None):
             self.calibrate(prompt, k)
         self.reset()
 

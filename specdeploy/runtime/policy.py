@@ -60,7 +60,7 @@ class SpeculationPolicy:
         if self.mode != "auto" or max_k == 0:
             return max_k if self.mode != "never" else 0
         count = len(rows)
-        if count == 1 and not self.exact_lengths:  # decodes as it always did alone: with its own k
+        if count == 1 and not self.picks_lone_k:  # decodes as it always did alone: with its own k
             return max_k
         target = self.round_plan(0, count, 1)[0]  # a target-only round's passes
         if target <= 0:  # nothing measured yet
@@ -84,6 +84,11 @@ class SpeculationPolicy:
             self.target_rounds = 0
             return 1
         return best_k
+
+    @property
+    def picks_lone_k(self) -> bool:
+        """Whether a lone greedy row drafts the policy's k (auto, on an exact_lengths target), not its request's."""
+        return self.mode == "auto" and self.exact_lengths
 
     def round_plan(self, verify_rows: int, plain_rows: int, tokens: int) -> tuple[float, bool, bool, bool]:
         """The cheapest target passes for a round of verify rows (`tokens` each, the longest) and plain rows

@@ -90,8 +90,9 @@ def _split_nodes(nodes: list, rows: int, cache_io: set[str], spare_row: bool) ->
 
     spare_row: each row's attention runs its last query, key and value row twice, one position after
     the pass's last (a pending position, past the valid ones and any padding, as filler is), and keeps
-    the outputs of the pass's positions. One token's attention then takes the kernels' several-row path, which a pass of two
-    or more tokens alone takes; the MatMuls around it see every row of the pass at once already."""
+    the outputs of the pass's positions. One token's attention then takes the kernels' several-row
+    path, which a pass of two or more tokens alone takes; the MatMuls around it see every row of the
+    pass at once already."""
     from onnx import helper
 
     split: dict[str, list[str]] = {}  # a tensor split by rows -> its row slices
