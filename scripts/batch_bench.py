@@ -45,7 +45,8 @@ def print_costs(policy) -> None:
     print("| batched one-token step, n rows | " + " | ".join(f"{policy.target_ms.get(n, float('nan')):.1f}" for n in range(1, 9)) + " |")
     print("| verify pass of one row, n tokens | " + " | ".join(f"{policy.verify_ms[n]:.1f}" if n in policy.verify_ms else "" for n in range(1, 9)) + " |")
     for size, table in sorted(policy.rows_ms.items()):
-        print(f"| {size}-row graph, n tokens per row | " + " | ".join(f"{table[n]:.1f}" if n in table else "" for n in range(1, 9)) + " |")
+        print(f"| {size}-row graph, n tokens per row | " + " | ".join(f"{table[size * n]:.1f}" if size * n in table else ""
+                                                                    for n in range(1, 9)) + " |")
     print()
 
 

@@ -6,7 +6,6 @@ import pytest
 import specdeploy
 from specdeploy.errors import SpecdeployError
 from specdeploy.runtime.rows import rows_graph
-from specdeploy.runtime.scheduler import ROWS_PREFILL_TOKENS
 
 PROMPTS = ["def f(x):", "import os\n", "class A:\n    def __init__(self):", "x = [", "for i in range(10):\n    "]
 
@@ -111,20 +110,22 @@ def test_verify_rows_and_plain_rows_in_passes_of_their_own_give_what_each_gives_
     scheduler = generator.scheduler
     scheduler.policy.round_plan = lambda verify_rows, plain_rows, tokens: (1.0, False, verify_rows > 1, plain_rows > 1)
     passes, rows_round = [], scheduler._rows_round
-    scheduler._rows_round = lambda verifying, plain: passes.append((len(verifying), len(plain))) or rows_round(verifying, plain)
+    scheduler._rows_round = lambda verifying, plain, riders=(): (passes.append((len(verifying), len(plain)))
+                                                                  or rows_round(verifying, plain, riders))
     outputs = generator.generate_many(prompts, max_new_tokens=24, ignore_eos=True)
     assert [o.token_ids for o in outputs] == expected
     assert (0, 2) in passes or (0, 3) in passes  # a round whose plain rows ran apart from its verify rows
 
 
 def test_rows_without_room_run_one_pass_each(agreeing_bundle):
-    """Three rows of a four-slot pool run its four-row graph, with the fourth slot as filler; a filler
-    that would run past its capacity sends the given rows one by one, with the same logits."""
+    """Three rows of a four-slot pool run its four-row graph, with the fourth slot as filler (one token at
+    its pending position); a filler with no position left sends the given rows one by one, with the same
+    logits."""
     generator = specdeploy.load(agreeing_bundle, max_batch=4, warm_up=False)
     target, slots = generator.target, generator.slots
     assert slots[0].target_cache.pool.rows_pass.sizes == [2, 4]
     full = slots[1].target_cache
-    target.prefill([7] * (generator.max_context - 1), full)
+    target.prefill([7] * generator.max_context, full)
     prompts = [generator.codec.encode(p) for p in PROMPTS[:3]]
     expected = [alone_logits(target, prompt, [5, 6], generator.max_context) for prompt in prompts]
     caches = [slots[i].target_cache for i in (0, 2, 3)]
@@ -133,7 +134,7 @@ def test_rows_without_room_run_one_pass_each(agreeing_bundle):
     calls = target.calls
     out = target.run_rows([[5, 6]] * 3, caches)
     assert all(np.array_equal(a, b) for a, b in zip(out, expected)) and target.calls == calls + 3
-    assert full.length == generator.max_context - 1
+    assert full.length == generator.max_context
 
 
 def test_a_graph_without_attention_nodes_has_no_rows_graph(tmp_path):
@@ -164,7 +165,60 @@ def test_rounds_share_one_rows_pass_and_give_what_each_gives_alone(int8_bundle, 
         calls = generator.target.calls
         outputs = generator.generate_many(prompts, max_new_tokens=24, speculative=speculative, ignore_eos=True)
         assert [o.token_ids for o in outputs] == expected
-        if not speculative:  # the prompts' short prefill chunks in one pass, then one pass per round
-            lengths = [len(generator.codec.encode(p)) - 1 for p in prompts]
-            short = sum(1 < n <= ROWS_PREFILL_TOKENS for n in lengths)
-            assert short > 1 and generator.target.calls - calls == 1 + (len(prompts) - short) + 24
+        if not speculative:  # the prompts' prefill chunks in one pass, then one pass per round
+            assert generator.target.calls - calls == 1 + 24
+
+
+def test_a_prefill_chunk_and_single_tokens_share_a_packed_pass(int8_bundle):
+    """int8: a 40-token chunk beside one- and two-token rows, packed on one token axis (no padding), each
+    row bit for bit its own pass."""
+    check_rows_pass(int8_bundle, {0: [7 + i % 50 for i in range(40)], 1: [5], 3: [9, 10]})
+
+
+def test_a_pass_computes_the_logits_each_row_wants_only(agreeing_bundle):
+    """wanted: each row's last positions (none for a prefill chunk); the cache takes every token either way."""
+    generator = specdeploy.load(agreeing_bundle, max_batch=4, warm_up=False)
+    target, slots = generator.target, generator.slots
+    prompts = [generator.codec.encode(p) for p in PROMPTS[:3]]
+    lists = [[7 + i for i in range(20)], [5, 6, 7], [8, 9]]
+    expected = [alone_logits(target, prompt, tokens, generator.max_context) for prompt, tokens in zip(prompts, lists)]
+    caches = [slots[i].target_cache for i in range(3)]
+    for prompt, cache in zip(prompts, caches):
+        target.prefill(prompt, cache)
+    calls = target.calls
+    out = target.run_rows(lists, caches, wanted=[0, 1, 2])
+    assert target.calls == calls + 1
+    assert [len(logits) for logits in out] == [0, 1, 2]
+    assert np.array_equal(out[1], expected[1][-1:]) and np.array_equal(out[2], expected[2])
+    assert [cache.length for cache in caches] == [len(p) + len(t) for p, t in zip(prompts, lists)]
+
+
+@pytest.mark.parametrize("bundle, speculative", [("int8_bundle", False), ("int8_bundle", True), ("agreeing_bundle", True)])
+def test_a_long_prompt_rides_in_the_rounds_of_the_rows_decoding_beside_it(bundle, speculative, request):
+    """A prompt of three chunks joins a decoding row: each chunk rides in that iteration's rows pass (one
+    target pass per iteration, where it decodes target-only), and both outputs are what each gives alone."""
+    from specdeploy.runtime.session import PREFILL_CHUNK
+
+    path = request.getfixturevalue(bundle)
+    alone = specdeploy.load(path)
+    generator = specdeploy.load(path, max_batch=2, policy="always")
+    scheduler, target = generator.scheduler, generator.target
+    long_prompt = [7 + i % 50 for i in range(2 * PREFILL_CHUNK + 10)]
+    config = dict(max_new_tokens=30, speculative=speculative, ignore_eos=True)
+    first = generator._sequence("def f(x):", generator._config(dict(config)), streaming=False)
+    scheduler.submit(first)
+    while not first.new_tokens:
+        scheduler.step()
+    late = generator._sequence(long_prompt, generator._config(dict(config)), streaming=False)
+    scheduler.submit(late)
+    steps, calls = 0, target.calls
+    while not late.target_started or late.target_prefilling:
+        scheduler.step()
+        steps += 1
+    assert steps == 3 and late.slot.target_cache.length == len(long_prompt) - 1 and not first.finished
+    if not speculative:
+        assert target.calls - calls == 3  # the decoding row's round and a chunk, in one pass each time
+    while scheduler.active:
+        scheduler.step()
+    assert first.new_tokens == alone.generate("def f(x):", **config).token_ids
+    assert late.new_tokens == alone.generate(long_prompt, **config).token_ids

@@ -258,23 +258,26 @@ def test_draft_steps_are_timed_without_the_catch_ups_before_them(agreeing_bundle
     assert all(seconds > 0 for _, seconds in steps)
 
 
-def test_a_rounds_plain_rows_run_apart_from_its_verify_rows_where_that_costs_less():
-    """A rows pass runs every row at the longest row's length: one verify row of 5 tokens beside 7
-    target-only rows costs less as its own pass plus a one-token rows pass of the 7."""
+def test_a_rounds_rows_share_one_packed_rows_pass_where_that_costs_less():
+    """A rows pass costs the tokens it runs (packed, a filler token per idle row): one verify row of 5
+    tokens beside 7 target-only rows is a 12-token pass, cheaper than its own pass plus a rows pass of
+    the 7; an fp32 target's plain rows never join one."""
     policy = SpeculationPolicy("auto")
     policy.rows_sizes, policy.single_rows = [2, 4, 8], True
     policy.verify_ms.update({2: 10.0, 5: 16.0})
     policy.target_ms.update({7: 70.0, 8: 80.0})  # a quantized target's batched step: a pass per row
     for size, scale in ((2, 1.0), (4, 1.6), (8, 2.8)):
-        policy.rows_ms[size] = {1: 8.0 * scale, 2: 10.0 * scale, 5: 20.0 * scale}
+        policy.rows_ms[size] = {size: 8.0 * scale, 2 * size: 10.0 * scale, 5 * size: 20.0 * scale}
     cost, together, verify_shared, plain_shared = policy.round_plan(1, 7, 5)
-    assert (together, verify_shared, plain_shared) == (False, False, True) and cost == pytest.approx(16.0 + 22.4)
-    cost, together, _, _ = policy.round_plan(6, 2, 5)  # mostly verify rows: one pass of all of them
-    assert together and cost == pytest.approx(56.0)
+    assert (together, verify_shared, plain_shared) == (True, False, False) and cost == pytest.approx(28.0)
+    assert policy.rows_cost(7, 7) == pytest.approx(22.4)  # 7 tokens and a filler's: the 8-token pass
+    assert policy.rows_cost(3, 6) == pytest.approx(16.0)  # 6 and a filler's, beside 8 and 4 measured: 8's cost
     assert policy.round_plan(0, 8, 1)[1:] == (False, False, True)  # target-only: one rows pass
     policy.single_rows = False  # an fp32 target's plain rows never join a rows pass: one batched step
     assert policy.round_plan(1, 7, 5)[1:] == (False, False, False)
     assert policy.round_plan(3, 0, 5)[1:] == (False, True, False)  # the verify rows in one rows pass
+    policy.rows_ms[4][20] = 100.0  # a rows pass dearer than a pass per row: one each
+    assert policy.round_plan(3, 0, 5)[1:] == (False, False, False)
 
 
 def test_the_policy_counts_each_rounds_time_outside_the_engines():

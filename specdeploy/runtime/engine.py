@@ -127,14 +127,16 @@ class OrtEngine:
                 pool.rows_pass = None
         return pool
 
-    def run_rows(self, token_lists: list[list[int]], caches: list) -> list[np.ndarray]:
+    def run_rows(self, token_lists: list[list[int]], caches: list, wanted: list[int] | None = None) -> list[np.ndarray]:
         """Each cache runs its tokens after its valid positions, as run(tokens, cache) would; returns each
-        one's logits [len(tokens), vocab] (valid until the next pass).
+        one's logits at its last `wanted` positions (None: all of them), [wanted, vocab], valid until the
+        next pass.
 
         Caches that are rows of one KVSlots with a rows graph (rows.py) run in one pass, each row bit
         for bit as its own pass: lists of two or more tokens, or of any length on an engine whose single
         tokens never run alone (min_pass_tokens > 1: its rows graphs have a spare attention row). Anything
         else runs one pass per cache."""
+        wanted = [len(tokens) for tokens in token_lists] if wanted is None else wanted
         pool = getattr(caches[0], "pool", None)
         rows = getattr(pool, "rows_pass", None)
         single = any(len(tokens) == 1 for tokens in token_lists)
@@ -143,8 +145,8 @@ class OrtEngine:
             slots = rows.slots(token_lists, caches)
             if slots is not None:
                 self._stepping = None
-                return rows.run(token_lists, caches, slots)
-        return [np.array(self.run(tokens, cache)) for tokens, cache in zip(token_lists, caches)]
+                return rows.run(token_lists, caches, slots, wanted)
+        return [np.array(self.run(tokens, cache)[len(tokens) - want :]) for tokens, cache, want in zip(token_lists, caches, wanted)]
 
     def run_batch(self, token_ids: list[int], caches: list, features: list[np.ndarray] | None = None) -> np.ndarray:
         """One token after each of several caches ([n] tokens, n caches); returns their logits [n, vocab].

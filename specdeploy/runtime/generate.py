@@ -158,8 +158,8 @@ class Generator:
         single = 1 if policy.single_rows else 2  # target-only rows of one token each join rows passes
         for size in policy.rows_sizes:
             table = policy.rows_ms.setdefault(size, {})
-            for tokens in range(single, num_draft_tokens + 2):
-                table[tokens] = timed(lambda: _rows_back(target, caches[:size], prompt, tokens))
+            for tokens in range(single, num_draft_tokens + 2):  # filed under the pass's tokens, as rounds file it
+                table[size * tokens] = timed(lambda: _rows_back(target, caches[:size], prompt, tokens))
         engine = self.drafter.engine if self.drafter is not None else None
         if engine is None:
             return

@@ -18,10 +18,11 @@ class SpeculationPolicy:
     The rule (after SmartSpec, Liu et al. 2024, "Optimizing Speculative Decoding for Serving Large
     Language Models Using Goodput"): for a batch of B rows whose acceptance rates are a_i, a
     round of k draft tokens emits sum_i (1 - a_i^(k+1)) / (1 - a_i) tokens in about
-    min(B * verify_ms[k + 1], rows_ms[R][k + 1]) + k * draft_ms[B] (a verify pass per row, or one
-    pass of the smallest rows graph of R >= B rows, rows.py; and k batched draft steps), and a
+    min(B * verify_ms[k + 1], rows_ms[R][B * (k + 1) + R - B]) + k * draft_ms[B] (a verify pass per
+    row, or one pass of the smallest rows graph of R >= B rows, rows.py, whose cost is filed under the
+    tokens it runs, a filler token per idle row included; and k batched draft steps), and a
     target-only round emits B tokens in target_ms[B] (one batched pass; a quantized target's rows,
-    whose single tokens never run alone, in rows_ms[R][1] where that is less). Each kind of round also
+    whose single tokens never run alone, in rows_ms[R][R] where that is less). Each kind of round also
     costs its time outside the engines until the next round (sampling, acceptance, bookkeeping,
     and a server's detokenizing and streaming: outside_ms, measured as rounds run), which a
     target-only round pays per token and a speculative round shares among the tokens it emits;
@@ -42,7 +43,7 @@ class SpeculationPolicy:
         self.target_ms: dict[int, float] = {}  # rows -> one batched target step
         self.draft_ms: dict[int, float] = {}  # rows -> one batched draft step
         self.verify_ms: dict[int, float] = {}  # tokens -> one verify pass of one row
-        # graph rows -> tokens per row -> one pass of that rows graph (rows.py)
+        # graph rows -> tokens in the pass (filler tokens included) -> one pass of that rows graph (rows.py)
         self.rows_ms: dict[int, dict[int, float]] = {}
         self.rows_sizes: list[int] = []  # the target's rows graphs (none: it runs a pass per row)
         # Target-only rows join rows passes: a target whose single tokens never run alone (fp16, quantized)
@@ -93,18 +94,17 @@ class SpeculationPolicy:
     def round_plan(self, verify_rows: int, plain_rows: int, tokens: int) -> tuple[float, bool, bool, bool]:
         """The cheapest target passes for a round of verify rows (`tokens` each, the longest) and plain rows
         (target-only, one token each): (its cost, every row in one rows pass, the verify rows in one rows
-        pass, the plain rows in one rows pass). A rows pass runs every row of its graph at the longest
-        row's length, so plain rows beside verify rows pay for tokens they do not run; apart, the verify
-        rows take one rows pass or a pass each, and the plain rows one rows pass (a target whose single
-        tokens join them, single_rows) or one batched step. A rows pass not measured yet is taken, at
-        the cost of the passes it replaces."""
+        pass, the plain rows in one rows pass). A rows pass runs each row's own tokens, packed; apart,
+        the verify rows take one rows pass or a pass each, and the plain rows one rows pass (a target
+        whose single tokens join them, single_rows) or one batched step. A rows pass not measured yet
+        is taken, at the cost of the passes it replaces."""
         rows = bool(self.rows_sizes)
         joined = rows and verify_rows + plain_rows > 1 and (self.single_rows or not plain_rows)  # one pass can hold them
-        together = self.rows_cost(verify_rows + plain_rows, tokens) if joined else None
+        together = self.rows_cost(verify_rows + plain_rows, verify_rows * tokens + plain_rows) if joined else None
         verify = verify_rows * (_nearest(self.verify_ms, tokens) or 0.0)
         verify_shared = rows and verify_rows > 1
         if verify_shared:
-            shared = self.rows_cost(verify_rows, tokens)
+            shared = self.rows_cost(verify_rows, verify_rows * tokens)
             verify_shared = shared is None or shared < verify
             verify = verify if shared is None else min(shared, verify)
         plain = (_nearest(self.target_ms, plain_rows) or 0.0) if plain_rows else 0.0
@@ -123,9 +123,9 @@ class SpeculationPolicy:
         return rows_size(self.rows_sizes, count)
 
     def rows_cost(self, count: int, tokens: int) -> float | None:
-        """One rows pass of `count` rows of `tokens` each, as measured (None: not yet)."""
+        """One rows pass of `count` rows of `tokens` in all, as measured (None: not yet)."""
         size = self.rows_size(count)
-        return _nearest(self.rows_ms.get(size, {}), tokens) if size is not None else None
+        return _nearest(self.rows_ms.get(size, {}), tokens + size - count) if size is not None else None
 
     def observe(self, table: dict[int, float], size: int, ms: float) -> None:
         """Fold a timed pass into the cost table (a running mean that follows the machine's load)."""

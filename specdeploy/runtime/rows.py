@@ -1,31 +1,39 @@
-"""Row passes: several sequences' multi-token passes in one ONNX Runtime run, each row exactly as alone.
+"""Row passes: several sequences' passes in one ONNX Runtime run, packed, each row exactly as alone.
 
 ONNX Runtime's CPU GroupQueryAttention refuses a batch of several rows with several tokens each over
 a past ("batch_size must be 1 when sequence_length > 1 and past context is given"), so a batched
-pass over [rows, 1] is all a fused graph runs as it is. That is not enough for two passes:
+pass over [rows, 1] is all a fused graph runs as it is. That is not enough for three passes:
 
 - verification, k + 1 tokens per row;
+- prefill chunks, which should share the pass of the rows that decode beside them rather than stall
+  them for a pass of their own;
 - a quantized (or fp16) target's single tokens (OrtEngine's min_pass_tokens): alone, such a token
   runs beside the previous one, since one-token attention sums its values in another order (MLAS's
   one-row kernel), which moves an int8 model's logits by up to 0.7 and splits greedy near-ties in 7
   of 10 SmolLM2 outputs of 128 tokens, where a pass of two or more tokens matches verification bit
   for bit.
 
-The rows graph is the target's own graph with each attention node split into one node per row:
+The rows graph is the target's own graph over one flat token axis, the rows' tokens one after another
+(no padding), with each attention node split into one node per row:
 
-    qkv [rows, S, D] -> Split(axis 0) -> GroupQueryAttention (batch 1, S tokens, row r's cache) -> Concat
+    qkv [1, T, D] -> Split(axis 1, each row's length) -> GroupQueryAttention (batch 1, the row's tokens,
+                     the row's cache) -> Concat(axis 1)
 
-Everything else (the MatMuls, norms and the head) runs over all rows at once. Every kernel but
-attention computes each row of its input independently, and each row's attention node is the one a
-pass of that sequence alone runs, so a row's logits and keys and values are bit for bit those of
-its own pass (tests/test_rows.py). For a target whose single tokens never run alone, each row's
-attention also runs a spare query row, a copy of its last one at the next position (past the valid
-ones): a row of one token then takes attention's several-row kernels, as its two-token pass alone
-does, and the MatMuls see every row of the pass at once, so no token runs twice. The graph is built
-from the bundle's graph at load (the `onnx` package edits it in memory; the weights are the bundle's
-data file, read again by each graph's session), for a fixed number of rows (one graph per size,
-rows_sizes): a slot without tokens in a pass of its graph computes filler tokens at its pending
-positions, past its valid ones, and keeps its length.
+Everything else (the MatMuls, norms and the head) runs over every token at once. Every kernel but
+attention computes each token of its input independently, and each row's attention node is the one a
+pass of that sequence alone runs, so a row's logits and keys and values are bit for bit those of its
+own pass (tests/test_rows.py). A row of 64 prompt tokens then costs 64 tokens beside rows of one.
+For a target whose single tokens never run alone, each row's attention also runs a spare query row,
+a copy of its last one at the next position (past the valid ones; `rows/spread` lays the copies out
+with one Gather, `rows/own` drops their outputs): a row of one token then takes attention's
+several-row kernels, as its two-token pass alone does, and the MatMuls see every token of the pass
+at once, so no token runs twice. The head computes the positions in `rows/keep` only (a prefill
+chunk's logits are never read; at least two positions, so that it takes its several-row kernels).
+
+The graph is built from the bundle's graph at load (the `onnx` package edits it in memory; the
+weights are the bundle's data file, read again by each graph's session), for a fixed number of rows
+(one graph per size, rows_sizes): a slot without tokens in a pass of its graph computes one filler
+token at its pending position, past its valid ones, and keeps its length.
 """
 
 from __future__ import annotations
@@ -41,8 +49,12 @@ _ATTENTION = "GroupQueryAttention"
 _SPLIT_INPUTS = (0, 1, 2, 5)  # query (or packed qkv), key, value, seqlens_k: one slice per row
 _PER_ROW_IO = (3, 4)  # past key and value: each row's own cache
 # the rest (total_sequence_length, cos_cache, sin_cache) is the same for every row
-_ONES = "rows/ones"  # the Split sizes
-_END, _AXIS, _LAST, _ZERO, _ONE32 = "rows/end", "rows/axis", "rows/last", "rows/zero", "rows/one32"  # the spare row's Slices and count
+_HEADS = ("MatMul", "MatMulNBits", "FusedMatMul", "Gemm")  # the op of the LM head
+_AFTER_HEAD = ("Mul", "Tanh", "Div", "Cast")  # what may follow it before `logits` (Gemma's softcap)
+# graph inputs: each row's token count in attention (its own, and its spare row's), the spare rows'
+# layout (an index into the flat tokens) and the own rows in it, the positions the head computes
+LENGTHS, SPREAD, OWN, KEEP = "rows/lengths", "rows/spread", "rows/own", "rows/keep"
+_ONES, _ONE32 = "rows/ones", "rows/one32"  # the Split sizes of per-row tensors ([rows] seqlens), the spare's count
 
 
 def row_name(name: str, row: int) -> str:
@@ -54,8 +66,9 @@ def rows_graph(model_path: Path, rows: int, spare_row: bool = False) -> bytes:
     """The rows graph of the fused graph at model_path (see the module docstring), serialized; with
     spare_row, each row's attention node runs one query row more (see _split_nodes).
 
-    Raises SpecdeployError for a graph it cannot split: one with no attention node, or one whose
-    attention nodes take inputs beyond the rotary caches (position ids, an attention bias)."""
+    Raises SpecdeployError for a graph it cannot split: one with no attention node, one whose attention
+    nodes take inputs beyond the rotary caches (position ids, an attention bias), or one whose logits
+    do not come from a MatMul."""
     import onnx
     from onnx import TensorProto, helper
 
@@ -65,18 +78,24 @@ def rows_graph(model_path: Path, rows: int, spare_row: bool = False) -> bytes:
     attention = [node for node in nodes if node.op_type == _ATTENTION]
     if not attention or any(len([i for i in node.input[9:] if i]) for node in attention):
         raise SpecdeployError(f"{model_path.name}: no attention nodes a rows graph can split")
+    head = _head_node(nodes)
+    if head is None:
+        raise SpecdeployError(f"{model_path.name}: no LM head a rows graph can find")
     graph.initializer.append(helper.make_tensor(_ONES, TensorProto.INT64, [rows], [1] * rows))
     if spare_row:
-        graph.initializer.extend([helper.make_tensor(_END, TensorProto.INT64, [1], [np.iinfo(np.int64).max]),
-                                  helper.make_tensor(_AXIS, TensorProto.INT64, [1], [1]),
-                                  helper.make_tensor(_LAST, TensorProto.INT64, [1], [-1]),
-                                  helper.make_tensor(_ZERO, TensorProto.INT64, [1], [0]),
-                                  helper.make_tensor(_ONE32, TensorProto.INT32, [1], [1])])
+        graph.initializer.append(helper.make_tensor(_ONE32, TensorProto.INT32, [1], [1]))
+    kept = f"{head.input[0]}/kept"  # the head reads the positions in rows/keep only
+    nodes.insert(nodes.index(head), helper.make_node("Gather", [head.input[0], KEEP], [kept], axis=1, name="rows/keep"))
+    head.input[0] = kept
     cache_io: set[str] = set()  # the cache inputs and outputs, one per row in the new graph
     new_nodes = _split_nodes(nodes, rows, cache_io, spare_row)
     del graph.node[:]
     graph.node.extend(new_nodes)
     inputs = _per_row(graph.input, rows, cache_io)
+    names = [LENGTHS, KEEP] + ([SPREAD, OWN] if spare_row else [])
+    inputs += [helper.make_tensor_value_info(name, TensorProto.INT64, [f"{name}_count"]) for name in names]
+    ids = next(value for value in inputs if value.name == "input_ids").type.tensor_type.shape
+    ids.dim[0].dim_value, ids.dim[1].dim_param = 1, "rows/tokens"  # one flat axis; the mask keeps [rows, ...]
     outputs = _per_row(graph.output, rows, cache_io)
     del graph.input[:]
     graph.input.extend(inputs)
@@ -85,43 +104,50 @@ def rows_graph(model_path: Path, rows: int, spare_row: bool = False) -> bytes:
     return model.SerializeToString()
 
 
+def _head_node(nodes: list):
+    """The node that computes the logits from the final hidden states (a MatMul of some kind), or None."""
+    producers = {output: node for node in nodes for output in node.output}
+    node = producers.get("logits")
+    while node is not None and node.op_type in _AFTER_HEAD:
+        node = producers.get(node.input[0])
+    return node if node is not None and node.op_type in _HEADS else None
+
+
 def _split_nodes(nodes: list, rows: int, cache_io: set[str], spare_row: bool) -> list:
     """The graph's nodes with each attention node split by rows.
 
     spare_row: each row's attention runs its last query, key and value row twice, one position after
-    the pass's last (a pending position, past the valid ones and any padding, as filler is), and keeps
-    the outputs of the pass's positions. One token's attention then takes the kernels' several-row
-    path, which a pass of two or more tokens alone takes; the MatMuls around it see every row of the
-    pass at once already."""
+    the pass's last (a pending position, past the valid ones, as filler is), and keeps the outputs of
+    the pass's positions. One token's attention then takes the kernels' several-row path, which a pass
+    of two or more tokens alone takes; the MatMuls around it see every token of the pass at once already."""
     from onnx import helper
 
     split: dict[str, list[str]] = {}  # a tensor split by rows -> its row slices
     new_nodes: list = []
 
-    def slices(name: str) -> list[str]:
+    def slices(name: str, index: int) -> list[str]:
         if name not in split:
             split[name] = [f"{name}/row{r}" for r in range(rows)]
-            new_nodes.append(helper.make_node("Split", [name, _ONES], split[name], axis=0, name=f"{name}/split_rows"))
+            sizes, axis = (_ONES, 0) if index == 5 else (LENGTHS, 1)  # seqlens_k: [rows]; the rest [1, T, ...]
+            new_nodes.append(helper.make_node("Split", [name, sizes], split[name], axis=axis, name=f"{name}/split_rows"))
         return split[name]
 
-    spare: dict[str, str] = {}  # a tensor -> it with its spare row (spare_row)
+    spare: dict[str, str] = {}  # a tensor -> it with its spare rows (spare_row)
 
     def with_spare(name: str, index: int) -> str:
-        """The attention input `name` with the spare row: its last token again after its own (query, key,
-        value), or one more in the count (seqlens_k, index 5)."""
+        """The attention input `name` with the spare rows: each row's last token again after its own (query,
+        key, value: rows/spread), or one more in each row's count (seqlens_k, index 5)."""
         if name not in spare:
             spare[name] = f"{name}/spare"
             if index == 5:
                 new_nodes.append(helper.make_node("Add", [name, _ONE32], [spare[name]], name=f"{name}/count"))
             else:
-                last = f"{name}/last"
-                new_nodes.append(helper.make_node("Slice", [name, _LAST, _END, _AXIS], [last], name=f"{name}/last"))
-                new_nodes.append(helper.make_node("Concat", [name, last], [spare[name]], axis=1, name=f"{name}/spare"))
+                new_nodes.append(helper.make_node("Gather", [name, SPREAD], [spare[name]], axis=1, name=f"{name}/spare"))
         return spare[name]
 
     for node in nodes:
         if node.op_type == _ATTENTION:
-            row_inputs = {i: slices(with_spare(node.input[i], i) if spare_row else node.input[i])
+            row_inputs = {i: slices(with_spare(node.input[i], i) if spare_row else node.input[i], i)
                           for i in _SPLIT_INPUTS if node.input[i]}
             cache_io.update(node.input[i] for i in _PER_ROW_IO)
             cache_io.update(node.output[1:3])
@@ -138,10 +164,9 @@ def _split_nodes(nodes: list, rows: int, cache_io: set[str], spare_row: bool) ->
                                             name=f"{node.name}/row{r}", domain=node.domain)
                 row_node.attribute.extend(node.attribute)
                 new_nodes.append(row_node)
-            new_nodes.append(helper.make_node("Concat", outputs, [output], axis=0, name=f"{node.name}/rows"))
+            new_nodes.append(helper.make_node("Concat", outputs, [output], axis=1, name=f"{node.name}/rows"))
             if spare_row:  # every row's own tokens
-                new_nodes.append(helper.make_node("Slice", [output, _ZERO, _LAST, _AXIS], [node.output[0]],
-                                                  name=f"{node.name}/own"))
+                new_nodes.append(helper.make_node("Gather", [output, OWN], [node.output[0]], axis=1, name=f"{node.name}/own"))
         else:
             new_nodes.append(node)
     return new_nodes
@@ -219,7 +244,32 @@ class RowsPass:
         self._masks = {size: np.zeros((size, pool.capacity), dtype=np.int64) for size in self.sizes}
         self._mask_values = {size: ort_value(pool.mask if size == pool.num_slots else mask, "cpu")
                              for size, mask in self._masks.items()}
-        self._outputs: dict[tuple[int, int], tuple] = {}  # (size, S) -> buffers and OrtValues
+        # The flat token ids [1, T], the logits [1, K, vocab] and features [1, T, F] of a pass: buffers that
+        # grow to the longest pass, with an OrtValue over the first T (or K) rows of each, made on first use.
+        self._ids = self._logits = self._features = None
+        self._views: dict[tuple[str, int], object] = {}
+        self._grow(64, 64)
+
+    def _grow(self, tokens: int, kept: int) -> None:
+        engine = self.engine
+        if self._ids is None or tokens > self._ids.shape[1]:
+            tokens = max(tokens, 2 * (self._ids.shape[1] if self._ids is not None else 0))
+            self._ids = np.zeros((1, tokens), dtype=np.int64)
+            if engine.features is not None:
+                self._features = np.empty((1, tokens, engine.feature_size), dtype=np.float32)
+            self._views = {key: value for key, value in self._views.items() if key[0] == "logits"}
+        if self._logits is None or kept > self._logits.shape[1]:
+            kept = max(kept, 2 * (self._logits.shape[1] if self._logits is not None else 0))
+            self._logits = np.empty((1, kept, engine.columns), dtype=engine._logits_dtype)
+            self._views = {key: value for key, value in self._views.items() if key[0] != "logits"}
+
+    def _view(self, name: str, count: int):
+        """An OrtValue over the first `count` rows of the ids, logits or features buffer."""
+        value = self._views.get((name, count))
+        if value is None:
+            buffer = {"ids": self._ids, "logits": self._logits, "features": self._features}[name]
+            value = self._views[(name, count)] = self._ort_value(buffer[:, :count], "cpu")
+        return value
 
     def _binding(self, slots: tuple[int, ...]):
         binding = self._bindings.get(slots)
@@ -235,58 +285,55 @@ class RowsPass:
             binding.bind_ortvalue_input("attention_mask", self._mask_values[len(slots)])
         return binding
 
-    def _buffers(self, size: int, length: int):
-        key = (size, length)
-        if key not in self._outputs:
-            engine = self.engine
-            ids = np.zeros((size, length), dtype=np.int64)
-            logits = np.empty((size, length, engine.columns), dtype=engine._logits_dtype)
-            features = (np.empty((size, length, engine.feature_size), dtype=np.float32)
-                        if engine.features is not None else None)
-            self._outputs[key] = (ids, logits, features, self._ort_value(ids, "cpu"), self._ort_value(logits, "cpu"),
-                                  self._ort_value(features, "cpu") if features is not None else None)
-        return self._outputs[key]
-
     def slots(self, token_lists: list, caches: list) -> tuple[int, ...] | None:
-        """The slots of one pass over these lists: theirs, and the first others with room for filler
+        """The slots of one pass over these lists: theirs, and the first others with room for a filler token
         (None where a row it runs, given or filler, lacks room for its tokens and the spare row)."""
-        length = max(len(tokens) for tokens in token_lists) + self.spare
-        for cache in caches:
-            if cache.length + length > cache.capacity:
+        for tokens, cache in zip(token_lists, caches):
+            if cache.length + len(tokens) + self.spare > cache.capacity:
                 return None
         size = rows_size(self.sizes, len(caches))
         given = {cache.slot_index for cache in caches}
         fillers = [index for index, cache in enumerate(self.pool.caches)
-                   if index not in given and cache.length + length <= cache.capacity][: size - len(given)]
+                   if index not in given and cache.length + 1 + self.spare <= cache.capacity][: size - len(given)]
         if len(given) + len(fillers) < size:
             return None
         return tuple(sorted(given.union(fillers)))
 
-    def run(self, token_lists: list, caches: list, slots: tuple[int, ...]) -> list[np.ndarray]:
+    def run(self, token_lists: list, caches: list, slots: tuple[int, ...], wanted: list[int]) -> list[np.ndarray]:
         """One pass over `slots` (from slots()); see OrtEngine.run_rows."""
-        engine, pool = self.engine, self.pool
-        size, length = len(slots), max(len(tokens) for tokens in token_lists)
-        ids, logits, features, ids_value, logits_value, features_value = self._buffers(size, length)
-        given = {cache.slot_index: tokens for cache, tokens in zip(caches, token_lists)}
-        firsts, mask = {}, self._masks[size]
+        engine, pool, spare = self.engine, self.pool, self.spare
+        size = len(slots)
+        given = {cache.slot_index: (tokens, want) for cache, tokens, want in zip(caches, token_lists, wanted)}
+        rows = [given.get(slot, ([0], 0)) for slot in slots]  # a filler: one token at its pending position
+        lengths = np.array([len(tokens) for tokens, _ in rows], dtype=np.int64)
+        offsets = np.concatenate(([0], np.cumsum(lengths)))
+        total = int(offsets[-1])
+        keep = np.concatenate([np.arange(offsets[r + 1] - want, offsets[r + 1]) for r, (_, want) in enumerate(rows)])
+        kept = len(keep)
+        if kept < 2:  # the head's several-row kernels, as in every pass alone
+            keep = np.concatenate((keep, np.zeros(2 - kept, dtype=np.int64)))
+        self._grow(total, len(keep))
+        ids, mask = self._ids, self._masks[size]
+        firsts = {}
         for row, slot in enumerate(slots):
             cache = pool.caches[slot]
-            tokens = given.get(slot)
-            first = cache.length
-            if tokens is None:  # filler at the pending positions, past the valid ones
-                ids[row] = 0
-            else:
-                ids[row, : len(tokens)] = tokens
-                ids[row, len(tokens) :] = tokens[-1]  # padding after the row's own tokens (causal: no effect on them)
-            firsts[slot] = (row, first)
-            cache.mask_to(first + length)
+            ids[0, offsets[row] : offsets[row + 1]] = rows[row][0]
+            firsts[slot] = (row, cache.length)
+            cache.mask_to(cache.length + int(lengths[row]))
             if size < pool.num_slots:
                 mask[row] = pool.mask[slot]
         binding = self._binding(slots)
-        binding.bind_ortvalue_input("input_ids", ids_value)
-        binding.bind_ortvalue_output("logits", logits_value)
-        if features_value is not None:
-            binding.bind_ortvalue_output(engine.features, features_value)
+        binding.bind_ortvalue_input("input_ids", self._view("ids", total))
+        binding.bind_cpu_input(LENGTHS, lengths + spare)
+        binding.bind_cpu_input(KEEP, keep.astype(np.int64))
+        if spare:  # each row's tokens then its last one again; then the own rows of that layout
+            last = offsets[1:] - 1
+            spread = np.insert(np.arange(total, dtype=np.int64), offsets[1:], last)
+            binding.bind_cpu_input(SPREAD, spread)
+            binding.bind_cpu_input(OWN, np.delete(np.arange(total + size, dtype=np.int64), offsets[1:] + np.arange(size)))
+        binding.bind_ortvalue_output("logits", self._view("logits", len(keep)))
+        if self._features is not None:
+            binding.bind_ortvalue_output(engine.features, self._view("features", total))
         begin = time.perf_counter()
         try:
             self._sessions[size].run_with_iobinding(binding)
@@ -297,13 +344,14 @@ class RowsPass:
                 if slot not in given:
                     pool.caches[slot].mask_to(pool.caches[slot].length)
         out = []
-        for cache, tokens in zip(caches, token_lists):
+        for cache, tokens, want in zip(caches, token_lists, wanted):
             (row, first), count = firsts[cache.slot_index], len(tokens)
-            if features is not None:
-                cache.features[first : first + count] = features[row, :count]
+            if self._features is not None:
+                cache.features[first : first + count] = self._features[0, offsets[row] : offsets[row] + count]
             cache.length += count
             cache.tokens += list(tokens)
             cache.mask_to(cache.length)
-            rows_out = logits[row, :count]
+            start = int(sum(rows[r][1] for r in range(row)))
+            rows_out = self._logits[0, start : start + want]
             out.append(rows_out if engine._float32_logits else rows_out.astype(np.float32))
         return out

@@ -3,10 +3,11 @@
 One `step` is one iteration:
   1. waiting sequences take free KV slots (the slot whose caches share the longest prefix with the
      prompt first), up to the generator's slots;
-  2. every sequence still prefilling runs one chunk of the target's prefill (PREFILL_CHUNK tokens),
-     so a long prompt delays the others by one chunk per iteration, not by its whole length (the
-     draft's prefill, a fraction of the target's cost, runs in one iteration after it); short
-     chunks of several sequences share one rows pass (rows.py);
+  2. every sequence still prefilling takes one chunk of the target's prefill (PREFILL_CHUNK tokens;
+     the draft's prefill, a fraction of the target's cost, runs in one iteration after it). Where the
+     target has rows graphs (rows.py), the chunks ride in this iteration's rows pass beside the
+     decoding rows, packed, so that a prompt costs its neighbours the time its own tokens take in
+     that pass, not a pass of its own per chunk;
   3. every prefilled sequence decodes one round. Target-only rows share one batched target pass
      ([rows, 1], OrtEngine.run_batch). Speculative rows share batched draft passes (propose_many),
      then one rows pass (OrtEngine.run_rows, rows.py) verifies them all: the target's graph with
@@ -40,11 +41,6 @@ from .drafters import propose_many
 from .policy import SpeculationPolicy
 from .rejection import accept
 from .sequence import Sequence, Slot, shared_prefix
-
-# Prefill chunks up to this many tokens share a rows pass. Longer ones are compute-bound: on SmolLM2
-# int8 a rows pass of 8 rows x 45 tokens saved 10% against 8 passes, and its first run at a new length
-# cost twice theirs; a pass of 8 rows x 6 tokens costs half of 8 passes.
-ROWS_PREFILL_TOKENS = 8
 
 class Scheduler:
     """Steps every live sequence of one generator each iteration; see the module docstring.
@@ -83,55 +79,54 @@ class Scheduler:
     def step(self) -> list[Sequence]:
         """One iteration; returns the sequences that ended in it."""
         self._admit()
-        self._prefill([s for s in self.running if not s.prefilled])
-        decoding = [s for s in self.running if s.prefilled and not s.finished]
+        riders = self._prefill([s for s in self.running if not s.prefilled])
+        waiting = {id(sequence) for sequence, _, _ in riders}  # their last chunk has not run yet
+        decoding = [s for s in self.running if s.prefilled and not s.finished and id(s) not in waiting]
         if decoding:
-            self._decode(decoding)
+            self._decode(decoding, riders)
         else:
             self._last_round = None  # prefill only: no round to charge it to
+            self._run_riders(riders)
         return self._retire()
 
-    def _prefill(self, prefilling: list[Sequence]) -> None:
-        """One prefill step of each prefilling sequence: first those under way, then those starting, so that
-        a starting one copies what the others' passes have just written. Sequences with one prompt prefill
-        it once: the first runs it, the others wait, then copy its cache. Short target chunks (2 to
-        ROWS_PREFILL_TOKENS tokens) share one rows pass (each row as its own pass, bit for bit) where the
-        target has rows graphs; the rest run their own passes (a draft's prefill, a one-token or a long chunk)."""
-        rows = len(prefilling) > 1 and bool(self.policy.rows_sizes)  # the slots' target pool has rows graphs
-        self._prefill_group([s for s in prefilling if s.target_started], prefilling, rows)
-        self._prefill_group([s for s in prefilling if not s.target_started], prefilling, rows)
+    def _run_riders(self, riders: list[tuple]) -> None:
+        """Prefill chunks (see _prefill) in a pass of their own: one rows pass for several, or the chunk's own."""
+        if len(riders) == 1:
+            (sequence, chunk, start), = riders
+            self._guarded(sequence, sequence.prefill_step, self.target, chunk, start)
+        elif riders:
+            self._rows_round([], [], riders)
 
-    def _prefill_group(self, group: list[Sequence], prefilling: list[Sequence], rows: bool) -> None:
-        target, start = self.target, time.perf_counter()
-        chunks, pending = [], []  # pending: the prompts whose chunk waits for the rows pass
+    def _prefill(self, prefilling: list[Sequence]) -> list[tuple]:
+        """One prefill step of each prefilling sequence: first those under way, then those starting, so that
+        a starting one copies what the others' passes have written. Sequences with one prompt prefill it
+        once: the first runs it, the others wait, then copy its cache. Where the target has rows graphs,
+        target chunks that a rows pass can hold (rows.py: two tokens or more, or any on a target whose
+        single tokens join rows passes) are returned as riders, (sequence, chunk, start), for this
+        iteration's rows pass; the rest run their own passes now (a draft's prefill, a one-token chunk)."""
+        rows = bool(self.policy.rows_sizes) and len(self.running) > 1  # the slots' target pool has rows graphs
+        riders: list[tuple] = []
+        self._prefill_group([s for s in prefilling if s.target_started], prefilling, rows, riders)
+        self._prefill_group([s for s in prefilling if not s.target_started], prefilling, rows, riders)
+        return riders
+
+    def _prefill_group(self, group: list[Sequence], prefilling: list[Sequence], rows: bool, riders: list) -> None:
+        target = self.target
         for sequence in group:
             donor, begin = None, time.perf_counter()
             if not sequence.target_started:
                 prompt = sequence.context[:-1]
-                if prompt in pending or any(other.target_prefilling and other.context[:-1] == prompt
-                                            for other in prefilling):
+                if any(other.context[:-1] == prompt for other, _, _ in riders) or any(
+                        other.target_prefilling and other.context[:-1] == prompt for other in prefilling):
                     continue
                 donor = self._donor(sequence)
             chunk = self._guarded(sequence, sequence.take_prefill_chunk, donor)
             if sequence.finished:
                 continue
-            if rows and chunk is not None and 1 < len(chunk) <= ROWS_PREFILL_TOKENS:
-                chunks.append((sequence, chunk))
-                pending.append(sequence.context[:-1])
+            if rows and chunk is not None and (len(chunk) > 1 or self.policy.single_rows):
+                riders.append((sequence, chunk, begin))
             else:
                 self._guarded(sequence, sequence.prefill_step, target, chunk, begin)
-        if len(chunks) == 1:
-            (sequence, chunk), = chunks
-            self._guarded(sequence, sequence.prefill_step, target, chunk, start)
-        elif chunks:
-            try:
-                target.run_rows([chunk for _, chunk in chunks], [s.slot.target_cache for s, _ in chunks])
-            except Exception as exc:  # noqa: BLE001 - a failed pass fails its rows
-                for sequence, _ in chunks:
-                    sequence.fail(exc)
-            for sequence, _ in chunks:
-                if not sequence.finished:
-                    self._guarded(sequence, sequence.end_prefill_step, start)
 
     def _donor(self, sequence: Sequence):
         """Another slot's target cache that holds more of this sequence's prompt than its own (or None)."""
@@ -176,7 +171,7 @@ class Scheduler:
             sequence.fail(exc)
             return None
 
-    def _decode(self, rows: list[Sequence]) -> None:
+    def _decode(self, rows: list[Sequence], riders: list[tuple]) -> None:
         wanted = []  # each row's draft tokens this round, before the policy's limit
         for row in rows:
             row.sampler.sync(row.context)  # the penalties' context (nothing to do without one)
@@ -196,23 +191,30 @@ class Scheduler:
         if drafting:
             verifying, without = self._propose(drafting, ks)
             plain += without
-        self._target_passes(verifying, plain)
+        self._target_passes(verifying, plain, riders)
         # filed under the rows the policy decides for (those that want drafts)
         self._last_round = ("speculative" if verifying else "target", *start, len(speculative) or len(rows))
 
-    def _target_passes(self, verifying: list[tuple], plain: list[Sequence]) -> None:
+    def _target_passes(self, verifying: list[tuple], plain: list[Sequence], riders: list[tuple]) -> None:
         """The round's target passes: verify passes (rows with drafts) and target-only steps (plain rows),
         as the policy's costs say (round_plan): where the target has rows graphs (rows.py), every row in
         one rows pass (a target whose single tokens join them, or verify rows alone), or the verify rows
         in one and the plain rows in another; else a verify pass per row, and one batched step of the
-        plain rows."""
+        plain rows. Prefill chunks (riders) join the rows pass of every row, or of the verify rows, or
+        else run in one of their own, so that a prompt never stalls the rows decoding beside it."""
         tokens = max([len(drafts) + 1 for _, drafts, _ in verifying] + [1])
         _, together, verify_shared, plain_shared = self.policy.round_plan(len(verifying), len(plain), tokens)
+        if riders:  # a target whose single tokens join rows passes takes every row; else the verify rows
+            together = together or self.policy.single_rows
+            verify_shared = not together and bool(verifying)
+            if not together and not verifying:
+                self._run_riders(riders)
+                riders = []
         if together:
-            self._rows_round(verifying, plain)
+            self._rows_round(verifying, plain, riders)
             return
         if verify_shared:
-            self._rows_round(verifying, [])
+            self._rows_round(verifying, [], riders)
         else:
             for row, drafts, draft_probs in verifying:
                 self._guarded(row, self._verify, row, drafts, draft_probs)
@@ -316,39 +318,45 @@ class Scheduler:
         self.policy.observe_round(len(drafts), num_accepted)
         row.emit(drafts[:num_accepted] + [token], logits)
 
-    def _rows_round(self, verifying: list[tuple], plain: list[Sequence]) -> None:
+    def _rows_round(self, verifying: list[tuple], plain: list[Sequence], riders: list[tuple] = ()) -> None:
         """One rows pass (OrtEngine.run_rows): each verify row's pending token and drafts, each plain row's
-        pending tokens; then each row's acceptance or target-only token, as its own pass would give."""
-        target, entries = self.target, []  # (row, tokens, drafts or None, draft probabilities)
+        pending tokens, each rider's prefill chunk; then each row's acceptance or target-only token, as its
+        own pass would give, and each rider's prefill step ended."""
+        target, entries = self.target, []  # (row, tokens, drafts or None, draft probabilities, logits wanted)
         for row, drafts, draft_probs in verifying + [(row, None, None) for row in plain]:
             try:
                 pending = row.pending_tokens()
             except Exception as exc:  # noqa: BLE001 - fails this row only
                 row.fail(exc)
                 continue
-            entries.append((row, pending + (drafts or []), drafts, draft_probs))
+            entries.append((row, pending + (drafts or []), drafts, draft_probs, len(drafts or []) + 1))
+        entries += [(sequence, chunk, None, None, 0) for sequence, chunk, _ in riders]
         if not entries:
             return
         seconds, calls = target.seconds, target.calls
         try:
-            logits = target.run_rows([tokens for _, tokens, _, _ in entries],
-                                     [row.slot.target_cache for row, _, _, _ in entries])
+            logits = target.run_rows([entry[1] for entry in entries], [entry[0].slot.target_cache for entry in entries],
+                                     [entry[4] for entry in entries])
         except Exception as exc:  # noqa: BLE001 - a failed pass fails its rows
-            for row, _, _, _ in entries:
-                row.fail(exc)
+            for entry in entries:
+                entry[0].fail(exc)
             return
         spent = (target.seconds - seconds) * 1000
-        if target.calls - calls == 1:  # one rows pass (not the one-by-one fallback)
-            length = max(len(tokens) for _, tokens, _, _ in entries)
+        if target.calls - calls == 1:  # one rows pass (not the one-by-one fallback): filed under its tokens
             size = self.policy.rows_size(len(entries))
-            self.policy.observe(self.policy.rows_ms.setdefault(size, {}), length, spent)
-        for (row, tokens, drafts, draft_probs), row_logits in zip(entries, logits):
+            total = sum(len(entry[1]) for entry in entries) + size - len(entries)  # with a filler token per idle row
+            self.policy.observe(self.policy.rows_ms.setdefault(size, {}), total, spent)
+        decoding = len(entries) - len(riders)
+        for (row, tokens, drafts, draft_probs, _), row_logits in zip(entries[:decoding], logits):
             row.stats.target_ms += spent
             row.stats.target_calls += target.calls - calls
             if drafts is not None:
-                self._guarded(row, self._accept, row, drafts, draft_probs, row_logits[-(len(drafts) + 1) :])
+                self._guarded(row, self._accept, row, drafts, draft_probs, row_logits)
             else:
                 self._guarded(row, self._plain_token, row, row_logits[-1])
+        for sequence, _, start in riders:
+            if not sequence.finished:
+                self._guarded(sequence, sequence.end_prefill_step, start)
 
     @staticmethod
     def _plain_token(row: Sequence, logits: np.ndarray) -> None:
