@@ -201,7 +201,8 @@ class Scheduler:
         one rows pass (a target whose single tokens join them, or verify rows alone), or the verify rows
         in one and the plain rows in another; else a verify pass per row, and one batched step of the
         plain rows. Prefill chunks (riders) join the rows pass of every row, or of the verify rows, or
-        else run in one of their own, so that a prompt never stalls the rows decoding beside it."""
+        else run in one of their own: a prompt costs the rows decoding beside it its tokens' share of
+        their pass, not a pass of its own."""
         tokens = max([len(drafts) + 1 for _, drafts, _ in verifying] + [1])
         _, together, verify_shared, plain_shared = self.policy.round_plan(len(verifying), len(plain), tokens)
         if riders:  # a target whose single tokens join rows passes takes every row; else the verify rows
