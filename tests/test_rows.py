@@ -222,3 +222,29 @@ def test_a_long_prompt_rides_in_the_rounds_of_the_rows_decoding_beside_it(bundle
         scheduler.step()
     assert first.new_tokens == alone.generate("def f(x):", **config).token_ids
     assert late.new_tokens == alone.generate(long_prompt, **config).token_ids
+
+
+def test_a_round_that_raises_fails_the_prompts_riding_in_it(int8_bundle):
+    """An error out of a round before its rows pass: the prompt whose chunk was to ride in it fails (its
+    prompt would be cut), and the scheduler goes on with the other sequences."""
+    from specdeploy.runtime.session import PREFILL_CHUNK
+
+    generator = specdeploy.load(int8_bundle, max_batch=2, policy="always")
+    scheduler = generator.scheduler
+    config = dict(max_new_tokens=8, speculative=False, ignore_eos=True)
+    first = generator._sequence("def f(x):", generator._config(dict(config)), streaming=False)
+    scheduler.submit(first)
+    while not first.new_tokens:
+        scheduler.step()
+    late = generator._sequence([7 + i % 50 for i in range(PREFILL_CHUNK + 10)], generator._config(dict(config)),
+                               streaming=False)
+    scheduler.submit(late)
+    decode = scheduler._decode
+    scheduler._decode = lambda rows, riders: (_ for _ in ()).throw(RuntimeError("bookkeeping"))
+    with pytest.raises(RuntimeError):
+        scheduler.step()
+    assert late.finished and late.output().stats.finish_reason == "error" and not first.finished
+    scheduler._decode = decode
+    while scheduler.active:
+        scheduler.step()
+    assert first.new_tokens == specdeploy.load(int8_bundle).generate("def f(x):", **config).token_ids

@@ -110,7 +110,7 @@ class SpeculationPolicy:
         plain = (_nearest(self.target_ms, plain_rows) or 0.0) if plain_rows else 0.0
         plain_shared = rows and self.single_rows and plain_rows > 1
         if plain_shared:
-            shared = self.rows_cost(plain_rows, 1)
+            shared = self.rows_cost(plain_rows, plain_rows)
             plain_shared = shared is None or not plain or shared < plain
             plain = plain if shared is None else min(shared, plain or shared)
         apart = verify + plain

@@ -33,7 +33,8 @@ chunk's logits are never read; at least two positions, so that it takes its seve
 The graph is built from the bundle's graph at load (the `onnx` package edits it in memory; the
 weights are the bundle's data file, read again by each graph's session), for a fixed number of rows
 (one graph per size, rows_sizes): a slot without tokens in a pass of its graph computes one filler
-token at its pending position, past its valid ones, and keeps its length.
+token at its pending position (and its spare row one past it), past its valid ones, and keeps its
+length.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ _ATTENTION = "GroupQueryAttention"
 _SPLIT_INPUTS = (0, 1, 2, 5)  # query (or packed qkv), key, value, seqlens_k: one slice per row
 _PER_ROW_IO = (3, 4)  # past key and value: each row's own cache
 # the rest (total_sequence_length, cos_cache, sin_cache) is the same for every row
-_HEADS = ("MatMul", "MatMulNBits", "FusedMatMul", "Gemm")  # the op of the LM head
+_HEADS = ("MatMul", "MatMulNBits", "FusedMatMul")  # the op of the LM head (over [1, T, hidden])
 _AFTER_HEAD = ("Mul", "Tanh", "Div", "Cast")  # what may follow it before `logits` (Gemma's softcap)
 # graph inputs: each row's token count in attention (its own, and its spare row's), the spare rows'
 # layout (an index into the flat tokens) and the own rows in it, the positions the head computes
@@ -223,6 +224,9 @@ class RowsPass:
         self.spare = int(engine.min_pass_tokens > 1)
         spec = engine.spec
         options = session_options(config, spec)
+        # Passes take many lengths (packed rows, kept positions): a memory pattern per set of shapes would
+        # grow with them (SmolLM2 int8: about 2.4 MiB per 100 sets), for no speed this host could tell.
+        options.enable_mem_pattern = False
         # The graph comes as bytes: its weights are the bundle's data file beside model_path.
         options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(model_path.parent))
         self._sessions = {}

@@ -8,7 +8,8 @@ One `step` is one iteration:
      target has rows graphs (rows.py), the chunks ride in this iteration's rows pass beside the
      decoding rows, packed, so that a prompt costs its neighbours the time its own tokens take in
      that pass, not a pass of its own per chunk;
-  3. every prefilled sequence decodes one round. Target-only rows share one batched target pass
+  3. every prefilled sequence (but those whose last chunk rides in this iteration's pass) decodes
+     one round. Target-only rows share one batched target pass
      ([rows, 1], OrtEngine.run_batch). Speculative rows share batched draft passes (propose_many),
      then one rows pass (OrtEngine.run_rows, rows.py) verifies them all: the target's graph with
      one attention node per slot, since ONNX Runtime's CPU GroupQueryAttention refuses a batch of
@@ -83,7 +84,13 @@ class Scheduler:
         waiting = {id(sequence) for sequence, _, _ in riders}  # their last chunk has not run yet
         decoding = [s for s in self.running if s.prefilled and not s.finished and id(s) not in waiting]
         if decoding:
-            self._decode(decoding, riders)
+            try:
+                self._decode(decoding, riders)
+            except Exception as exc:  # out of the step, maybe before the riders' pass: their prompts are cut
+                for sequence, _, _ in riders:
+                    if not sequence.finished:
+                        sequence.fail(exc)
+                raise
         else:
             self._last_round = None  # prefill only: no round to charge it to
             self._run_riders(riders)
@@ -98,9 +105,10 @@ class Scheduler:
             self._rows_round([], [], riders)
 
     def _prefill(self, prefilling: list[Sequence]) -> list[tuple]:
-        """One prefill step of each prefilling sequence: first those under way, then those starting, so that
-        a starting one copies what the others' passes have written. Sequences with one prompt prefill it
-        once: the first runs it, the others wait, then copy its cache. Where the target has rows graphs,
+        """One prefill step of each prefilling sequence: first those under way, then those starting. A starting
+        one may copy another slot's prompt positions (_donor): those its passes have run so far (a rider's
+        chunk runs later in the iteration). Sequences with one prompt prefill it once: the first runs it,
+        the others wait, then copy its cache. Where the target has rows graphs,
         target chunks that a rows pass can hold (rows.py: two tokens or more, or any on a target whose
         single tokens join rows passes) are returned as riders, (sequence, chunk, start), for this
         iteration's rows pass; the rest run their own passes now (a draft's prefill, a one-token chunk)."""
@@ -343,7 +351,8 @@ class Scheduler:
                 entry[0].fail(exc)
             return
         spent = (target.seconds - seconds) * 1000
-        if target.calls - calls == 1:  # one rows pass (not the one-by-one fallback): filed under its tokens
+        if target.calls - calls == 1 and not riders:  # one rows pass (not the one-by-one fallback), filed under its
+            # tokens; prompt chunks skip the head, so a pass that carries them would price verify tokens low
             size = self.policy.rows_size(len(entries))
             total = sum(len(entry[1]) for entry in entries) + size - len(entries)  # with a filler token per idle row
             self.policy.observe(self.policy.rows_ms.setdefault(size, {}), total, spent)

@@ -116,6 +116,8 @@ class Sequence:
 
     @property
     def prefilled(self) -> bool:
+        """Every prefill chunk has been taken (the scheduler may still run the last one in this iteration's
+        rows pass) and the draft's prefill has run."""
         return self._prefill_rest is not None and not self._prefill_rest and self._draft_prefilled
 
     def prefill_step(self, target, chunk: list[int] | None, start: float) -> None:

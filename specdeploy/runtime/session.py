@@ -139,7 +139,7 @@ def session_options(config: SessionConfig, spec: ModelSpec | None = None):
     # session lives. A concatenating KV cache (a new past length every pass), or a GPU pass's mask
     # as wide as the context, makes a new set nearly every pass: the patterns then grow without
     # bound (resident memory then grows with every token). Only a CPU shared-buffer graph, whose shapes
-    # are the buffers' plus 1..PREFILL_CHUNK ids, keeps them.
+    # are the buffers' plus 1..PREFILL_CHUNK ids, keeps them (its rows graphs do not: rows.py).
     options.enable_mem_pattern = spec is not None and spec.kv_cache.shared_buffer and config.device == "cpu"
 
     options.log_severity_level = 4  # fatal only: a failed run is reported as one line, by the caller
