@@ -312,10 +312,11 @@ class RowsPass:
         lengths = np.array([len(tokens) for tokens, _ in rows], dtype=np.int64)
         offsets = np.concatenate(([0], np.cumsum(lengths)))
         total = int(offsets[-1])
-        keep = np.concatenate([np.arange(offsets[r + 1] - want, offsets[r + 1]) for r, (_, want) in enumerate(rows)])
-        kept = len(keep)
-        if kept < 2:  # the head's several-row kernels, as in every pass alone
-            keep = np.concatenate((keep, np.zeros(2 - kept, dtype=np.int64)))
+        wants = np.array([want for _, want in rows], dtype=np.int64)
+        starts = np.concatenate(([0], np.cumsum(wants)))  # each row's first kept position among the logits
+        keep = np.concatenate([np.arange(offsets[r + 1] - want, offsets[r + 1]) for r, want in enumerate(wants)])
+        if len(keep) < 2:  # the head's several-row kernels, as in every pass alone
+            keep = np.concatenate((keep, np.zeros(2 - len(keep), dtype=np.int64)))
         self._grow(total, len(keep))
         ids, mask = self._ids, self._masks[size]
         firsts = {}
@@ -329,7 +330,7 @@ class RowsPass:
         binding = self._binding(slots)
         binding.bind_ortvalue_input("input_ids", self._view("ids", total))
         binding.bind_cpu_input(LENGTHS, lengths + spare)
-        binding.bind_cpu_input(KEEP, keep.astype(np.int64))
+        binding.bind_cpu_input(KEEP, keep)
         if spare:  # each row's tokens then its last one again; then the own rows of that layout
             last = offsets[1:] - 1
             spread = np.insert(np.arange(total, dtype=np.int64), offsets[1:], last)
@@ -355,7 +356,6 @@ class RowsPass:
             cache.length += count
             cache.tokens += list(tokens)
             cache.mask_to(cache.length)
-            start = int(sum(rows[r][1] for r in range(row)))
-            rows_out = self._logits[0, start : start + want]
+            rows_out = self._logits[0, starts[row] : starts[row] + want]
             out.append(rows_out if engine._float32_logits else rows_out.astype(np.float32))
         return out

@@ -81,8 +81,8 @@ class Scheduler:
         """One iteration; returns the sequences that ended in it."""
         self._admit()
         riders = self._prefill([s for s in self.running if not s.prefilled])
-        waiting = {id(sequence) for sequence, _, _ in riders}  # their last chunk has not run yet
-        decoding = [s for s in self.running if s.prefilled and not s.finished and id(s) not in waiting]
+        riding = {id(sequence) for sequence, _, _ in riders}  # their last chunk has not run yet
+        decoding = [s for s in self.running if s.prefilled and not s.finished and id(s) not in riding]
         if decoding:
             try:
                 self._decode(decoding, riders)
