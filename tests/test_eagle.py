@@ -219,6 +219,35 @@ def test_batched_draft_steps_propose_what_a_sequence_alone_does(request, name):
     assert [o.stats.accepted_by_position for o in together] == [o.stats.accepted_by_position for o in singles]
 
 
+def test_a_long_prompts_head_prefill_keeps_pace_with_the_targets_chunks(eagle_bundle):
+    """A prompt of several chunks joining a decoding row: the head prefills as far as the target's cache
+    holds features each iteration (its chunk rides in the rows pass after the head's step), never the
+    whole prompt at once, and the outputs are those each gives alone."""
+    from specdeploy.runtime.session import PREFILL_CHUNK
+
+    alone = specdeploy.load(eagle_bundle, drafter="model")
+    generator = specdeploy.load(eagle_bundle, drafter="model", max_batch=2, policy="always")
+    scheduler = generator.scheduler
+    config = generator._config(dict(max_new_tokens=24, num_draft_tokens=4))
+    short = generator._sequence(PROMPTS[3], config, streaming=False)
+    scheduler.submit(short)
+    scheduler.step()
+    long_ids = (alone.codec.encode("".join(PROMPTS[:3]) + "\n") * 8)[: 3 * PREFILL_CHUNK + 20]
+    late = generator._sequence(long_ids, config, streaming=False)
+    scheduler.submit(late)
+    growth = []
+    while scheduler.active:
+        before = late.slot.drafter.cache.length if late.slot else 0
+        prefilling = not late.prefilled
+        scheduler.step()
+        if prefilling:
+            growth.append(late.slot.drafter.cache.length - before)
+            assert late.slot.drafter.cache.length <= late.slot.target_cache.length
+    assert max(growth) <= PREFILL_CHUNK and len(growth) >= 4
+    assert late.new_tokens == alone.generate(long_ids, max_new_tokens=24, num_draft_tokens=4).token_ids
+    assert short.new_tokens == alone.generate(PROMPTS[3], max_new_tokens=24, num_draft_tokens=4).token_ids
+
+
 def test_inspect_names_the_draft_kind_and_its_vocabulary(eagle_bundle):
     result = CliRunner().invoke(main, ["inspect", str(eagle_bundle)])
     assert result.exit_code == 0

@@ -439,3 +439,40 @@ class FakeRow:
             self.ended_at[accepted] += 1
         self.stats = type("S", (), {"drafted": sum(drafted for drafted, _ in rounds)})()
 
+
+
+def _draft_growth(scheduler, sequences) -> list[list[int]]:
+    """Step until every sequence finishes; each sequence's draft cache growth per iteration while it prefilled."""
+    growth: list[list[int]] = [[] for _ in sequences]
+    while scheduler.active:
+        before = [(s.prefilled, s.slot.drafter.cache.length if s.slot else 0) for s in sequences]
+        scheduler.step()
+        for grown, s, (prefilled, length) in zip(growth, sequences, before):
+            if not prefilled and s.slot is not None:
+                grown.append(s.slot.drafter.cache.length - length)
+    return growth
+
+
+def test_a_long_prompts_draft_prefill_spreads_over_iterations(long_bundle):
+    """The draft's prefill keeps pace with the target's chunks, then runs DRAFT_PREFILL_TOKENS an iteration
+    (a second sequence with the same prompt copies the target's positions, not the draft's), so no
+    iteration runs a whole long prompt through the draft beside the rows decoding; outputs are unchanged."""
+    from specdeploy.runtime.sequence import DRAFT_PREFILL_TOKENS
+
+    generator = specdeploy.load(long_bundle, max_batch=3, drafter="model", policy="always")
+    scheduler = generator.scheduler
+    config = generator._config(dict(max_new_tokens=8))
+    short = generator._sequence("def f(x):", config, streaming=False)
+    scheduler.submit(short)
+    scheduler.step()
+    long_prompt = [2 + (i * 7) % 50 for i in range(3 * DRAFT_PREFILL_TOKENS + 5)]
+    first, second = (generator._sequence(long_prompt, config, streaming=False) for _ in range(2))
+    scheduler.submit(first)
+    scheduler.submit(second)
+    growth = _draft_growth(scheduler, [first, second])
+    assert max(growth[0]) <= PREFILL_CHUNK and len([g for g in growth[0] if g]) > 3 * DRAFT_PREFILL_TOKENS // PREFILL_CHUNK
+    assert max(growth[1]) == DRAFT_PREFILL_TOKENS and len([g for g in growth[1] if g]) == 4
+    alone = specdeploy.load(long_bundle, drafter="model")
+    expected = alone.generate(long_prompt, max_new_tokens=8).token_ids
+    assert first.new_tokens == second.new_tokens == expected
+    assert short.new_tokens == alone.generate("def f(x):", max_new_tokens=8).token_ids

@@ -1,8 +1,8 @@
 """Drafters: whatever proposes the k tokens the target then verifies.
 
 The seam (after transformers' candidate generators): `propose(context, k, ...)` returns the draft
-tokens and the probabilities they were drawn from (None when greedy); `prefill(context)` readies a
-drafter for a new sequence and `reset()` forgets what it cached. Between two prefills a drafter
+tokens and the probabilities they were drawn from (None when greedy); `prefill(context, limit)`
+readies a drafter for a new sequence, in steps of `limit` tokens, and `reset()` forgets its cache. Between two prefills a drafter
 follows one sequence, whose context only grows: a model drafter's cache drops rejected tokens
 when its next proposal compares the few tokens after the context it last saw. A drafter needs
 nothing back from the verification (an eagle head reads the target's features from the target's
@@ -42,12 +42,13 @@ class Drafter(Protocol):
         """Up to num_tokens draft tokens and the draft_probs [k, vocab] they were drawn from (None when greedy).
 
         sampler (synced to context) forms every row: the row for draft position i is processed with
-        the context and the i tokens drafted before it, as the target's verify row i is.
-        A drafter may stop early, e.g. once its own top probability falls below min_confidence: how
-        many tokens are proposed never depends on the target, so the acceptance rule stays exact.
-        The rows may live in a buffer the drafter reuses: they are valid until its next propose."""
+        the context and the i tokens drafted before it, as the target's verify row i is. A drafter may
+        stop early, e.g. once its top probability falls below min_confidence: how many tokens are proposed
+        never depends on the target, so the acceptance rule stays exact. The rows may live in a buffer
+        the drafter reuses: they are valid until its next propose."""
 
-    def prefill(self, context: list[int]) -> None: ...
+    def prefill(self, context: list[int], limit: int | None = None) -> bool:
+        """Bring the state to context, at most `limit` more tokens a call; returns whether done (propose may start)."""
 
     def reset(self) -> None: ...
 
@@ -83,18 +84,18 @@ class ModelDrafter:
         if vocab_ids is not None:
             self._wide = np.full(engine.spec.vocab_size, -np.inf, dtype=np.float32)
         self._known = 0  # the cache agrees with the followed context's first _known tokens
-        # Made by _prepare for each generate call (its sampler): one [k, vocab] buffer of probability
-        # rows reused by every sampled proposal, with its row views [vocab] and leading-row views
-        # [i, vocab] made once rather than per token.
+        # Made by _prepare for each generate call (its sampler): one [k, vocab] buffer of probability rows
+        # reused by every sampled proposal, its row views [vocab] and leading-row views [i, vocab] made once.
         self._sampler: Sampler | None = None
         self._probs: np.ndarray | None = None
         self._row_views: list[np.ndarray] = []
         self._prefix_views: list[np.ndarray] = []
         self._capacity = 0  # proposals up to this length need no _prepare
 
-    def prefill(self, context: list[int]) -> None:
-        self.engine.prefill(context, self.cache)
-        self._known = len(context)
+    def prefill(self, context: list[int], limit: int | None = None) -> bool:
+        if done := self.engine.prefill(context, self.cache, limit):
+            self._known = len(context)
+        return done
 
     def reset(self) -> None:
         self.cache.reset()
@@ -207,11 +208,9 @@ class PromptLookupDrafter:
     It proposes the tokens that followed the most recent earlier occurrence of the context's last
     n-gram. Its proposal is deterministic, so draft_probs are one-hot rows, and the rejection rule
     stays exact: accept x with probability target_probs[x], else draw from the target without x.
-
     The n-grams are indexed as the context grows (n-gram -> where its latest earlier occurrence
     ends), so a round costs a few dictionary operations, not a scan of the context. The index
-    follows one sequence from prefill on (its context only grows); prefill starts a new index.
-    """
+    follows one sequence from prefill on (its context only grows); prefill starts a new index."""
 
     engine = None  # no model to run
 
@@ -224,8 +223,9 @@ class PromptLookupDrafter:
         self._one_hot: np.ndarray | None = None  # [k, vocab] rows reused across rounds (see ModelDrafter._prepare)
         self._hot: list[int] = []  # the tokens set to 1 in it, one per row
 
-    def prefill(self, context: list[int]) -> None:
+    def prefill(self, context: list[int], limit: int | None = None) -> bool:
         self.reset()
+        return True
 
     def reset(self) -> None:
         self._indexed, self._ends = 0, {}
@@ -294,9 +294,9 @@ class HybridDrafter:
         self.lookup = lookup
         self.sampled_ngram = min(max(sampled_ngram, lookup.min_ngram), lookup.max_ngram)
 
-    def prefill(self, context: list[int]) -> None:
+    def prefill(self, context: list[int], limit: int | None = None) -> bool:
         self.lookup.prefill(context)
-        self.model_drafter.prefill(context)
+        return self.model_drafter.prefill(context, limit)
 
     def reset(self) -> None:
         self.lookup.reset()

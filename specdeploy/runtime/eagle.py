@@ -40,12 +40,16 @@ class EagleDrafter(ModelDrafter):
         super().reset()
         self._real = 0
 
-    def prefill(self, context: list[int]) -> None:
-        self._catch_up(context, min_rest=0, start=0)
+    def prefill(self, context: list[int], limit: int | None = None) -> bool:
+        """As ModelDrafter.prefill; with a limit, the head also runs only as far as the target's cache
+        holds features (a prompt chunk riding in this iteration's rows pass has none yet)."""
+        self._catch_up(context, min_rest=0, start=0, limit=limit)
+        return self.cache.length == max(len(context) - 1, 0)  # a one-token prompt's context is empty
 
-    def _catch_up(self, context: list[int], min_rest: int, start: int) -> np.ndarray | None:
-        """Make the head's cache hold the real entries for context (entry i: feature_i with context[i + 1]);
-        returns the last pass's logits rows (None when nothing ran)."""
+    def _catch_up(self, context: list[int], min_rest: int, start: int, limit: int | None = None) -> np.ndarray | None:
+        """Make the head's cache hold the real entries for context (entry i: feature_i with context[i + 1]),
+        or with a limit, at most `limit` more of them, those the target has features for; returns the
+        last pass's logits rows (None when nothing ran)."""
         target = self.target_cache
         if target is None or target.features is None:
             raise SpecdeployError("an eagle drafter needs its slot's target cache, with the target's features")
@@ -55,6 +59,8 @@ class EagleDrafter(ModelDrafter):
         pairs = context[1:]
         rest = cache.truncate_to_prefix(pairs, min_rest=min_rest, start=min(start, self._real))
         first = len(pairs) - len(rest)
+        if limit is not None:
+            rest = rest[: max(0, min(limit, target.length - first))]
         if first + len(rest) > target.length:
             raise SpecdeployError("the eagle drafter runs ahead of the target's cache")
         logits = None

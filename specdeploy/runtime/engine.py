@@ -255,12 +255,15 @@ class OrtEngine:
             cache.truncate(min(len(cache.tokens), cache.length))
             raise
 
-    def prefill(self, context: list[int], cache: KVCache | SharedKVCache) -> None:
-        """Make cache hold exactly context, reusing the prefix it holds. Long contexts go in chunks of
-        PREFILL_CHUNK tokens: the graphs compute logits at every position, which nobody reads here."""
+    def prefill(self, context: list[int], cache: KVCache | SharedKVCache, limit: int | None = None) -> bool:
+        """Make cache hold context (reusing its prefix), or run at most `limit` more tokens of it; returns
+        whether it holds all of it. Chunks of PREFILL_CHUNK tokens (a limit that is a multiple of it
+        keeps the passes one call's): the graphs compute logits at every position, which nobody reads."""
         rest = cache.truncate_to_prefix(context)
-        for start in range(0, len(rest), PREFILL_CHUNK):
-            self.run(rest[start : start + PREFILL_CHUNK], cache)
+        run = rest if limit is None else rest[:limit]
+        for start in range(0, len(run), PREFILL_CHUNK):
+            self.run(run[start : start + PREFILL_CHUNK], cache)
+        return len(run) == len(rest)
 
     def logits_after(self, context: list[int], cache: KVCache | SharedKVCache) -> np.ndarray:
         """Logits [vocab] of the token that follows context (a long catch-up goes in prefill chunks)."""

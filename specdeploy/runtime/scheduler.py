@@ -3,8 +3,9 @@
 One `step` is one iteration:
   1. waiting sequences take free KV slots (the slot whose caches share the longest prefix with the
      prompt first), up to the generator's slots;
-  2. every sequence still prefilling takes one chunk of the target's prefill (PREFILL_CHUNK tokens;
-     the draft's prefill, a fraction of the target's cost, runs in one iteration after it). Where the
+  2. every sequence still prefilling takes one chunk of the target's prefill (PREFILL_CHUNK tokens)
+     and one step of its draft's (a chunk beside each target chunk; DRAFT_PREFILL_TOKENS an iteration
+     after the last, where the target's positions came from another slot's cache). Where the
      target has rows graphs (rows.py), the chunks ride in this iteration's rows pass beside the
      decoding rows, packed, so that a prompt costs its neighbours the time its own tokens take in
      that pass, not a pass of its own per chunk;
@@ -100,7 +101,7 @@ class Scheduler:
         """Prefill chunks (see _prefill) in a pass of their own: one rows pass for several, or the chunk's own."""
         if len(riders) == 1:
             (sequence, chunk, start), = riders
-            self._guarded(sequence, sequence.prefill_step, self.target, chunk, start)
+            self._guarded(sequence, sequence.run_chunk, self.target, chunk, start)
         elif riders:
             self._rows_round([], [], riders)
 
@@ -111,7 +112,7 @@ class Scheduler:
         the others wait, then copy its cache. Where the target has rows graphs,
         target chunks that a rows pass can hold (rows.py: two tokens or more, or any on a target whose
         single tokens join rows passes) are returned as riders, (sequence, chunk, start), for this
-        iteration's rows pass; the rest run their own passes now (a draft's prefill, a one-token chunk)."""
+        iteration's rows pass; the rest run their own passes now (a draft-only prefill step, a one-token chunk)."""
         rows = bool(self.policy.rows_sizes) and len(self.running) > 1  # the slots' target pool has rows graphs
         riders: list[tuple] = []
         self._prefill_group([s for s in prefilling if s.target_started], prefilling, rows, riders)
@@ -132,7 +133,9 @@ class Scheduler:
             if sequence.finished:
                 continue
             if rows and chunk is not None and (len(chunk) > 1 or self.policy.single_rows):
-                riders.append((sequence, chunk, begin))
+                self._guarded(sequence, sequence.draft_prefill_step)  # the target's chunk runs later, in the rows pass
+                if not sequence.finished:
+                    riders.append((sequence, chunk, begin))
             else:
                 self._guarded(sequence, sequence.prefill_step, target, chunk, begin)
 

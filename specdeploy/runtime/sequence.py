@@ -22,6 +22,12 @@ from .session import PREFILL_CHUNK
 from .sampling import Sampler
 from .text import TextCodec, TextStream
 
+# A draft's prefill tokens per iteration once the target's prefill is done (a prompt whose target
+# positions came from another slot's cache): a multiple of PREFILL_CHUNK, so that its passes are
+# those of one call. A draft costs a fraction of its target per token, so this many of its tokens
+# cost about what one target chunk does.
+DRAFT_PREFILL_TOKENS = 4 * PREFILL_CHUNK
+
 
 def token_logprobs(logits: np.ndarray, token_ids: list[int], top: int) -> list[TokenLogprob]:
     """The log-softmax of each row of logits [n, vocab] at token_ids [n], with the `top` most likely
@@ -121,14 +127,26 @@ class Sequence:
         return self._prefill_rest is not None and not self._prefill_rest and self._draft_prefilled
 
     def prefill_step(self, target, chunk: list[int] | None, start: float) -> None:
-        """Run a chunk take_prefill_chunk gave (PREFILL_CHUNK tokens of the target) in its own pass, or
-        the drafter's prefill once the target's is done (chunk None); the step began at `start`."""
+        """Run a chunk take_prefill_chunk gave (PREFILL_CHUNK tokens of the target; None: the target's
+        prefill is done) in its own pass, then the drafter's next prefill step; the step began at `start`."""
         if chunk is not None:
             target.run(chunk, self.slot.target_cache)
-        elif not self._draft_prefilled:
-            self.drafter.prefill(self.context[:-1])
-            self._draft_prefilled = True
+        self.draft_prefill_step()
         self.end_prefill_step(start)
+
+    def run_chunk(self, target, chunk: list[int], start: float) -> None:
+        """Run a riding chunk (whose draft prefill step has run) in its own pass after all."""
+        target.run(chunk, self.slot.target_cache)
+        self.end_prefill_step(start)
+
+    def draft_prefill_step(self) -> None:
+        """The drafter's next prefill step: one chunk while the target's prefill has chunks left (it keeps
+        pace with the target's), then DRAFT_PREFILL_TOKENS a step; an eagle head's only as far as the
+        target's cache holds features. A long prompt's draft prefill spreads over iterations as the
+        target's does, rather than stalling the rows decoding beside it for one long iteration."""
+        if not self._draft_prefilled:
+            limit = PREFILL_CHUNK if self.target_prefilling else DRAFT_PREFILL_TOKENS
+            self._draft_prefilled = self.drafter.prefill(self.context[:-1], limit)
 
     def take_prefill_chunk(self, donor=None) -> list[int] | None:
         """The target tokens of this sequence's next prefill step, taken off what is left (None: the
