@@ -11,18 +11,20 @@ import time
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 from specdeploy import swap
 from specdeploy.bundle import MANIFEST_NAME, load_manifest
+from specdeploy.cli import main
 from specdeploy.errors import SpecdeployError
 from specdeploy.export import checkpoint as ckpt
 
 from conftest import export_pair
 
 
-def cli(*args) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "specdeploy", *args], capture_output=True, text=True, env=env)
+def cli(*args):
+    """The command in process (click's runner): exit_code and stderr, as a real process gives them."""
+    return CliRunner().invoke(main, list(args))
 
 
 def _tree(folder: Path) -> dict[str, bytes]:
@@ -36,7 +38,7 @@ def test_force_refuses_what_is_not_a_bundle(checkpoints, tmp_path):
     (source / "main.py").write_text("print('my code')\n")
     base = ["export", "--target", str(pair["target"]), "--draft", str(pair["draft"]), "--force"]
     result = cli(*base, "--out", str(source))
-    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.exit_code == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("error: --out") and "not a specdeploy bundle" in result.stderr
     assert _tree(source) == {"main.py": b"print('my code')\n"}
     (source / MANIFEST_NAME).write_text('{"format_version": 1, "hello": "not a manifest"}')
@@ -163,7 +165,7 @@ def test_pickle_weights_need_allow_pickle(checkpoints, tmp_path):
         ckpt.load_checkpoint(str(folder), "target")
     assert ckpt.load_checkpoint(str(folder), "target", allow_pickle=True).path == folder.resolve()
     result = cli("export", "--target", str(folder), "--draft", str(pair["draft"]), "--out", str(tmp_path / "b"))
-    assert result.returncode == 2 and "--allow-pickle" in result.stderr and "Traceback" not in result.stderr
+    assert result.exit_code == 2 and "--allow-pickle" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_remote_code_and_missing_tokenizer_are_refused_in_one_line(checkpoints, tmp_path):
@@ -179,6 +181,6 @@ def test_remote_code_and_missing_tokenizer_are_refused_in_one_line(checkpoints, 
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         (bare / name).unlink()
     result = cli("export", "--target", str(pair["target"]), "--draft", str(bare), "--out", str(tmp_path / "b"))
-    assert result.returncode == 2 and "Traceback" not in result.stderr and "NoneType" not in result.stderr
+    assert result.exit_code == 2 and "Traceback" not in result.stderr and "NoneType" not in result.stderr
     assert "error: --draft" in result.stderr and "no tokenizer" in result.stderr
     assert not (tmp_path / "b").exists()
