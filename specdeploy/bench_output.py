@@ -107,6 +107,19 @@ def plot_title(report: dict) -> str:
     return f"{first}\n{report.get('date', '')[:10]}, {report.get('machine', '')}".rstrip(", \n")
 
 
+def pyplot():
+    """matplotlib.pyplot on its file backend, or one error naming the extra to install (bench --plot checks
+    this before the benchmark runs)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SpecdeployError("--plot needs matplotlib (pip install 'specdeploy[bench]')") from None
+    return plt
+
+
 def plot_report(report: dict, path: str) -> None:
     """Draw the report (draw_report) into a PNG at `path`."""
     figure = draw_report(report)  # imports matplotlib, or says which extra to install
@@ -119,14 +132,9 @@ def plot_report(report: dict, path: str) -> None:
 def draw_report(report: dict):
     """Speedup against k (measured beside the Leviathan bound, y from 0, target-only at 1) and the fraction
     of rounds that kept each draft position (0 to 1), one group of bars per k, so one k reads as well as many."""
-    try:
-        import matplotlib
+    plt = pyplot()
+    import numpy as np
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import numpy as np
-    except ImportError:
-        raise SpecdeployError("--plot needs matplotlib (pip install 'specdeploy[bench]')") from None
     rows = report["by_num_draft_tokens"]
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.6))
     slots = np.arange(len(rows))

@@ -9,9 +9,9 @@ from pathlib import Path
 import click
 
 from . import defaults
-from .cli_support import (DEBUG_HELP, EXIT_INTERRUPTED, ErrorMappingGroup, Utf8Text, end_text, format_stats, note_debug,
-                          parse_draft_tokens, parse_prompt_tokens, require_export_extra, return_freed_memory, run_request,
-                          stream_text)
+from .cli_support import (DEBUG_HELP, EXIT_INTERRUPTED, ErrorMappingGroup, Utf8Text, checked_generation, end_text,
+                          format_stats, note_debug, parse_draft_tokens, parse_prompt_tokens, require_export_extra,
+                          return_freed_memory, run_request, stream_text)
 from .cli_support import export_with_progress as _export
 from .errors import SpecdeployError
 from .runtime.generate import SEED_LIMIT, GenerationConfig  # the package imports the runtime already
@@ -202,11 +202,12 @@ def run(bundle, prompt, prompt_file, chat, system, messages_file, max_new_tokens
     request = run_request(prompt, prompt_file, chat, system, messages_file)
     if logprobs is not None and not as_json:
         raise SpecdeployError("--logprobs needs --json (the log-probabilities are printed in its JSON object)")
-    generator = load(resolve_bundle(bundle), device=device, drafter=drafter, verify=verify)
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                    repetition_penalty=repetition_penalty, seed=seed, num_draft_tokens=num_draft_tokens, draft_confidence=draft_confidence,
                    speculative=not no_speculative, stop=stop, logprobs=logprobs, presence_penalty=presence_penalty,
                    frequency_penalty=frequency_penalty)
+    checked_generation(**options)
+    generator = load(resolve_bundle(bundle), device=device, drafter=drafter, verify=verify)
     interrupted, shown = False, []
     pieces = generator.stream(**request, **options)  # JSON and --no-stream read the pieces without printing them
     try:
@@ -264,12 +265,11 @@ def chat(bundle, system, max_new_tokens, temperature, top_k, top_p, min_p, repet
     from .chat_cli import ChatConfig, read_lines, run_chat
     from .runtime import load
 
-    generation = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                  min_p=min_p, repetition_penalty=repetition_penalty, seed=seed,
-                                  num_draft_tokens=num_draft_tokens, draft_confidence=draft_confidence,
-                                  speculative=not no_speculative, stop=stop, presence_penalty=presence_penalty,
-                                  frequency_penalty=frequency_penalty)
-    generation.validate()
+    generation = checked_generation(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                    min_p=min_p, repetition_penalty=repetition_penalty, seed=seed,
+                                    num_draft_tokens=num_draft_tokens, draft_confidence=draft_confidence,
+                                    speculative=not no_speculative, stop=stop, presence_penalty=presence_penalty,
+                                    frequency_penalty=frequency_penalty)
     bundle = resolve_bundle(bundle)
     generator = load(bundle, device=device, drafter=drafter, verify=verify)
     if generator.chat_template is None:
@@ -313,15 +313,18 @@ def bench(bundle, prompts_file, prompt_file, max_new_tokens, prompt_tokens, num_
     from rich.console import Console
 
     from .bench import BenchConfig, context_sweep, lengthen_prompts, run_bench
-    from .bench_output import machine_description
+    from .bench_output import machine_description, pyplot
     from .cli_support import bench_prompts, check_output_file
     from .runtime import load
 
     if repeat < 1 or max_new_tokens < 1:
         raise SpecdeployError("--repeat and --max-new-tokens must be at least 1")
     ks = parse_draft_tokens(num_draft_tokens)
-    if plot:
-        check_output_file(plot, "--plot")  # before the benchmark, not after it
+    checked_generation(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+                       draft_confidence=draft_confidence, seed=seed)
+    if plot:  # before the benchmark, not after it
+        check_output_file(plot, "--plot")
+        pyplot()
     prompts = bench_prompts(prompts_file, prompt_file)
     bundle = resolve_bundle(bundle)
     generator = load(bundle, device=device, drafter=drafter, verify=verify, policy="always")

@@ -275,6 +275,22 @@ def return_freed_memory() -> None:
         pass
 
 
+def checked_generation(**options):
+    """GenerationConfig(**options), validated before any bundle loads; an error names the flag
+    (--max-new-tokens), not the field."""
+    from .runtime.config import GenerationConfig
+
+    config = GenerationConfig(**options)
+    try:
+        config.validate()
+    except SpecdeployError as exc:
+        field, _, rest = str(exc).partition(" ")
+        if field not in options:
+            raise
+        raise SpecdeployError(f"--{field.replace('_', '-')} {rest}") from None
+    return config
+
+
 def run_request(prompt, prompt_file, chat, system, messages_file) -> dict:
     """`run`'s input as generate's keyword: {"prompt": text} or {"messages": [...]}."""
     from .runtime.chat import read_messages

@@ -87,7 +87,7 @@ def test_a_message_too_long_for_the_context_is_refused_and_the_session_goes_on(b
 
 
 def test_bad_options_and_a_bundle_without_a_template_are_one_error_line(bundle, agreeing_bundle):
-    for args, message in ((["--temperature", "-1"], "temperature"), (["--seed", "-1"], "'--seed'")):
+    for args, message in ((["--temperature", "-1"], "error: --temperature must be"), (["--seed", "-1"], "'--seed'")):
         code, stdout, stderr = chat(bundle, *args, input="hi\n")
         assert code == 2 and stdout == "" and stderr.startswith("error: ") and message in stderr
         assert len(stderr.strip().splitlines()) == 1

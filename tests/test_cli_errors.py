@@ -56,11 +56,13 @@ RUN_CASES = [
     (["--seed", str(2**64)], "is not in the range"),
     (["--seed", "1.5"], "'--seed'"),
     (["--max-new-tokens", "many"], "'--max-new-tokens': 'many' is not a valid integer"),
-    (["--temperature", "nan"], "temperature"),
-    (["--temperature", "inf"], "temperature"),
-    (["--top-p", "1.5"], "top_p"),
-    (["--num-draft-tokens", "0"], "num_draft_tokens"),
-    (["--draft-confidence", "1"], "draft_confidence"),
+    (["--max-new-tokens", "-1"], "error: --max-new-tokens must be >= 0 (got -1)"),  # the flag, not the field
+    (["--temperature", "nan"], "error: --temperature must be"),
+    (["--temperature", "inf"], "error: --temperature must be"),
+    (["--top-p", "1.5"], "error: --top-p must be in (0, 1]"),
+    (["--num-draft-tokens", "0"], "error: --num-draft-tokens must be"),
+    (["--draft-confidence", "1"], "error: --draft-confidence must be"),
+    (["--json", "--logprobs", "21"], "error: --logprobs must be an integer in 0..20 (got 21)"),
     (["--device", "cuda"], "needs onnxruntime-gpu"),
     (["--device", "tensorrt"], "needs onnxruntime-gpu"),
     (["--device", "tpu"], "unknown device 'tpu'"),
@@ -200,8 +202,8 @@ def test_debug_anywhere_re_raises(bundle):
     for args in (["--debug", "run", bundle, "--prompt", "x", "--top-p", "0"],
                  ["run", bundle, "--prompt", "x", "--top-p", "0", "--debug"]):
         result = CliRunner().invoke(main, args)
-        assert isinstance(result.exception, SpecdeployError) and "top_p" in str(result.exception)
-    assert_one_line(*invoke("run", bundle, "--prompt", "x", "--top-p", "0")[::2], "top_p")  # and without it, one line
+        assert isinstance(result.exception, SpecdeployError) and "--top-p" in str(result.exception)
+    assert_one_line(*invoke("run", bundle, "--prompt", "x", "--top-p", "0")[::2], "--top-p must be")  # and without it, one line
 
 
 def test_inspect_fits_80_columns_with_sizes_in_their_units(bundle):
@@ -274,3 +276,13 @@ def test_bench_plot_says_where_it_saved_it(bundle, tmp_path):
 def _one_prompt(tmp_path):
     (tmp_path / "one.json").write_text('["def f(x):"]')
     return tmp_path / "one.json"
+
+
+def test_bench_plot_without_matplotlib_fails_before_anything_loads(tmp_path, monkeypatch):
+    """The missing extra is named before the bundle loads (here a bundle that does not exist), not after the run."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    code, stdout, stderr = invoke("bench", str(tmp_path / "no-bundle"), "--plot", str(tmp_path / "k.png"))
+    assert_one_line(code, stderr, "--plot needs matplotlib (pip install 'specdeploy[bench]')")
+    assert stdout == "" and not (tmp_path / "k.png").exists()

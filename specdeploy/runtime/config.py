@@ -64,9 +64,9 @@ class GenerationConfig:
         if not 1 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
             raise SpecdeployError(f"num_draft_tokens must be in 1..{MAX_DRAFT_TOKENS} (got {self.num_draft_tokens})")
         if self.seed is not None and (type(self.seed) is not int or not 0 <= self.seed < SEED_LIMIT):
-            raise SpecdeployError(f"seed must be None or an integer in 0..2**64 - 1 (got {self.seed!r})")
+            raise SpecdeployError(f"seed must be an integer in 0..2**64 - 1 (got {self.seed!r})")
         if self.logprobs is not None and (type(self.logprobs) is not int or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise SpecdeployError(f"logprobs must be None or an integer in 0..{MAX_LOGPROBS} (got {self.logprobs!r})")
+            raise SpecdeployError(f"logprobs must be an integer in 0..{MAX_LOGPROBS} (got {self.logprobs!r})")
         if not all(type(token) is int and token >= 0 for token in self.stop_token_ids):
             raise SpecdeployError(f"stop_token_ids must be token ids, integers >= 0 (got {self.stop_token_ids!r})")
 

@@ -132,9 +132,10 @@ def _logprobs(body: dict, kind: str) -> int | None:
 
 
 def _options(body: dict, kind: str, num_draft_tokens: int, max_context: int) -> dict:
-    max_tokens = _check_type(body, "max_tokens", int)
-    if kind == "chat" and body.get("max_completion_tokens") is not None:  # chat's newer name wins
-        max_tokens = _check_type(body, "max_completion_tokens", int)
+    name = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _check_type(body, name, int)  # chat's newer name wins
+    if max_tokens is not None and max_tokens < 0:
+        raise ApiError(400, f"{name} must be >= 0 (got {max_tokens})", param=name)
     if max_tokens is None:  # chat's default runs to the context's end, where the loop stops
         max_tokens = DEFAULT_MAX_TOKENS if kind == "completion" else max_context
     seed = _check_type(body, "seed", int)
