@@ -12,6 +12,7 @@ demo pair or the export stage changes.
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -34,6 +35,7 @@ def relative_strings(value, prefix: str):
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     target, draft = demo_checkpoints()
     export_bundle(ExportConfig(target=target, draft=draft, out=str(SHIPPED_BUNDLE), force=True),
                   lambda stage, detail: print(f"{stage:<8} {detail}"))

@@ -11,8 +11,7 @@ import click
 from . import defaults
 from .cli_support import (DEBUG_HELP, EXIT_INTERRUPTED, ErrorMappingGroup, Utf8Text, checked_generation, end_text,
                           format_stats, note_debug, parse_draft_tokens, parse_prompt_tokens, require_export_extra,
-                          return_freed_memory, run_request, stream_text)
-from .cli_support import export_with_progress as _export
+                          return_freed_memory, run_request, stream_text, export_with_progress as _export)
 from .errors import SpecdeployError
 from .runtime.generate import SEED_LIMIT, GenerationConfig  # the package imports the runtime already
 
@@ -94,8 +93,10 @@ def main() -> None:
                    "distilled folder's own subset, if any; 0: the whole vocabulary). Output is unchanged.")
 @click.option("--graph", default="auto", show_default=True,
               help="auto | fused | optimum. fused: GroupQueryAttention with an in-place KV cache (Llama, Mistral, "
-                   "Qwen2, Phi-3); optimum: optimum's export (every architecture); auto: fused where it applies.")
-@click.option("--force", is_flag=True, help="Replace --out if it holds a specdeploy bundle (nothing else is ever replaced).")
+                   "Qwen2, Phi-3, Gemma 3); optimum: optimum's export (every architecture); auto: fused where it applies.")
+@click.option("--force", is_flag=True,
+              help="Replace --out if it holds a specdeploy bundle, or fill it if it is an empty folder (nothing else "
+                   "is ever replaced).")
 @click.option("--trust-remote-code", is_flag=True, help="Allow checkpoints that ship their own model code (auto_map).")
 @click.option("--allow-pickle", is_flag=True,
               help="Load pytorch_model.bin (pickle) weights, which can run code; safetensors are used whenever present.")

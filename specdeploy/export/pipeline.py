@@ -22,7 +22,7 @@ from ..bundle import (FORMAT_VERSION, ROLES, FileEntry, Manifest, ModelSpec, Par
                       load_manifest, save_manifest)
 from ..errors import SpecdeployError
 from . import checkpoint as ckpt
-from . import convert, eagle, fused, genai, tokenizer_hosts
+from . import convert, eagle, fused, genai
 from .special_tokens import check_special_tokens
 from . import quantize as quantization
 from .accept import write_accept_graphs
@@ -366,11 +366,17 @@ def _build_bundle(config: ExportConfig, checkpoints: dict, max_context: int, wor
         tool_versions=_tool_versions(),
         accept=write_accept_graphs(root, specs["target"]),
     )
-    manifest = genai.write_genai_config(manifest, root)
-    manifest = tokenizer_hosts.check_bundle(manifest, root, report)  # every host reads the tokenizer alike, or says not
+    manifest = _host_files(manifest, root, report)
     save_manifest(manifest, root)
     load_manifest(root)  # what the runtime will read, read back through the same checks (files hashed above)
     return manifest
+
+
+def _host_files(manifest: Manifest, root: Path, report: Reporter) -> Manifest:
+    """onnxruntime-genai's configs, then every host's reading of the tokenizer: alike, or the manifest says not."""
+    from . import tokenizer_hosts  # not at import: `python -m specdeploy.export.tokenizer_hosts` runs it as a script
+
+    return tokenizer_hosts.check_bundle(genai.write_genai_config(manifest, root), root, report)
 
 
 def _export_options(config: ExportConfig, max_context: int) -> dict:

@@ -42,7 +42,7 @@ def extension(done: Finished, options: dict) -> dict:
         "tokens_per_round": stats.mean_accepted_tokens if stats.rounds else 0.0,
         "accepted_by_position": stats.accepted_by_position,
         "drafted_by_position": stats.drafted_by_position,
-        "finish_reason": stats.finish_reason,  # the runtime's own: eos | stop | length | context
+        "finish_reason": stats.finish_reason,  # the runtime's own: eos | stop | length
         "queue_ms": done.queue_s * 1000,
         "time_to_first_token_ms": done.first_token_s * 1000,
         "prefill_ms": stats.prefill_ms,
