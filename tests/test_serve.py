@@ -670,3 +670,66 @@ def test_a_bundle_that_fails_to_load_stops_the_server_with_an_error(tmp_path, ag
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith("error: the model did not load")
     assert "Traceback" not in result.stderr
+
+
+def _post_raw(server, path: str, body) -> httpx.Response:
+    """POST a JSON body as json.dumps writes it (ASCII, lone surrogates escaped as \\udXXX: valid JSON)."""
+    return httpx.post(server.url + path, content=json.dumps(body), headers={"content-type": "application/json"},
+                      timeout=30)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "def f(x):\udc80", "max_tokens": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi \ud800"}], "max_tokens": 2}),
+])
+def test_a_lone_surrogate_in_the_prompt_is_a_400(server, path, body):
+    response = _post_raw(server, path, body)
+    assert response.status_code == 400, response.text
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": PROMPT, "bad\udc80": 1}),  # "unrecognized request argument: bad\udc80"
+    ("/v1/chat/completions", {"messages": [{"role": "x\udc80", "content": "hi"}]}),  # "unknown role 'x\udc80'"
+])
+def test_an_error_message_echoing_a_lone_surrogate_is_a_400_with_a_json_body(server, path, body):
+    response = _post_raw(server, path, body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_deeply_nested_body_is_a_400(server):
+    body = "[" * 50_000 + "]" * 50_000  # 100 kB, under the body limit
+    response = httpx.post(server.url + "/v1/completions", content=body, headers={"content-type": "application/json"},
+                          timeout=30)
+    assert response.status_code == 400, response.text
+
+
+@pytest.mark.parametrize("extreme", [
+    {"temperature": 1e300},  # 1/T would round to 0 in float32 (greedy)
+    {"repetition_penalty": 1e-45},  # a positive logit / 1e-45 would be inf
+], ids=["temperature", "repetition_penalty"])
+def test_sampling_values_out_of_range_are_400s(server, extreme):
+    response = httpx.post(server.url + "/v1/completions",
+                          json={"prompt": PROMPT, "max_tokens": 4, "temperature": 1.0, "seed": 1, **extreme}, timeout=30)
+    assert response.status_code == 400, response.text
+
+
+def test_time_to_first_token_of_a_plain_response_is_not_its_whole_latency(server):
+    """docs/serve.md's example response (not streamed): time_to_first_token_ms 31.6 beside decode_ms 471.7."""
+    body = {"prompt": PROMPT, "max_tokens": 64, "temperature": 0, "ignore_eos": True}
+    streamed = [json.loads(line[len("data: "):]) for line in httpx.post(
+        server.url + "/v1/completions", json={**body, "stream": True}, timeout=30).text.splitlines()
+        if line.startswith("data: {")]
+    ext = [c for c in streamed if c.get("specdeploy")][-1]["specdeploy"]
+    assert ext["time_to_first_token_ms"] < ext["queue_ms"] + ext["prefill_ms"] + ext["decode_ms"] / 2  # streamed: holds
+    ext = httpx.post(server.url + "/v1/completions", json=body, timeout=30).json()["specdeploy"]
+    assert ext["time_to_first_token_ms"] < ext["queue_ms"] + ext["prefill_ms"] + ext["decode_ms"] / 2, ext
+
+
+
+def test_a_top_k_past_the_vocabulary_keeps_every_token_as_zero_does(server):
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 1.0, "seed": 5}
+    huge = httpx.post(server.url + "/v1/completions", json={**body, "top_k": 2**63}, timeout=30)
+    assert huge.status_code == 200, huge.text
+    off = httpx.post(server.url + "/v1/completions", json={**body, "top_k": 0}, timeout=30).json()
+    assert huge.json()["choices"][0]["text"] == off["choices"][0]["text"]

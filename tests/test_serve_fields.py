@@ -354,3 +354,28 @@ def test_one_failing_choice_fails_the_request(chat_bundle):
         assert len(post(live, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "n": 2})["choices"]) == 2
     finally:
         live.close()
+
+
+@pytest.mark.parametrize("decoder", ["llama2", "metaspace"])
+def test_sentencepiece_token_bytes_keep_their_space(decoder):
+    """docs/serve.md: a token's bytes are the tokenizer's own, SentencePiece's \u2581 as a space. Llama 2's
+    tokenizer.json decoder ends with Strip(" ", 1, 0), newer ones are Metaspace(prepend_scheme="first"):
+    both drop the leading space of whatever they decode, a single token included."""
+    from tokenizers import Tokenizer, decoders, models
+
+    vocab = {"<unk>": 0, "\u2581hi": 1, "\u2581there": 2}
+    pieces = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    pieces.decoder = (decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)]) if decoder == "llama2"
+                      else decoders.Metaspace(replacement="\u2581", prepend_scheme="first"))
+    assert pieces.decode([1, 2]) == "hi there"
+    names = TokenText(pieces)
+    assert names.bytes(2) == b" there"
+
+
+def test_prompt_tokens_metric_counts_a_shared_prompt_once(batched):
+    """usage counts the prompt of n choices once (they share one prefill), and so does vLLM's prompt_tokens_total."""
+    before = batched.metric("specdeploy:prompt_tokens_total")
+    response = post(batched, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "n": 4})
+    counted = batched.metric("specdeploy:prompt_tokens_total") - before
+    assert counted == response["usage"]["prompt_tokens"], (counted, response["usage"])

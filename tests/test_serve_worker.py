@@ -51,11 +51,11 @@ def test_a_bookkeeping_exception_fails_its_request_and_the_loop_goes_on(agreeing
         metrics = live.service.metrics
         observe, failures = metrics.observe_output, []
 
-        def observe_once(stats, reason):
+        def observe_once(stats, reason, **options):
             if not failures:
                 failures.append(reason)
                 raise RuntimeError("injected metrics failure")
-            observe(stats, reason)
+            observe(stats, reason, **options)
 
         monkeypatch.setattr(metrics, "observe_output", observe_once)
         body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}

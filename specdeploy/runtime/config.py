@@ -11,6 +11,10 @@ MAX_DRAFT_TOKENS = 32
 MAX_LOGPROBS = 20  # alternatives per position, as OpenAI's top_logprobs allows
 SEED_LIMIT = 2**64  # seeds are 64-bit: 0 .. SEED_LIMIT - 1 (the CLI and the server take the same)
 MIN_TEMPERATURE = 1e-6  # below this, logits / temperature can overflow float32
+# Far past these, 1 / temperature (float32) rounds to 0, which means greedy, and a penalized logit overflows
+# to +-inf; within them each row's arithmetic (penalty, then temperature) stays finite for logits up to 1e20.
+MAX_TEMPERATURE = 1e6
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 
 
 @dataclass(frozen=True)
@@ -43,14 +47,16 @@ class GenerationConfig:
     logprobs: int | None = None
 
     def validate(self) -> None:
-        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < float("inf")):
-            raise SpecdeployError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE} (got {self.temperature})")
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE):
+            raise SpecdeployError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE:g}] "
+                                  f"(got {self.temperature})")
         if not 0 < self.top_p <= 1:
             raise SpecdeployError(f"top_p must be in (0, 1] (got {self.top_p})")
         if not 0 <= self.min_p <= 1:
             raise SpecdeployError(f"min_p must be in [0, 1] (got {self.min_p})")
-        if not 0 < self.repetition_penalty < float("inf"):
-            raise SpecdeployError(f"repetition_penalty must be a positive finite number (got {self.repetition_penalty})")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            raise SpecdeployError(f"repetition_penalty must be in [{low:g}, {high:g}] (got {self.repetition_penalty})")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:

@@ -239,8 +239,8 @@ class Sampler:
         self.kernel = None
         if _fastsample is not None:
             inverse = 0.0 if params.greedy else 1.0 / params.temperature
-            self.kernel = _fastsample.Processor(inverse, params.top_k, params.top_p, params.min_p,
-                                                params.repetition_penalty)
+            top_k = min(params.top_k, vocab)  # as many or more: every token kept, as 0 does (the kernel takes a C size)
+            self.kernel = _fastsample.Processor(inverse, top_k, params.top_p, params.min_p, params.repetition_penalty)
         # The penalty's ids [count] and mask [vocab] as the kernel takes them (None: no penalty).
         self._ids, self._mask = (None, None) if self.penalty is None else (self.penalty.ids, self.penalty.mask)
 

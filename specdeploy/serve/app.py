@@ -88,9 +88,17 @@ class Service:
             if len(body) > limit:
                 raise too_large
         try:
-            return json.loads(body)
+            parsed = json.loads(body)
+            # JSON's \uXXXX escapes can write a lone surrogate, which is no text: refused here, before a
+            # tokenizer or an error message echoing the field meets it.
+            json.dumps(parsed, ensure_ascii=False).encode("utf-8")
+        except RecursionError:
+            raise ApiError(400, "the request body is not valid JSON: nested too deeply") from None
+        except UnicodeEncodeError:
+            raise ApiError(400, "the request body holds a lone surrogate (a \\uXXXX escape of half a pair): not text") from None
         except ValueError as exc:
             raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+        return parsed
 
 
 def _epoch(iso_time: str) -> int:

@@ -45,13 +45,13 @@ class Update:
 
 
 class _Live:
-    """One sequence on SchedulerBackend: the runtime Sequence, its client's cancelled(), and how many of
-    its logprobs earlier updates carried."""
+    """One sequence on SchedulerBackend: the runtime Sequence, its client's cancelled(), how many of its
+    logprobs earlier updates carried, and whether an update has told of its first tokens."""
 
-    __slots__ = ("sequence", "cancelled", "delivered")
+    __slots__ = ("sequence", "cancelled", "delivered", "started")
 
     def __init__(self, sequence, cancelled: Callable[[], bool]):
-        self.sequence, self.cancelled, self.delivered = sequence, cancelled, 0
+        self.sequence, self.cancelled, self.delivered, self.started = sequence, cancelled, 0, False
 
     def new_logprobs(self, count: int) -> tuple:
         """The logprobs of tokens delivered..count (the runtime's list may hold a round's tokens past an EOS)."""
@@ -105,4 +105,7 @@ class SchedulerBackend:
                     updates.append(Update(live, text, count, live.new_logprobs(count), output=sequence.output()))
             elif text:
                 updates.append(Update(live, text, count, live.new_logprobs(count)))
+            elif count and not live.started:  # its first tokens, none shown yet (not streamed, or held back)
+                updates.append(Update(live, num_new_tokens=count))
+            live.started = live.started or count > 0
         return updates

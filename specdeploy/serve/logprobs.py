@@ -39,7 +39,7 @@ class TokenText:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        decoder = json.dumps(json.loads(tokenizer.to_str()).get("decoder"))
+        decoder = json.dumps(json.loads(tokenizer.to_str()).get("decoder"), ensure_ascii=False)  # "▁" as it is
         self._byte_level = byte_level_alphabet() if '"ByteLevel"' in decoder else None
         self._sentencepiece = SENTENCEPIECE_SPACE in decoder
         added = tokenizer.get_added_tokens_decoder()

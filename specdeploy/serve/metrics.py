@@ -49,10 +49,12 @@ class Metrics:
         self.running = Gauge(PREFIX + "num_requests_running", "Requests generating now (one of n choices counts once)",
                              registry=registry)
 
-    def observe_output(self, stats, finish_reason: str) -> None:
-        """Count one finished generation from its GenerationStats."""
+    def observe_output(self, stats, finish_reason: str, first_choice: bool = True) -> None:
+        """Count one finished generation from its GenerationStats; the n choices of a request share one
+        prompt, counted with the first (as usage counts it)."""
         self.finished.labels(finish_reason).inc()
-        self.prompt_tokens.inc(stats.prompt_tokens)
+        if first_choice:
+            self.prompt_tokens.inc(stats.prompt_tokens)
         self.generation_tokens.inc(stats.new_tokens)
         self.num_drafts.inc(stats.draft_rounds)
         self.num_draft_tokens.inc(stats.drafted)

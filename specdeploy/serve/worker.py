@@ -44,7 +44,7 @@ class Finished:
     index: int  # the choice's index, 0..n-1
     output: object  # the GenerationOutput
     queue_s: float  # arrival -> the model took the request
-    first_token_s: float  # arrival -> this choice's first text piece
+    first_token_s: float  # arrival -> this choice's first text piece (not streamed: its first tokens)
     latency_s: float  # arrival -> this choice's last token
 
 
@@ -290,10 +290,10 @@ class ModelWorker:
         now = time.perf_counter()
         if update.ended:
             job.sequences[index] = None  # the backend has let it go
-        if update.text:
+        if update.text or (update.num_new_tokens and not job.streaming):  # not streamed: its first tokens
             job.first_text[index] = job.first_text[index] or now
-            if job.streaming:
-                job.post("piece", Piece(index, update.text, update.num_new_tokens, update.logprobs))
+        if update.text and job.streaming:
+            job.post("piece", Piece(index, update.text, update.num_new_tokens, update.logprobs))
         if update.error is not None:
             self._fail(job, update.error)
         elif update.cancelled:
@@ -306,7 +306,7 @@ class ModelWorker:
                             first_token_s=(job.first_text[index] or now) - job.arrived, latency_s=now - job.arrived)
             job.finished[index] = done
             stats = update.output.stats
-            self.metrics.observe_output(stats, finish_reason(stats.finish_reason))
+            self.metrics.observe_output(stats, finish_reason(stats.finish_reason), first_choice=index == 0)
             if job.streaming:
                 job.post("choice", done)
             if not job.unfinished():
@@ -386,5 +386,5 @@ class ModelWorker:
 
 
 def finish_reason(reason: str) -> str:
-    """The runtime's finish reason in OpenAI's words: eos/stop -> "stop", length/context -> "length"."""
+    """The runtime's finish reason in OpenAI's words: eos/stop -> "stop", length -> "length"."""
     return "stop" if reason in ("eos", "stop") else "length"
