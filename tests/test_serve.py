@@ -285,6 +285,18 @@ def test_chat_renders_the_template_as_transformers_does(server, chat_bundle):
         client.chat.completions.create(model="tiny", messages=[{"role": "tool", "content": "x"}])
 
 
+def test_openais_message_forms_render_as_their_plain_equivalents(server):
+    """A developer message is the system message; content parts are their texts, joined."""
+    plain = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "def add(a, b):"}]
+    text = [{"type": "text", "text": "Answer "}, {"type": "text", "text": "briefly."}]
+    parts = [{"role": "developer", "content": text}, {"role": "user", "content": [{"type": "text", "text": "def add(a, b):"}]}]
+    answers = [httpx.post(server.url + "/v1/chat/completions", timeout=30,
+                          json={"messages": messages, "max_tokens": 12, "temperature": 0}).json()
+               for messages in (plain, parts)]
+    assert answers[0]["usage"]["prompt_tokens"] == answers[1]["usage"]["prompt_tokens"] > 0
+    assert answers[0]["choices"][0]["message"] == answers[1]["choices"][0]["message"]
+
+
 def sse_chunks(url: str, body: dict) -> list[dict]:
     """A stream's chunks, parsed, up to (not including) [DONE]."""
     with httpx.stream("POST", url, json=body, timeout=30) as response:

@@ -41,6 +41,9 @@ ACCEPTED = {"completion": frozenset(COMMON + ("prompt", "best_of") + tuple(UNSUP
                               + tuple(UNSUPPORTED["chat"]))}
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; chat defaults to the rest of the context
 MAX_STOP_STRINGS = 16
+# Each token checks whether the text ends in a prefix of each stop string, in time growing with the square of
+# its length: past this, one request's stop strings would slow every sequence the worker steps.
+MAX_STOP_CHARS = 1000
 MAX_CHOICES = 16  # n: sequences one request may run (each takes a KV slot while it decodes)
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's legacy completions allow 0..5 alternatives
 MAX_TOP_LOGPROBS = MAX_LOGPROBS  # chat's top_logprobs: 0..20
@@ -205,7 +208,8 @@ def _messages(body: dict) -> list[dict]:
         elif content is not None and not isinstance(content, str):
             raise ApiError(400, f"messages[{index}].content must be a string or a list of text parts",
                            param="messages")
-        rendered.append({**message, "content": content or ""})
+        role = "system" if message["role"] == "developer" else message["role"]  # OpenAI's newer name for it
+        rendered.append({**message, "role": role, "content": content or ""})
     return rendered
 
 
@@ -218,6 +222,8 @@ def _stop(body: dict) -> list[str]:
         raise ApiError(400, "stop must be a string or a list of strings", param="stop")
     if len(stops) > MAX_STOP_STRINGS:
         raise ApiError(400, f"at most {MAX_STOP_STRINGS} stop strings", param="stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise ApiError(400, f"a stop string has at most {MAX_STOP_CHARS} characters", param="stop")
     return stops
 
 
