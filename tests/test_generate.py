@@ -318,3 +318,97 @@ def test_greedy_with_openai_penalties_is_target_only_token_for_token(agreeing_bu
     for bad in (dict(presence_penalty=2.5), dict(frequency_penalty=-3.0)):
         with pytest.raises(SpecdeployError, match="penalty"):
             generator.generate(PROMPTS[0], max_new_tokens=2, **bad)
+
+
+
+def test_a_stream_keeps_the_pieces_decoded_while_another_call_ran(agreeing_bundle):
+    """A generate call made while a stream is open steps the stream's sequence too (one scheduler): the
+    pieces decoded then must still come out of the stream, even when its sequence ended meanwhile."""
+    generator = specdeploy.load(agreeing_bundle, warm_up=False)
+    expected = generator.generate(PROMPTS[0], max_new_tokens=30).text
+    stream = generator.stream(PROMPTS[0], max_new_tokens=30)
+    pieces = [next(stream), next(stream)]
+    generator.generate(PROMPTS[1], max_new_tokens=20)  # runs the open stream's sequence to its end first
+    pieces += list(stream)
+    assert stream.output.text == expected
+    assert "".join(pieces) == expected
+
+
+def test_a_stop_token_s_text_is_the_same_in_generate_and_stream(agreeing_bundle):
+    """stop_token_ids end generation as EOS does: generate's text, stream's pieces and generate with a stop
+    string (that never matches) must agree on whether the stop token's text is part of the text."""
+    generator = specdeploy.load(agreeing_bundle, warm_up=False)
+    stop_token = generator.generate(PROMPTS[0], max_new_tokens=30).token_ids[5]
+    assert stop_token not in generator.codec.special_token_ids()  # an ordinary token, with text of its own
+    plain = generator.generate(PROMPTS[0], max_new_tokens=30, stop_token_ids=[stop_token])
+    assert plain.stats.finish_reason == "eos"
+    streamed = "".join(generator.stream(PROMPTS[0], max_new_tokens=30, stop_token_ids=[stop_token]))
+    with_stop = generator.generate(PROMPTS[0], max_new_tokens=30, stop_token_ids=[stop_token], stop=["\x00never"])
+    assert plain.text == streamed == with_stop.text
+
+
+def test_a_stop_string_before_an_incomplete_character_at_the_end_is_not_returned():
+    """Byte-level vocabularies (GPT-2's " \\xe2\\x80", the start of " \u2014") hold tokens that end inside a
+    UTF-8 character: TextStream holds their text back, and when generation ends there, finish() appends it
+    without looking for the stop strings in it."""
+    from specdeploy.runtime.text import TextStream
+
+    pieces = {0: b"x", 1: b"b\xe2\x80"}  # token 1: an ASCII character, then two bytes of a three-byte one
+
+    class ByteCodec:
+        def decode(self, ids):
+            return b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+    text = TextStream(ByteCodec(), stop=("b",))
+    shown = text.push(0) + text.push(1)
+    assert not text.stopped
+    shown += text.finish()  # generation ended here (max_new_tokens)
+    assert "b" not in shown and "b" not in text.text
+
+
+@pytest.mark.parametrize("options", [dict(stop=["a", 5]), dict(stop=[b"x"]), dict(max_new_tokens="5"),
+                                     dict(max_new_tokens=2.5), dict(num_draft_tokens=2.0), dict(temperature="0.5"),
+                                     dict(top_p=None), dict(repetition_penalty=None), dict(draft_confidence="x")])
+def test_a_badly_typed_option_raises_specdeploy_error(agreeing_bundle, options):
+    generator = specdeploy.load(agreeing_bundle, warm_up=False)
+    with pytest.raises(SpecdeployError):
+        generator.generate(PROMPTS[0], **{"max_new_tokens": 4, **options})
+
+
+@pytest.mark.parametrize("prompt", [5, ["a"], [[1, 2]]])
+def test_a_badly_typed_prompt_raises_specdeploy_error(agreeing_bundle, prompt):
+    generator = specdeploy.load(agreeing_bundle, warm_up=False)
+    with pytest.raises(SpecdeployError):
+        generator.generate(prompt, max_new_tokens=2)
+
+
+def test_seeds_that_are_not_a_list_raise_specdeploy_error(agreeing_bundle):
+    generator = specdeploy.load(agreeing_bundle, warm_up=False)
+    with pytest.raises(SpecdeployError):
+        generator.generate_many(PROMPTS[:2], seeds=5, max_new_tokens=2, temperature=1.0)
+
+
+def test_two_streams_read_side_by_side_give_their_whole_text(agreeing_bundle):
+    """With max_batch=2, reading two streams in turn steps both sequences in each stream's steps: a stream
+    whose sequence ended during the other's step must still yield the pieces decoded meanwhile."""
+    import itertools
+
+    generator = specdeploy.load(agreeing_bundle, warm_up=False, max_batch=2)
+    expected = [generator.generate(prompt, max_new_tokens=20).text for prompt in PROMPTS[:2]]
+    streams = [generator.stream(prompt, max_new_tokens=20) for prompt in PROMPTS[:2]]
+    got = ["", ""]
+    for pair in itertools.zip_longest(*streams):
+        for index, piece in enumerate(pair):
+            got[index] += piece or ""
+    assert got == expected
+
+
+def test_an_unknown_policy_raises_specdeploy_error(agreeing_bundle):
+    with pytest.raises(SpecdeployError, match="policy"):
+        specdeploy.load(agreeing_bundle, warm_up=False, policy="bogus")
+
+
+@pytest.mark.parametrize("options", [dict(max_batch="2"), dict(max_batch=2.0), dict(lookup_ngram="2")])
+def test_a_badly_typed_load_argument_raises_specdeploy_error(agreeing_bundle, options):
+    with pytest.raises(SpecdeployError):
+        specdeploy.load(agreeing_bundle, warm_up=False, **options)

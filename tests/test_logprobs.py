@@ -46,3 +46,16 @@ def test_logprobs_off_and_bad(agreeing_bundle):
     for bad in (-1, 21, 1.5):
         with pytest.raises(SpecdeployError, match="logprobs"):
             generator.generate("x", max_new_tokens=4, logprobs=bad)
+
+
+def test_top_alternatives_break_ties_to_the_lower_id():
+    """The `top` most likely tokens, ties to the lower id, also where ties straddle the cut (an fp16 target's
+    logits tie often)."""
+    import numpy as np
+
+    from specdeploy.runtime.sequence import token_logprobs
+
+    row = np.array([1.0, 1.0, 0.0, 2.0, 2.0, 0.0, 0.0, 0.0, 2.0, 0.0, 1.0, 2.0, 2.0, 0.0, 0.0, 1.0, 2.0, 1.0, 0.0],
+                   dtype=np.float32)
+    got = [token for token, _ in token_logprobs(row[None], [0], 13)[0].top]
+    assert got == sorted(range(len(row)), key=lambda i: (-row[i], i))[:13]

@@ -212,7 +212,7 @@ def test_the_policy_speculates_where_it_pays():
     assert policy.draft_limit([Row() for _ in range(8)], 4) == 0  # 8 verify passes lose to one batched step
     assert SpeculationPolicy("always").draft_limit([Row() for _ in range(8)], 4) == 4
     assert SpeculationPolicy("never").draft_limit([Row()], 4) == 0
-    with pytest.raises(ValueError):
+    with pytest.raises(SpecdeployError, match="unknown speculation policy 'sometimes'"):
         SpeculationPolicy("sometimes")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 from ..errors import SpecdeployError
@@ -47,6 +48,7 @@ class GenerationConfig:
     logprobs: int | None = None
 
     def validate(self) -> None:
+        self._check_types()
         if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE):
             raise SpecdeployError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE:g}] "
                                   f"(got {self.temperature})")
@@ -75,6 +77,23 @@ class GenerationConfig:
             raise SpecdeployError(f"logprobs must be an integer in 0..{MAX_LOGPROBS} (got {self.logprobs!r})")
         if not all(type(token) is int and token >= 0 for token in self.stop_token_ids):
             raise SpecdeployError(f"stop_token_ids must be token ids, integers >= 0 (got {self.stop_token_ids!r})")
+
+    def _check_types(self) -> None:
+        """Each field of the type it is declared with (an integer, a number, a flag), before any range is compared."""
+        for name in ("max_new_tokens", "top_k", "num_draft_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise SpecdeployError(f"{name} must be an integer (got {value!r})")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                     "draft_confidence"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise SpecdeployError(f"{name} must be a number (got {value!r})")
+        for name in ("speculative", "ignore_eos"):
+            if not isinstance(getattr(self, name), bool):
+                raise SpecdeployError(f"{name} must be True or False (got {getattr(self, name)!r})")
+        if not all(isinstance(text, str) for text in self.stop):
+            raise SpecdeployError(f"stop must be a string or a list of strings (got {self.stop!r})")
 
     @property
     def sampling(self) -> SamplingParams:

@@ -14,8 +14,11 @@ caches when the next round syncs them to the new context (truncate to the shared
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import replace
 from typing import Iterator
+
+import numpy as np
 
 from ..errors import SpecdeployError
 from .chat import ChatTemplate, check_messages
@@ -223,7 +226,10 @@ class Generator:
         if isinstance(prompt, str):
             ids = self.codec.encode(prompt)
         else:
-            ids = [int(t) for t in prompt] or self.codec.encode("")
+            ids = list(prompt) if isinstance(prompt, (list, tuple, np.ndarray)) else None
+            if ids is None or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
+                raise SpecdeployError(f"a prompt is text or a list of token ids (got {type(prompt).__name__} {prompt!r:.60})")
+            ids = [int(t) for t in ids] or self.codec.encode("")
         vocab = self.codec.spec.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise SpecdeployError(f"prompt token ids must be in 0..{vocab - 1}")
@@ -252,12 +258,14 @@ class Generator:
     def _pieces(self, sequence: Sequence) -> Iterator[str]:
         self.scheduler.submit(sequence)
         try:
-            while True:
-                if not sequence.finished:
-                    self.scheduler.step()
-                yield from sequence.take_pieces()
-                if sequence.finished:
+            while True:  # pieces first: another caller's steps may have added some while this one yielded
+                pieces = sequence.take_pieces()
+                if pieces:
+                    yield from pieces
+                elif sequence.finished:
                     break
+                else:
+                    self.scheduler.step()
         except BaseException as exc:  # Ctrl-C or a stream closed early (keep what came out), or an error: free the slot
             self.scheduler.cancel(sequence, _reason(exc))
             raise
@@ -279,6 +287,8 @@ class Generator:
         draft lengths are the same; see scheduler.py). seeds: one per prompt (default: the seed
         argument for every prompt)."""
         config = self._config(dict(kwargs))
+        if not isinstance(prompts, (list, tuple)) or (seeds is not None and not isinstance(seeds, (list, tuple))):
+            raise SpecdeployError("prompts and seeds must be lists (one seed per prompt)")
         if seeds is not None and len(seeds) != len(prompts):
             raise SpecdeployError(f"seeds must give one seed per prompt ({len(prompts)}), got {len(seeds)}")
         configs = [config] if seeds is None else [replace(config, seed=seed) for seed in seeds]

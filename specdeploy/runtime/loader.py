@@ -44,10 +44,7 @@ def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verif
     that the first request runs as fast as later ones; False returns sooner, the first request slower."""
     bundle = Path(bundle)
     manifest = load_manifest(bundle, verify=verify)
-    if drafter not in DRAFTERS:
-        raise SpecdeployError(f"unknown drafter '{drafter}' (choose from {', '.join(DRAFTERS)})")
-    if not 1 <= lookup_ngram <= MAX_NGRAM:
-        raise SpecdeployError(f"lookup_ngram must be in 1..{MAX_NGRAM} (got {lookup_ngram})")
+    _check_arguments(drafter, lookup_ngram, max_batch)
     config = session or SessionConfig(
         device=device,
         shared_threads=os.environ.get("SPECDEPLOY_SHARED_THREADS", "1") != "0",
@@ -78,3 +75,13 @@ def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verif
     if warm_up:
         generator.warm_up()
     return generator
+
+
+def _check_arguments(drafter: str, lookup_ngram: int, max_batch: int) -> None:
+    if drafter not in DRAFTERS:
+        raise SpecdeployError(f"unknown drafter '{drafter}' (choose from {', '.join(DRAFTERS)})")
+    for name, value in (("lookup_ngram", lookup_ngram), ("max_batch", max_batch)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SpecdeployError(f"{name} must be an integer (got {value!r})")
+    if not 1 <= lookup_ngram <= MAX_NGRAM:
+        raise SpecdeployError(f"lookup_ngram must be in 1..{MAX_NGRAM} (got {lookup_ngram})")

@@ -3,6 +3,7 @@ share one rows pass, from costs measured as the rounds run (see SpeculationPolic
 
 from __future__ import annotations
 
+from ..errors import SpecdeployError
 from .rows import rows_size
 from .sequence import Sequence
 
@@ -38,7 +39,7 @@ class SpeculationPolicy:
 
     def __init__(self, mode: str = "auto"):
         if mode not in POLICIES:
-            raise ValueError(f"unknown speculation policy '{mode}' (choose from {', '.join(POLICIES)})")
+            raise SpecdeployError(f"unknown speculation policy {mode!r} (choose from {', '.join(POLICIES)})")
         self.mode = mode
         self.target_ms: dict[int, float] = {}  # rows -> one batched target step
         self.draft_ms: dict[int, float] = {}  # rows -> one batched draft step

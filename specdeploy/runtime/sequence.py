@@ -38,8 +38,10 @@ def token_logprobs(logits: np.ndarray, token_ids: list[int], top: int) -> list[T
         log_total = float(peak) + float(np.log(np.exp(row - peak).sum(dtype=np.float64)))
         best: tuple = ()
         if top:
-            candidates = np.argpartition(-row, top - 1)[:top] if top < len(row) else np.arange(len(row))
-            best = tuple(sorted(candidates.tolist(), key=lambda i: (-row[i], i)))
+            # every token tied with the top-th likeliest is a candidate, so that the lower ids win the ties
+            candidates = np.flatnonzero(row >= np.partition(row, len(row) - top)[len(row) - top]) if top < len(row) \
+                else np.arange(len(row))
+            best = tuple(sorted(candidates.tolist(), key=lambda i: (-row[i], i))[:top])
         result.append(TokenLogprob(int(token), float(row[token]) - log_total,
                                    tuple((int(i), float(row[i]) - log_total) for i in best)))
     return result
@@ -247,6 +249,8 @@ class Sequence:
         stats = self.stats
         if self.text is not None:
             piece = self.text.finish()
+            if self.text.stopped and reason in ("eos", "length"):  # a stop string in the text held back to the end
+                reason = self.finish_reason = "stop"
             if piece and self.streaming and reason not in ("interrupted", "cancelled", "error"):
                 self.pieces.append(piece)
         stats.new_tokens = len(self.new_tokens)
@@ -274,6 +278,8 @@ class Sequence:
         return pieces
 
     def output(self) -> GenerationOutput:
-        text = self.text.text if self.text is not None else self.codec.decode(self.new_tokens)
+        # The end token writes no text (a stream never pushes it), whether the tokenizer calls it special or not.
+        shown = self.new_tokens[:-1] if self.finish_reason == "eos" else self.new_tokens
+        text = self.text.text if self.text is not None else self.codec.decode(shown)
         logprobs = self.logprobs[: len(self.new_tokens)] if self.logprobs is not None else None
         return GenerationOutput(text=text, token_ids=list(self.new_tokens), stats=self.stats, logprobs=logprobs)

@@ -72,23 +72,30 @@ class TextStream:
         if len(window) > len(prefix) and not window.endswith("\ufffd"):
             self.text += window[len(prefix) :]
             self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
-        if self.stop:
-            search_from = max(0, self.emitted - max(len(s) for s in self.stop))
-            hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
-            if hits:
-                self.text = self.text[: min(hits)]
-                self.stopped = True
-                return self._emit(len(self.text))
-            return self._emit(len(self.text) - self._held_back())
-        return self._emit(len(self.text))
+        if self._cut_at_stop():
+            return self._emit(len(self.text))
+        return self._emit(len(self.text) - (self._held_back() if self.stop else 0))
 
     def finish(self) -> str:
-        """The rest of the text once generation ends (incomplete UTF-8 included)."""
+        """The rest of the text once generation ends (incomplete UTF-8 included), cut at a stop string
+        that text completes (then `stopped`)."""
         if not self.stopped:
             prefix = self.codec.decode(self.ids[self._prefix_offset : self._read_offset])
             window = self.codec.decode(self.ids[self._prefix_offset :])
             self.text += window[len(prefix) :]
+            self._cut_at_stop()
         return self._emit(len(self.text))
+
+    def _cut_at_stop(self) -> bool:
+        """End the text before the first stop string in what was not handed out yet; whether one was found."""
+        if not self.stop:
+            return False
+        search_from = max(0, self.emitted - max(len(s) for s in self.stop))
+        hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True
+        return bool(hits)
 
     def _held_back(self) -> int:
         """Length of the longest tail of the text that is a proper prefix of a stop string."""
