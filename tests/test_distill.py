@@ -324,3 +324,66 @@ def test_resume_refuses_an_unreadable_checkpoint(model_run, target, tmp_path):
     (out / "checkpoint.pt").write_bytes(b"truncated")
     code, _, stderr = invoke("distill", "--target", str(target), "--out", str(out), "--resume")
     assert_one_error(code, stderr, "is not a complete checkpoint")
+
+
+def test_an_interrupted_checkpoint_write_leaves_a_resumable_run(target, text_file, tmp_path, monkeypatch):
+    """A second Ctrl-C (or a kill) while checkpoint n is being written must leave checkpoint n - 1 (or n) whole and
+    resumable; checkpoint.pt is replaced before distill.json, so the two disagree and --resume refuses the folder."""
+    from specdeploy.distill import checkpoint as ckpt
+
+    out = tmp_path / "run"
+    real, calls = ckpt.write_model_draft, []
+
+    def interrupted_on_the_second_save(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "write_model_draft", interrupted_on_the_second_save)
+    with pytest.raises(KeyboardInterrupt):
+        distill(tiny(target, out, text_file, layers=1, steps=3, checkpoint_steps=1, eval_every=1000))
+    monkeypatch.setattr(ckpt, "write_model_draft", real)
+    result = distill(tiny(target, out, text_file, layers=1, steps=3, checkpoint_steps=1, eval_every=1000, resume=True))
+    assert result.step == 3
+
+
+def test_a_draft_folder_inside_the_data_folder_is_not_training_text(target, text_file, tmp_path):
+    """`--data DIR --out DIR/draft`: the first run reads DIR before the draft exists; a resumed run then reads the
+    draft's own JSON files as text, so its draft vocabulary differs and --resume refuses an unchanged run."""
+    import shutil
+
+    data = tmp_path / "corpus"
+    data.mkdir()
+    shutil.copy(text_file, data / "code.py")
+    out = data / "draft"
+    distill(tiny(target, out, data, layers=1, steps=1, draft_vocab=100, generate_tokens=0))
+    result = distill(tiny(target, out, data, layers=1, steps=2, draft_vocab=100, generate_tokens=0, resume=True))
+    assert result.step == 2
+
+
+def assert_one_error_after_progress(code, stderr, message):
+    """Progress lines may come first (the run got as far as making data); the error is still one line."""
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in stderr, stderr
+    assert message in errors[0], errors[0]
+
+
+def test_too_little_text_is_one_error_line_and_writes_nothing(target, tmp_path):
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "a.txt").write_text("a")
+    out = tmp_path / "new"
+    code, _, stderr = invoke("distill", "--target", str(target), "--out", str(out), "--data", str(tmp_path / "tiny"),
+                             "--seq-len", "32", "--generate-tokens", "0", "--heldout-tokens", "64", "--steps", "1")
+    assert_one_error_after_progress(code, stderr, "fewer than one --seq-len 32 window")
+    assert not out.exists(), sorted(p.name for p in out.iterdir())
+
+
+def test_a_seq_len_past_the_targets_positions_is_refused_before_anything_is_written(checkpoints, text_file, tmp_path):
+    """GPT-2's n_positions is 256 here: --seq-len 300 is bad input, found only mid-run as an IndexError."""
+    out = tmp_path / "new"
+    code, _, stderr = invoke("distill", "--target", str(checkpoints("gpt2")["target"]), "--out", str(out), "--data",
+                             str(text_file), "--seq-len", "300", "--batch-size", "1", "--generate-tokens", "0",
+                             "--heldout-tokens", "64", "--steps", "1", "--layers", "1", "--threads", "1")
+    assert_one_error_after_progress(code, stderr, "--seq-len 300")
+    assert not out.exists()

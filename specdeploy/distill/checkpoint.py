@@ -99,7 +99,10 @@ def create_out(out: Path) -> None:
 
 def check_resume(run: dict, state: dict, fingerprint: dict, target_identity: dict, out: Path) -> None:
     """The checkpoint must be this run's: same target, same shape-and-data options."""
-    if state.get("step") != run.get("step"):
+    # checkpoint.pt is written first, distill.json last: a state ahead of the record means the writes after
+    # it were cut (a kill, a second Ctrl-C). The state is whole (written atomically) and the next save
+    # rewrites the rest; a state behind the record is not this run's.
+    if not isinstance(state.get("step"), int) or state["step"] < run["step"]:
         raise SpecdeployError(f"--resume: {out / STATE_FILE} (step {state.get('step')}) does not match {RUN_FILE} "
                               f"(step {run.get('step')})")
     previous = state.get("target", {})

@@ -35,9 +35,11 @@ class Document:
     ids: tuple[int, ...]
 
 
-def expand_paths(paths: tuple[str, ...]) -> list[Path]:
-    """Files of each --data entry: a file, every file under a folder, or a glob pattern's matches."""
+def expand_paths(paths: tuple[str, ...], exclude: Path | None = None) -> list[Path]:
+    """Files of each --data entry: a file, every file under a folder, or a glob pattern's matches; none
+    under `exclude` (the run's own --out, which a resumed run would otherwise read as text)."""
     files: list[Path] = []
+    inside = exclude.resolve() if exclude is not None else None
     for entry in paths:
         path = Path(entry).expanduser()
         if path.is_file():
@@ -53,7 +55,7 @@ def expand_paths(paths: tuple[str, ...]) -> list[Path]:
                 raise SpecdeployError(f"--data {entry}: matches no file")
         else:
             raise SpecdeployError(f"--data {entry}: no such file or folder")
-        files.extend(found)
+        files.extend(f for f in found if inside is None or inside not in f.resolve().parents)
     return list(dict.fromkeys(files))
 
 
@@ -72,9 +74,10 @@ def read_text(file: Path) -> str | None:
     return text if text.strip() else None
 
 
-def read_documents(paths: tuple[str, ...], tokenizer, max_tokens: int, seed: int) -> tuple[list[Document], int]:
-    """Text documents in a seeded file order, up to max_tokens; and how many files were read."""
-    files = expand_paths(paths)
+def read_documents(paths: tuple[str, ...], tokenizer, max_tokens: int, seed: int,
+                   exclude: Path | None = None) -> tuple[list[Document], int]:
+    """Text documents in a seeded file order, up to max_tokens (none under `exclude`); and how many files were read."""
+    files = expand_paths(paths, exclude)
     order = np.random.default_rng(seed).permutation(len(files))
     documents, total, read = [], 0, 0
     for index in order:

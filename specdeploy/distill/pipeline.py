@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -121,11 +122,17 @@ def distill(config: DistillConfig, report: Callable = lambda event: None, stop=N
     import torch
 
     config.validate()
+    out = Path(config.out).expanduser()
+    created = not out.exists()
     previous_threads = torch.get_num_threads()
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     try:
         return _distill(config, report, stop)
+    except SpecdeployError:  # bad input found once this run had made the folder (too little text): it leaves none
+        if created and out.is_dir() and not (out / ckpt.STATE_FILE).exists():
+            shutil.rmtree(out)
+        raise
     finally:
         torch.set_num_threads(previous_threads)
 
@@ -141,7 +148,7 @@ def _distill(config: DistillConfig, report: Callable, stop) -> DistillResult:
     run = ckpt.prepare_out(out, config.resume)
     target = models.load_target(config.target, device)
     state = _check_inputs(config, target, out, run)
-    text, files = data_module.read_documents(config.data, target.tokenizer, config.max_text_tokens, config.seed)
+    text, files = data_module.read_documents(config.data, target.tokenizer, config.max_text_tokens, config.seed, out)
     if state is None:  # every input checked: the folder becomes a distill run
         ckpt.create_out(out)
         ckpt.write_json(out / ckpt.RUN_FILE, {"format": ckpt.RUN_FORMAT, "version": 1, "kind": config.kind, "step": None})
@@ -200,6 +207,10 @@ def _check_inputs(config: DistillConfig, target, out: Path, run) -> dict | None:
         models.draft_config(target, config.num_layers, config.hidden_size)  # the width and depth checks
     elif config.num_layers > target.num_layers:
         raise SpecdeployError(f"--layers {config.num_layers}: the target has only {target.num_layers} layers")
+    positions = next((getattr(target.config, name) for name in ("max_position_embeddings", "n_positions")
+                      if isinstance(getattr(target.config, name, None), int)), None)
+    if positions is not None and config.seq_len > positions:
+        raise SpecdeployError(f"--seq-len {config.seq_len}: the target takes at most {positions} positions")
     if config.draft_vocab is not None:  # the range choose_draft_vocab accepts
         data_module.choose_draft_vocab(np.zeros(target.vocab_size), config.draft_vocab, data_module.special_ids(target))
     state = ckpt.load_state(out) if run is not None else None
