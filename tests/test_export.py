@@ -142,6 +142,11 @@ def _bad(tmp_path, checkpoints, case):
         folder.mkdir()
         shutil.copy2(pair["target"] / "config.json", folder / "config.json")
         target = str(folder)
+    elif case == "config nested too deeply":
+        folder = tmp_path / "deep"
+        shutil.copytree(pair["draft"], folder)
+        (folder / "config.json").write_text("[" * 100000 + "]" * 100000)
+        draft = str(folder)
     elif case == "not a causal LM":
         folder = tmp_path / "bert"
         folder.mkdir()
@@ -185,6 +190,7 @@ BAD_CASES = {
     "missing folder": "no such folder",
     "not a folder": "not a folder",
     "config but no weights": "no weights",
+    "config nested too deeply": "config.json is not valid JSON",
     "not a causal LM": "not a causal language model",
     "unsupported architecture": "cannot",
     "remote code without the flag": "--trust-remote-code",

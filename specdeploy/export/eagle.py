@@ -38,7 +38,7 @@ def draft_kind(folder: Path) -> dict | None:
         return None
     try:
         block = json.loads(config.read_text()).get("specdeploy_draft")
-    except (ValueError, UnicodeDecodeError, AttributeError):
+    except (ValueError, UnicodeDecodeError, AttributeError, RecursionError):  # the checkpoint's loader names what is wrong
         return None
     return block if isinstance(block, dict) else None
 
