@@ -122,11 +122,9 @@ def pyplot():
 
 def plot_report(report: dict, path: str) -> None:
     """Draw the report (draw_report) into a PNG at `path`."""
-    figure = draw_report(report)  # imports matplotlib, or says which extra to install
-    import matplotlib.pyplot as plt
-
+    figure = draw_report(report)
     figure.savefig(path, dpi=100)
-    plt.close(figure)
+    pyplot().close(figure)
 
 
 def draw_report(report: dict):
