@@ -45,6 +45,7 @@ def test_token_bytes_are_the_tokenizers_own(tokenizer_dir):
 
 class FakeTokens:
     special = frozenset({9})
+    leading_strip = 0
 
     def bytes(self, token_id: int) -> bytes:
         return {1: b"ab", 2: b"\xdd", 3: b"Q", 4: b"\xe2", 5: b"\x80", 6: b"\x99x", 9: b"</s>"}[token_id]
@@ -357,21 +358,43 @@ def test_one_failing_choice_fails_the_request(chat_bundle):
         live.close()
 
 
-@pytest.mark.parametrize("decoder", ["llama2", "metaspace"])
-def test_sentencepiece_token_bytes_keep_their_space(decoder):
-    """docs/serve.md: a token's bytes are the tokenizer's own, SentencePiece's \u2581 as a space. Llama 2's
-    tokenizer.json decoder ends with Strip(" ", 1, 0), newer ones are Metaspace(prepend_scheme="first"):
-    both drop the leading space of whatever they decode, a single token included."""
+def sentencepiece_tokenizer(decoder: str):
+    """A SentencePiece-style tokenizer. Llama 2's tokenizer.json decoder ends with Strip(" ", 1, 0), newer
+    ones are Metaspace(prepend_scheme="first"): both drop the leading space of whatever they decode, a
+    single token included; Gemma's keeps it."""
     from tokenizers import Tokenizer, decoders, models
 
-    vocab = {"<unk>": 0, "\u2581hi": 1, "\u2581there": 2}
+    vocab = {"<unk>": 0, "\u2581hi": 1, "\u2581there": 2, "\u2581": 3, "1": 4}
     pieces = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
-    pieces.decoder = (decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                         decoders.Strip(" ", 1, 0)]) if decoder == "llama2"
-                      else decoders.Metaspace(replacement="\u2581", prepend_scheme="first"))
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    pieces.decoder = {"llama2": decoders.Sequence([*steps, decoders.Strip(" ", 1, 0)]), "gemma": decoders.Sequence(steps),
+                      "metaspace": decoders.Metaspace(replacement="\u2581", prepend_scheme="first")}[decoder]
+    return pieces
+
+
+@pytest.mark.parametrize("decoder", ["llama2", "metaspace"])
+def test_sentencepiece_token_bytes_keep_their_space(decoder):
+    """docs/serve.md: a token's bytes are the tokenizer's own, SentencePiece's \u2581 as a space."""
+    pieces = sentencepiece_tokenizer(decoder)
     assert pieces.decode([1, 2]) == "hi there"
     names = TokenText(pieces)
     assert names.bytes(2) == b" there"
+
+
+@pytest.mark.parametrize("decoder", ["llama2", "metaspace", "gemma"])
+def test_sentencepiece_offsets_are_in_the_text_the_decoder_writes(decoder):
+    """The choice's text drops the leading space where the decoder does; each token's text_offset is
+    where it starts in that text, and a stream's chunk carries its tokens, not one chunk late."""
+    pieces = sentencepiece_tokenizer(decoder)
+    ids = [3, 3, 1, 2, 3, 4]
+    stream = ChoiceLogprobs(TokenText(pieces))
+    sent = []
+    for count in range(1, len(ids) + 1):
+        stream.add([TokenLogprob(ids[count - 1], -1.0)])
+        text = pieces.decode(ids[:count])
+        sent += stream.take(len(text))
+        assert len(sent) == count, (count, text)
+    assert [start for _, start in sent] == [len(pieces.decode(ids[:i])) for i in range(len(ids))]
 
 
 def test_prompt_tokens_metric_counts_a_shared_prompt_once(batched):
