@@ -69,6 +69,7 @@ RUN_CASES = [
     (["--drafter", "oracle"], "unknown drafter 'oracle'"),
     (["--frobnicate"], "No such option '--frobnicate'"),
     (["--prompt", "\udcff\udcfe"], "not valid UTF-8: byte 0xff at offset 0"),
+    (["--stop", "ok", "--stop", ""], "error: --stop strings must not be empty"),
     (["--stop", "ok\udcc3"], "not valid UTF-8: byte 0xc3 at offset 2"),
 ]
 

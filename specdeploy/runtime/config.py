@@ -77,6 +77,8 @@ class GenerationConfig:
             raise SpecdeployError(f"logprobs must be an integer in 0..{MAX_LOGPROBS} (got {self.logprobs!r})")
         if not all(type(token) is int and token >= 0 for token in self.stop_token_ids):
             raise SpecdeployError(f"stop_token_ids must be token ids, integers >= 0 (got {self.stop_token_ids!r})")
+        if "" in self.stop:  # it would stop before the first token, and no one means that
+            raise SpecdeployError("stop strings must not be empty")
 
     def _check_types(self) -> None:
         """Each field of the type it is declared with (an integer, a number, a flag), before any range is compared."""

@@ -222,6 +222,8 @@ def _stop(body: dict) -> list[str]:
         raise ApiError(400, "stop must be a string or a list of strings", param="stop")
     if len(stops) > MAX_STOP_STRINGS:
         raise ApiError(400, f"at most {MAX_STOP_STRINGS} stop strings", param="stop")
+    if "" in stops:
+        raise ApiError(400, "stop strings must not be empty", param="stop")
     if any(len(s) > MAX_STOP_CHARS for s in stops):
         raise ApiError(400, f"a stop string has at most {MAX_STOP_CHARS} characters", param="stop")
     return stops
