@@ -97,6 +97,23 @@ def test_a_dead_worker_turns_health_503_and_answers_its_queue(gated):
     assert model.streams == 1  # nothing ran after the worker died
 
 
+def test_a_load_that_dies_past_every_exception_guard_still_fails_the_server():
+    """A loader that raises a BaseException (SystemExit from a library, say) turns the state to "failed"
+    and calls on_fatal, as a bundle that will not load does; /health does not stay at "loading"."""
+    from specdeploy.serve.metrics import Metrics
+    from specdeploy.serve.worker import ModelWorker
+
+    def load():
+        raise WorkerKilled("injected at load")
+
+    fatal = []
+    worker = ModelWorker(load, max_queue=1, metrics=Metrics(), on_fatal=fatal.append)
+    worker.start()
+    worker._thread.join(30)
+    assert worker.state == "failed" and fatal == ["injected at load"] == [worker.error]
+    assert worker.unavailable().status == 503
+
+
 def test_shutdown_answers_every_request_left(gated):
     url, model, answers = gated.url, gated.model, {}
     model.allow(1)

@@ -218,7 +218,7 @@ class ModelWorker:
             self.generator = self._load()
             self.generator.end_of_turn_ids  # found once here, not by the threads that read it per request
             self.backend = self._make_backend(self.generator)
-        except Exception as exc:  # a bundle that will not load: the server cannot serve
+        except BaseException as exc:  # a bundle that will not load (or a loader that exits): the server cannot serve
             with self._condition:
                 self.state, self.error = "failed", str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             log.error("the model did not load: %s", self.error)
