@@ -114,6 +114,43 @@ def test_a_load_that_dies_past_every_exception_guard_still_fails_the_server():
     assert worker.unavailable().status == 503
 
 
+def test_a_choice_that_ended_frees_its_slot_for_the_next_request(agreeing_bundle):
+    """Two KV slots, a request of n=2 whose first choice ends at once and whose second runs long, and a
+    request waiting behind it: the waiting one starts when the first choice ends, not when the whole
+    request does; and its output is what it is alone."""
+    import asyncio
+
+    from specdeploy.serve.metrics import Metrics
+    from specdeploy.serve.worker import Job, ModelWorker
+
+    generator = specdeploy.load(agreeing_bundle, max_batch=2)
+    base = dict(max_new_tokens=24, temperature=1.0, stop=("\n",))
+    lengths = [len(generator.generate(PROMPT, seed=seed, **base).token_ids) for seed in range(40)]
+    seed = next(s for s in range(39) if lengths[s] <= 4 and lengths[s + 1] == 24)  # short, then long
+    alone = generator.generate(PROMPT, seed=seed + 1, **base).token_ids
+    prompt_ids = generator.codec.encode(PROMPT)
+
+    async def scenario():
+        worker = ModelWorker(lambda: generator, max_queue=4, metrics=Metrics())
+        assert worker._load_model() and worker.backend.capacity == 2
+        pair = Job(prompt_ids, [dict(base, seed=seed), dict(base, seed=seed + 1)], streaming=False)
+        after = Job(prompt_ids, [dict(base, seed=seed + 1)], streaming=False)
+        worker.submit(pair)
+        worker.submit(after)  # both queued before the loop runs: the pair takes both slots first
+        thread = threading.Thread(target=worker._loop)
+        thread.start()
+        pair_done, after_done = await pair.events.get(), await after.events.get()
+        worker.stop()
+        thread.join(30)
+        return pair, pair_done, after, after_done
+
+    pair, (kind, pair_done), after, (after_kind, after_done) = asyncio.run(scenario())
+    assert kind == after_kind == "done"
+    assert [len(done.output.token_ids) for done in pair_done] == [lengths[seed], 24]
+    assert after.started < pair.arrived + pair_done[1].latency_s  # it joined while the long choice ran
+    assert pair_done[1].output.token_ids == after_done[0].output.token_ids == alone
+
+
 def test_shutdown_answers_every_request_left(gated):
     url, model, answers = gated.url, gated.model, {}
     model.allow(1)

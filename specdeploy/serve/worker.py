@@ -77,6 +77,11 @@ class Job:
         return len(self.choices)
 
     @property
+    def slots(self) -> int:
+        """The sequences it has or will have in the backend: its n choices less those that have ended."""
+        return self.n - sum(handle is None for handle in self.sequences)
+
+    @property
     def live(self) -> bool:
         """Some choice of it is live in the backend."""
         return any(handle is not None for handle in self.sequences)
@@ -164,7 +169,7 @@ class ModelWorker:
 
     def _queued(self, job: Job) -> int:
         """With `job` added: the waiting jobs that would not start at the next admission (max_queue bounds them)."""
-        free = self.backend.capacity - sum(live.n for live in self._live)
+        free = self.backend.capacity - sum(live.slots for live in self._live)
         queued = 0
         for waiting in [*self._waiting, job]:
             if queued == 0 and (waiting.n <= free or free == self.backend.capacity):
@@ -247,9 +252,10 @@ class ModelWorker:
                 self._condition.wait()
             if self.state != "ready":
                 return None
-            admitted, used = [], sum(job.n for job in self._live)
+            admitted, used = [], sum(job.slots for job in self._live)
             # A job's choices start together (they share its prefill); one with more choices than
-            # slots starts alone, and the backend queues the rest of them.
+            # slots starts alone, and the backend queues the rest of them. A choice that has ended
+            # frees its slot for the next job, while the job's other choices go on.
             while self._waiting and (used == 0 or used + self._waiting[0].n <= self.backend.capacity):
                 job = self._waiting.popleft()
                 admitted.append(job)
