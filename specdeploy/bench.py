@@ -25,7 +25,7 @@ from .runtime.generate import GenerationStats, Generator
 
 def builtin_prompts() -> list[str]:
     """Ten code prompts written for benchmarking (not from the standard library the demo pairs learn)."""
-    return json.loads(resources.files("specdeploy").joinpath("data/code_prompts.json").read_text())
+    return json.loads(resources.files("specdeploy").joinpath("data/code_prompts.json").read_text(encoding="utf-8"))
 
 
 def read_prompts(path: str | Path) -> list[str]:

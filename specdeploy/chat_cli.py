@@ -39,9 +39,9 @@ class ChatConfig:
 class Conversation:
     """A system message and the (user, assistant) turns since, kept within the generator's context."""
 
-    def __init__(self, system: str | None = None):
+    def __init__(self, system: str | None = None, turns: list[tuple[str, str]] | None = None):
         self.system = system
-        self.turns: list[tuple[str, str]] = []
+        self.turns: list[tuple[str, str]] = list(turns or [])
 
     def messages(self, user: str) -> list[dict]:
         messages = [{"role": "system", "content": self.system}] if self.system else []
@@ -54,17 +54,17 @@ class Conversation:
         """The messages for `user`'s message and how many of the oldest turns were dropped so that they and
         a reply of reply_tokens (at most half the context) fit max_context tokens."""
         reserve = min(reply_tokens, max_context // 2)
-        dropped = 0
+        turns = list(self.turns)  # the history changes only once the message fits
         while True:
-            messages = self.messages(user)
+            messages = Conversation(self.system, turns).messages(user)
             length = len(encode(messages))
-            if length + reserve <= max_context or not self.turns:
+            if length + reserve <= max_context or not turns:
                 break
-            self.turns.pop(0)
-            dropped += 1
+            turns.pop(0)
         if length >= max_context:
             raise SpecdeployError(f"this message is {length} tokens with the system message and the template; the "
                                   f"context holds {max_context} (shorten it, or /system to shorten that)")
+        dropped, self.turns = len(self.turns) - len(turns), turns
         return messages, dropped
 
 

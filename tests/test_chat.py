@@ -320,3 +320,50 @@ def test_serve_chat_stops_at_end_of_turn(generator, chat_bundle):
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reply.text
     finally:
         live.close()
+
+
+def test_a_template_that_fails_with_a_python_error_is_a_specdeploy_error():
+    """A template bug that Jinja raises as a Python error (str + int) is refused like raise_exception's, in
+    render and in the end-of-turn probe generate(messages=...) runs, never as a bare TypeError."""
+    from specdeploy.runtime.chat import ChatTemplate
+
+    template = ChatTemplate("{% for m in messages %}{{ '[' + loop.index + '] ' + m['content'] }}{% endfor %}", {})
+    with pytest.raises(SpecdeployError, match="chat template"):
+        template.render([{"role": "user", "content": "hi"}])
+    assert template.end_of_turn_text() == ""  # the probe fails like a refused conversation: no end of turn
+
+
+@pytest.mark.parametrize("name, text", [("surrogate.json", '[{"role": "user", "content": "hi \\ud800"}]'),
+                                        ("deep.json", "[" * 100_000 + "]" * 100_000)])
+def test_bad_messages_file_is_a_handled_error(tmp_path, name, text):
+    """--messages holding a lone surrogate (as --chat refuses one) or JSON nested past Python's recursion limit:
+    a specdeploy error naming the file, not the catch-all for unexpected exceptions."""
+    from specdeploy.defaults import SHIPPED_BUNDLE
+
+    (tmp_path / name).write_text(text)
+    result = CliRunner().invoke(main, ["run", str(SHIPPED_BUNDLE), "--messages", str(tmp_path / name),
+                                       "--max-new-tokens", "2"])
+    assert result.exit_code == 2
+    assert "--messages" in result.stderr and "run with --debug" not in result.stderr, result.stderr
+
+
+def test_streamed_text_equals_the_decoded_text_for_byte_fallback_runs(tmp_path):
+    """A SentencePiece byte-fallback tokenizer (Llama 2, Gemma from GGUF) decodes a run of byte tokens that is not
+    valid UTF-8 to one U+FFFD per byte, the valid ones before it included: the stream must show the same text as
+    decode (and generate's text), not an 'H' that the final text does not have."""
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer, decoders, models
+
+    from specdeploy.runtime.text import TextCodec, TextStream
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "▁hi": 257}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                           decoders.Strip(" ", 1, 0)])
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    codec = TextCodec(tmp_path, SimpleNamespace(bos_token_id=None))
+    for ids in ([1 + 0x48, 1 + 0x9B], [257, 1 + 0x48, 1 + 0xE2, 257]):  # 'H' + a stray continuation byte, ...
+        stream = TextStream(codec)
+        streamed = "".join(stream.push(token) for token in ids) + stream.finish()
+        assert streamed == stream.text == codec.decode(ids), ids

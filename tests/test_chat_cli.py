@@ -178,3 +178,19 @@ def test_the_demo_pairs_template_ends_a_turn_at_eos():
     text = template.render([{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}])
     assert text == "<|im_start|>system\nS</s>\n<|im_start|>user\nhi</s>\n<|im_start|>assistant\n"
     assert end_of_turn_tokens(DEMO_TEMPLATE, ["<s>", "</s>"], "<s>", "</s>") == ["</s>"]  # EOS: nothing to add
+
+
+def test_a_message_refused_for_its_length_keeps_the_conversation():
+    """A message too long for the context even alone is refused; the turns before it stay in the history."""
+    from specdeploy.errors import SpecdeployError
+
+    conversation = Conversation("sys")
+    turns = [("a" * 10, "b" * 10), ("c" * 10, "d" * 10)]
+    conversation.turns = list(turns)
+
+    def encode(messages):  # one token per character
+        return [0] * sum(len(m["content"]) for m in messages)
+
+    with pytest.raises(SpecdeployError, match="the context holds 100"):
+        conversation.fit("q" * 200, encode, max_context=100, reply_tokens=20)
+    assert conversation.turns == turns  # the next (shorter) message still continues the conversation

@@ -356,6 +356,8 @@ def test_a_stop_string_before_an_incomplete_character_at_the_end_is_not_returned
     pieces = {0: b"x", 1: b"b\xe2\x80"}  # token 1: an ASCII character, then two bytes of a three-byte one
 
     class ByteCodec:
+        byte_tokens = frozenset()  # no byte-fallback pieces
+
         def decode(self, ids):
             return b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace")
 

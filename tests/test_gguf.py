@@ -299,3 +299,87 @@ def test_cli_export_from_gguf_reports_errors_in_one_line(tmp_path, checkpoints):
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith(f"error: --target {fake}: not a GGUF file")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]  # no partial bundle left behind
+
+
+def write_qwen3moe_gguf(path: Path):
+    """A Qwen3-MoE layout as llama.cpp writes it: architecture 'qwen3moe', the experts stacked per layer."""
+    import gguf
+    import torch
+    import transformers as tf
+
+    tokens, merges = _bpe(CHATML, 320)
+    # transformers' GGUF loader leaves moe_intermediate_size at its default (768)
+    config = tf.Qwen3MoeConfig(vocab_size=len(tokens), hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+                               moe_intermediate_size=768, num_experts=4, num_experts_per_tok=2,
+                               num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                               head_dim=16, max_position_embeddings=256, tie_word_embeddings=False)
+    torch.manual_seed(5)
+    model = tf.Qwen3MoeForCausalLM(config)
+    writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    writer.add_name("tiny-qwen3moe")
+    _write_shape(writer)
+    writer.add_key_length(16)
+    writer.add_value_length(16)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_expert_count(4)
+    writer.add_expert_used_count(2)
+    writer.add_expert_feed_forward_length(768)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if t in CHATML else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(0)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHATML_TEMPLATE)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE, LAYERS)
+    experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    for name, tensor in model.state_dict().items():
+        if ".mlp.experts." in name:  # model.layers.{i}.mlp.experts.{e}.{proj}.weight
+            layer, _, _, index, proj, _ = name.split(".")[2:]
+            experts.setdefault((layer, proj), {})[int(index)] = tensor.numpy()
+            continue
+        base, suffix = name.rsplit(".", 1)
+        writer.add_tensor(f"{names.get_name(base)}.{suffix}", tensor.numpy().astype(np.float32))
+    for (layer, proj), by_index in experts.items():
+        stacked = np.stack([by_index[i] for i in sorted(by_index)]).astype(np.float32)
+        writer.add_tensor(f"{names.get_name(f'model.layers.{layer}.mlp.experts.{proj}')}.weight", stacked)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_qwen3_moe_gguf_is_read_as_transformers_reads_it(tmp_path):
+    """llama.cpp names Qwen3-MoE 'qwen3moe'; transformers' GGUF loader reads it (as qwen3_moe), and optimum
+    exports qwen3_moe: the architecture check must not refuse it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from specdeploy.export import checkpoint as ckpt
+
+    path = write_qwen3moe_gguf(tmp_path / "moe.gguf")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+    assert model.config.model_type == "qwen3_moe"  # transformers reads the file
+    work = tmp_path / "work"
+    work.mkdir()
+    checkpoint = ckpt.load_checkpoint(str(path), "target", work_dir=work)
+    assert checkpoint.config.model_type == "qwen3_moe" and checkpoint.eos_token_ids == (2,)
+
+
+def test_gguf_conversion_prints_no_progress_bar(tmp_path, capfd):
+    """gguf_to_folder turns transformers' dequantization bar off (it would cut through the CLI's progress lines);
+    transformers draws that bar with tqdm.auto directly, which its disable_progress_bar does not reach."""
+    from specdeploy.export import gguf
+
+    path = write_llama_gguf(tmp_path / "bar.gguf", seed=2)
+    work = tmp_path / "work"
+    work.mkdir()
+    capfd.readouterr()
+    gguf.gguf_to_folder(path, "target", work)
+    assert "de-quantizing" not in capfd.readouterr().err

@@ -55,7 +55,7 @@ def write_json(path: Path, value) -> None:
 
 def read_json(path: Path) -> dict | None:
     try:
-        value = json.loads(path.read_text())
+        value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, UnicodeDecodeError):
         return None
     return value if isinstance(value, dict) else None

@@ -130,7 +130,7 @@ def load_checkpoint(name: str, role: str, trust_remote_code: bool = False, allow
 
     generation = {}
     if (path / "generation_config.json").is_file():
-        generation = json.loads((path / "generation_config.json").read_text())
+        generation = json.loads((path / "generation_config.json").read_text(encoding="utf-8"))
     eos = _int_ids(generation.get("eos_token_id", getattr(config, "eos_token_id", None)))
     bos = generation.get("bos_token_id", getattr(config, "bos_token_id", None))
     pad = generation.get("pad_token_id", getattr(config, "pad_token_id", None))

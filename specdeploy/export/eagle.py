@@ -37,7 +37,7 @@ def draft_kind(folder: Path) -> dict | None:
     if not config.is_file():
         return None
     try:
-        block = json.loads(config.read_text()).get("specdeploy_draft")
+        block = json.loads(config.read_text(encoding="utf-8")).get("specdeploy_draft")
     except (ValueError, UnicodeDecodeError, AttributeError, RecursionError):  # the checkpoint's loader names what is wrong
         return None
     return block if isinstance(block, dict) else None
@@ -49,7 +49,7 @@ def read_draft_vocab(folder: Path) -> dict | None:
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
         ids, counts = np.asarray(data["ids"], dtype=np.int64), np.asarray(data["counts"], dtype=np.int64)
         always = [int(i) for i in data.get("always", [])]
         vocab = int(data["vocab_size"])
@@ -287,7 +287,7 @@ class GraphShape:
 
 def _read_json(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, UnicodeDecodeError):
         return {}
     return data if isinstance(data, dict) else {}

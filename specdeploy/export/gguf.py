@@ -10,9 +10,13 @@ check repairs the folder from (special_tokens.py).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import io
 import json
+import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,10 +98,30 @@ def read_tokens(path: Path, role: str) -> tuple[str, GgufTokens]:
     )
 
 
+# llama.cpp's names that transformers' GGUF loader renames before it looks its architectures up.
+GGUF_RENAMED = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+CONVERSION_BAR = "de-quantizing GGUF tensors"  # the description of transformers' progress bar
+
+
 def _supported(architecture: str) -> bool:
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-    return architecture in GGUF_SUPPORTED_ARCHITECTURES
+    return architecture in GGUF_SUPPORTED_ARCHITECTURES or GGUF_RENAMED.get(architecture) in GGUF_SUPPORTED_ARCHITECTURES
+
+
+@contextlib.contextmanager
+def _without_conversion_bar():
+    """Standard error without transformers' dequantization bar, which would cut through the CLI's progress
+    lines: transformers draws it with tqdm directly, which its disable_progress_bar() does not reach.
+    Whatever else is written meanwhile (a warning) is passed on once the block ends."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            yield
+    finally:
+        for line in re.split(r"[\r\n]+", captured.getvalue()):
+            if line.strip() and CONVERSION_BAR not in line:
+                print(line, file=sys.stderr)
 
 
 def gguf_to_folder(path: Path, role: str, work_dir: Path) -> tuple[Path, GgufTokens]:
@@ -116,7 +140,7 @@ def gguf_to_folder(path: Path, role: str, work_dir: Path) -> tuple[Path, GgufTok
     folder, saved_tokens = work_dir / f"gguf-{key}", work_dir / f"gguf-{key}.tokens.json"
     if (folder / "config.json").is_file() and saved_tokens.is_file():  # the same file as target and draft
         return folder, GgufTokens(**{k: tuple(v) if isinstance(v, list) else v
-                                     for k, v in json.loads(saved_tokens.read_text()).items()})
+                                     for k, v in json.loads(saved_tokens.read_text(encoding="utf-8")).items()})
     architecture, tokens = read_tokens(path, role)
     release_freed_memory()
     if not _supported(architecture):
@@ -126,15 +150,14 @@ def gguf_to_folder(path: Path, role: str, work_dir: Path) -> tuple[Path, GgufTok
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # the dequantization bar would cut through the CLI's progress lines
     where, name = path.parent, path.name
     ids = {"bos_token_id": tokens.bos_token_id, "eos_token_id": tokens.eos_token_id,
            "pad_token_id": tokens.pad_token_id}
     partial = work_dir / f"gguf-{key}.partial"
     try:
-        model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32, local_files_only=True)
+        with _without_conversion_bar():
+            model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32,
+                                                         local_files_only=True)
         for name_, value in ids.items():  # the config's own values are the model class's defaults
             setattr(model.config, name_, value)
         model.generation_config = GenerationConfig(**{k: v for k, v in ids.items() if v is not None})
@@ -156,9 +179,9 @@ def gguf_to_folder(path: Path, role: str, work_dir: Path) -> tuple[Path, GgufTok
 
 
 def _set_template(tokenizer_config: Path, template: str) -> None:
-    data = json.loads(tokenizer_config.read_text()) if tokenizer_config.is_file() else {}
+    data = json.loads(tokenizer_config.read_text(encoding="utf-8")) if tokenizer_config.is_file() else {}
     data.setdefault("chat_template", template)
-    tokenizer_config.write_text(json.dumps(data, indent=2, ensure_ascii=False))
+    tokenizer_config.write_text(json.dumps(data, indent=2, ensure_ascii=False), encoding="utf-8")
 
 
 def _keep_control_tokens(control_tokens: tuple[str, ...], tokenizer) -> None:

@@ -230,7 +230,7 @@ def _genai_config(manifest: Manifest, root: Path) -> dict[str, Any]:
     genai = manifest.genai
     folder = (genai.target_only or genai.speculative) if genai else None
     if folder is not None:
-        return json.loads((root / folder / "genai_config.json").read_text())
+        return json.loads((root / folder / "genai_config.json").read_text(encoding="utf-8"))
     tok = manifest.tokenizer
     return minimal_genai_config(manifest.target.vocab_size, tok.bos_token_id, tok.eos_token_ids, tok.pad_token_id,
                                 manifest.max_context)

@@ -113,7 +113,7 @@ def node_version(node_dir: Path = NODE_DIR) -> str | None:
     package = node_dir / "node_modules" / "@huggingface" / "tokenizers" / "package.json"
     if shutil.which("node") is None or not package.is_file():
         return None
-    return json.loads(package.read_text()).get("version", "unknown")
+    return json.loads(package.read_text(encoding="utf-8")).get("version", "unknown")
 
 
 # As examples/node/host.mjs loads, encodes and prints; run from node_dir so that the import resolves there.

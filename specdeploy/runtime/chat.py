@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 
 from ..errors import SpecdeployError
+from .text import check_unicode
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 ROLES = ("system", "user", "assistant", "tool")
@@ -50,6 +51,9 @@ class ChatTemplate:
                                    add_generation_prompt=add_generation_prompt)
         except jinja2.exceptions.TemplateError as exc:
             raise SpecdeployError(f"the chat template refused these messages: {exc}") from None
+        except Exception as exc:  # a template bug Jinja raises as Python's own error (str + int, say)
+            raise SpecdeployError(f"the chat template failed on these messages: {type(exc).__name__}: "
+                                  f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
 
     def end_of_turn_text(self) -> str:
         """What the template writes after an assistant message's content ("" when the probe fails)."""
@@ -107,7 +111,7 @@ def _compile(source: str):
 
 def _read_json(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text()) if path.is_file() else {}
+        data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     except (OSError, ValueError) as exc:
         raise SpecdeployError(f"cannot read {path}: {exc}") from None
     return data if isinstance(data, dict) else {}
@@ -122,7 +126,7 @@ def load_chat_template(tokenizer_dir: Path) -> ChatTemplate | None:
     tokenizer_dir = Path(tokenizer_dir)
     config = _read_json(tokenizer_dir / "tokenizer_config.json")
     jinja_path = tokenizer_dir / "chat_template.jinja"
-    source = jinja_path.read_text() if jinja_path.is_file() else config.get("chat_template")
+    source = jinja_path.read_text(encoding="utf-8") if jinja_path.is_file() else config.get("chat_template")
     if isinstance(source, list):  # named templates: [{"name": "default", "template": "..."}, ...]
         named = {entry.get("name"): entry.get("template") for entry in source if isinstance(entry, dict)}
         source = named.get("default")
@@ -152,6 +156,7 @@ def check_messages(messages) -> list[dict]:
             raise SpecdeployError(f"messages[{index}]: unknown role '{message['role']}' (choose from {', '.join(ROLES)})")
         if not isinstance(message.get("content"), str):
             raise SpecdeployError(f"messages[{index}] ({message['role']}) needs a string \"content\"")
+        check_unicode(message["content"], f"messages[{index}] ({message['role']}) content")
     return messages
 
 
@@ -163,6 +168,8 @@ def read_messages(path: str | Path) -> list[dict]:
         raise SpecdeployError(f"cannot read --messages {path}: {exc}") from None
     except ValueError as exc:
         raise SpecdeployError(f"--messages {path} is not JSON: {exc}") from None
+    except RecursionError:
+        raise SpecdeployError(f"--messages {path}: the JSON nests too deeply") from None
     try:
         return check_messages(data)
     except SpecdeployError as exc:

@@ -60,7 +60,7 @@ class Drafter(Protocol):
 def read_vocab_ids(path: Path, vocab_size: int, count: int) -> np.ndarray:
     """A bundle's draft vocabulary subset (export writes it): `count` sorted distinct ids in range."""
     try:
-        ids = np.asarray(json.loads(Path(path).read_text())["ids"], dtype=np.int64)
+        ids = np.asarray(json.loads(Path(path).read_text(encoding="utf-8"))["ids"], dtype=np.int64)
     except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
         raise SpecdeployError(f"{path}: unreadable vocabulary subset ({exc})") from None
     if ids.shape != (count,) or (count and (ids.min() < 0 or ids.max() >= vocab_size)) or np.any(np.diff(ids) <= 0):

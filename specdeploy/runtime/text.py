@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 from ..bundle import TokenizerSpec
 from ..errors import SpecdeployError
+
+
+BYTE_PIECE = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
+
+
+def check_unicode(text: str, what: str) -> None:
+    """Refuse text holding a lone surrogate (from JSON's \\udXXX or undecodable argv bytes): it is not
+    Unicode that any tokenizer, or UTF-8, can take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise SpecdeployError(f"{what} is not valid Unicode: a lone surrogate at character {exc.start}") from None
 
 
 class TextCodec:
@@ -19,6 +33,7 @@ class TextCodec:
         except Exception as exc:
             raise SpecdeployError(f"cannot read {folder / 'tokenizer.json'}: {str(exc).splitlines()[0]}") from None
         self.spec = spec
+        self._byte_tokens: frozenset[int] | None = None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Prompt text -> ids, with the tokenizer's own special tokens unless add_special_tokens=False (text
@@ -26,6 +41,7 @@ class TextCodec:
 
         Text that starts with the BOS token's string (a prompt rendered from a template) keeps that
         BOS only: the tokenizer's post-processor would put a second one in front of it."""
+        check_unicode(text, "the prompt")
         ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids if text else []
         bos = self.spec.bos_token_id
         if add_special_tokens and bos is not None and ids[:2] == [bos, bos]:
@@ -37,6 +53,19 @@ class TextCodec:
                 raise SpecdeployError("the prompt is empty and the tokenizer has no BOS token to start from")
             ids = [self.spec.bos_token_id]
         return ids
+
+    @property
+    def byte_tokens(self) -> frozenset[int]:
+        """The ids of SentencePiece byte-fallback pieces (`<0xNN>`) when the decoder has ByteFallback, which
+        decodes a run of them as a whole: one U+FFFD per byte when the run is not valid UTF-8, the valid
+        bytes before the fault included."""
+        if self._byte_tokens is None:
+            decoder = json.loads(self.tokenizer.to_str()).get("decoder")
+            ids: frozenset[int] = frozenset()
+            if '"ByteFallback"' in json.dumps(decoder):
+                ids = frozenset(i for piece, i in self.tokenizer.get_vocab().items() if BYTE_PIECE.match(piece))
+            self._byte_tokens = ids
+        return self._byte_tokens
 
     def special_token_ids(self) -> frozenset[int]:
         """The ids of the tokenizer's special added tokens (BOS, EOS, a chat template's turn markers)."""
@@ -50,8 +79,9 @@ class TextStream:
     """Turns accepted tokens into text pieces, never emitting past a stop string.
 
     Decoding works on a short window of recent tokens (as TGI and vLLM do), so each token costs the
-    same however long the output grows; pieces that end in an incomplete UTF-8 sequence wait, and
-    text that could still become a stop string is held back until it cannot.
+    same however long the output grows; pieces that end in an incomplete UTF-8 sequence or a run of
+    byte-fallback tokens wait (a later byte can turn the whole run into replacement characters),
+    and text that could still become a stop string is held back until it cannot.
     """
 
     def __init__(self, codec: TextCodec, stop: tuple[str, ...] = ()):
@@ -69,7 +99,7 @@ class TextStream:
         self.ids.append(token)
         prefix = self.codec.decode(self.ids[self._prefix_offset : self._read_offset])
         window = self.codec.decode(self.ids[self._prefix_offset :])
-        if len(window) > len(prefix) and not window.endswith("\ufffd"):
+        if len(window) > len(prefix) and not window.endswith("\ufffd") and token not in self.codec.byte_tokens:
             self.text += window[len(prefix) :]
             self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
         if self._cut_at_stop():
