@@ -260,3 +260,16 @@ def test_an_eagle_export_refuses_what_its_features_cannot_take(trained_pair, dis
                                        str(distilled_drafts["eagle"]), "--out", str(tmp_path / "b"), *option])
     assert result.exit_code == 2 and "an eagle draft exports with --dtype fp32 and no --draft-window" in result.output
     assert not (tmp_path / "b").exists()
+
+
+def test_an_eagle_heads_entries_are_not_reused_for_a_prompt_with_another_first_token(eagle_bundle):
+    """A KV slot that ran [a] + body keeps the eagle head's entries for body's tokens; a prompt [b] + body
+    on that slot must not reuse them: entry i is the head over the target's feature i, which depends on
+    the first token too. The sample must be the one a fresh generator gives."""
+    generator = specdeploy.load(eagle_bundle, drafter="model")
+    body = generator.codec.encode("class A:\n    def __init__(self):\n        self.x = 1\n")
+    settings = dict(max_new_tokens=30, temperature=1.0, seed=3)
+    fresh = generator.generate([7] + body, **settings)
+    generator.reset()
+    generator.generate([5] + body, **settings)  # the slot's head cache now holds entries for body's tokens
+    assert generator.generate([7] + body, **settings).token_ids == fresh.token_ids

@@ -414,3 +414,20 @@ def test_an_unknown_policy_raises_specdeploy_error(agreeing_bundle):
 def test_a_badly_typed_load_argument_raises_specdeploy_error(agreeing_bundle, options):
     with pytest.raises(SpecdeployError):
         specdeploy.load(agreeing_bundle, warm_up=False, **options)
+
+
+def test_a_zero_dimensional_array_prompt_raises_specdeploy_error(agreeing_bundle):
+    generator = specdeploy.load(agreeing_bundle, warm_up=False)
+    with pytest.raises(SpecdeployError):
+        generator.generate(np.array(5), max_new_tokens=2)
+
+
+@pytest.mark.parametrize("options", [dict(stop_token_ids=0), dict(stop=False)])
+def test_a_falsy_badly_typed_stop_option_is_refused_as_a_truthy_one_is(agreeing_bundle, options):
+    """stop_token_ids=5 and stop=5 raise SpecdeployError; 0 and False were dropped without a word."""
+    generator = specdeploy.load(agreeing_bundle, warm_up=False)
+    name = next(iter(options))
+    with pytest.raises(SpecdeployError):
+        generator.generate("def f(x):", max_new_tokens=4, **{name: 5})
+    with pytest.raises(SpecdeployError):
+        generator.generate("def f(x):", max_new_tokens=4, **options)

@@ -28,6 +28,7 @@ class EagleDrafter(ModelDrafter):
             raise SpecdeployError("an eagle draft's engine must keep its predicted features (OrtEngine features=)")
         self.target_cache = target_cache
         self._real = 0  # the head's entries 0.._real - 1 come from the target's features (and the followed context)
+        self._first: int | None = None  # the context's first token, which every feature (not the cache's tokens) depends on
 
     def for_cache(self, cache, target_cache=None) -> "EagleDrafter":
         return EagleDrafter(self.engine, self.capacity, cache, self.vocab_ids, target_cache)
@@ -38,7 +39,7 @@ class EagleDrafter(ModelDrafter):
 
     def reset(self) -> None:
         super().reset()
-        self._real = 0
+        self._real, self._first = 0, None
 
     def prefill(self, context: list[int], limit: int | None = None) -> bool:
         """As ModelDrafter.prefill; with a limit, the head also runs only as far as the target's cache
@@ -56,6 +57,10 @@ class EagleDrafter(ModelDrafter):
         cache = self.cache
         if cache.length > self._real:  # the last proposal's speculative entries
             cache.truncate(self._real)
+        first_token = int(context[0]) if len(context) else None
+        if first_token != self._first:  # entry i reads feature i, which context[0] shaped: none is reusable
+            cache.truncate(0)
+            self._real, self._first = 0, first_token
         pairs = context[1:]
         rest = cache.truncate_to_prefix(pairs, min_rest=min_rest, start=min(start, self._real))
         first = len(pairs) - len(rest)

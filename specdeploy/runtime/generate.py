@@ -62,6 +62,15 @@ class Stream:
         return self.sequence.output() if self.sequence.finished else None
 
 
+def _listed(value, name: str, what: str) -> tuple:
+    """A list option as a tuple (None: empty); anything else, a falsy 0 or False included, is refused."""
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)):
+        raise SpecdeployError(f"{name} must be {what} (got {value!r:.60})")
+    return tuple(value)
+
+
 class Generator:
     """A target (and a drafter) with their KV slots and a scheduler; `generate`, `stream` and
     `generate_many` run sequences on it. One thread drives a generator.
@@ -174,11 +183,10 @@ class Generator:
 
     def _config(self, kwargs) -> GenerationConfig:
         stop = kwargs.pop("stop", None)
-        if isinstance(stop, str):
-            stop = (stop,)
-        stop_token_ids = kwargs.pop("stop_token_ids", None)
+        stop = _listed(stop if not isinstance(stop, str) else (stop,), "stop", "a string or a list of strings")
+        stop_token_ids = _listed(kwargs.pop("stop_token_ids", None), "stop_token_ids", "a list of token ids")
         try:
-            config = GenerationConfig(stop=tuple(stop or ()), stop_token_ids=tuple(stop_token_ids or ()), **kwargs)
+            config = GenerationConfig(stop=stop, stop_token_ids=stop_token_ids, **kwargs)
         except TypeError as exc:
             raise SpecdeployError(str(exc)) from None
         config.validate()
@@ -226,7 +234,8 @@ class Generator:
         if isinstance(prompt, str):
             ids = self.codec.encode(prompt)
         else:
-            ids = list(prompt) if isinstance(prompt, (list, tuple, np.ndarray)) else None
+            sequence = isinstance(prompt, (list, tuple)) or isinstance(prompt, np.ndarray) and prompt.ndim == 1
+            ids = list(prompt) if sequence else None
             if ids is None or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
                 raise SpecdeployError(f"a prompt is text or a list of token ids (got {type(prompt).__name__} {prompt!r:.60})")
             ids = [int(t) for t in ids] or self.codec.encode("")
