@@ -62,7 +62,8 @@ def _write_shape(writer) -> None:
     writer.add_head_count_kv(KV_HEADS)
 
 
-def write_llama_gguf(path: Path, *, add_bos: bool = False, eos: int = 2, seed: int = 0) -> Path:
+def write_llama_gguf(path: Path, *, add_bos: bool = False, eos: int = 2, seed: int = 0, eot: int | None = None,
+                     eom: int | None = None) -> Path:
     """A Llama layout as llama.cpp writes SmolLM2: a GPT-2 BPE, ChatML, no BOS prepended, EOS <|im_end|>."""
     import gguf
     import torch
@@ -87,6 +88,10 @@ def write_llama_gguf(path: Path, *, add_bos: bool = False, eos: int = 2, seed: i
     writer.add_token_merges(merges)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(eos)
+    if eot is not None:
+        writer.add_eot_token_id(eot)
+    if eom is not None:
+        writer.add_eom_token_id(eom)
     writer.add_pad_token_id(0)
     writer.add_add_bos_token(add_bos)
     writer.add_chat_template(CHATML_TEMPLATE)
@@ -210,6 +215,19 @@ def test_gguf_that_prepends_bos_keeps_it(tmp_path):
     tokenizer = Tokenizer.from_file(str(checked.tokenizer_dir / "tokenizer.json"))
     assert tokenizer.encode("x", add_special_tokens=True).ids[0] == 1
     assert not any("add_bos_token" in line for line in checked.repairs)
+
+
+def test_gguf_end_of_turn_and_message_tokens_stop_as_eos_does(tmp_path):
+    """Llama 3 style metadata: tokenizer.ggml.eot_token_id and eom_token_id end generation beside the EOS,
+    as llama.cpp ends it."""
+    from specdeploy.export import checkpoint as ckpt
+
+    path = write_llama_gguf(tmp_path / "eot.gguf", eos=0, eot=2, eom=1, seed=3)
+    work = tmp_path / "work"
+    work.mkdir()
+    checkpoint = ckpt.load_checkpoint(str(path), "target", work_dir=work)
+    assert checkpoint.eos_token_ids == (0, 2, 1)
+    assert json.loads((checkpoint.path / "config.json").read_text())["eos_token_id"] == 0
 
 
 def test_gemma3_gguf_converts_with_its_metadata(tmp_path):

@@ -36,6 +36,9 @@ class GgufTokens:
     add_bos_token: bool | None
     chat_template: str | None
     control_tokens: tuple[str, ...] = ()  # the tokens typed CONTROL (<start_of_turn>, <end_of_turn>, ...)
+    # End of turn and end of message (Llama 3's <|eot_id|>, <|eom_id|>): llama.cpp ends generation at
+    # them as at EOS, and so does the bundle (generation_config.json lists them after the EOS).
+    end_token_ids: tuple[int, ...] = ()
 
 
 def is_gguf(path: Path) -> bool:
@@ -95,6 +98,8 @@ def read_tokens(path: Path, role: str) -> tuple[str, GgufTokens]:
         add_bos_token=None if add_bos is None else bool(add_bos),
         chat_template=template if isinstance(template, str) else None,
         control_tokens=control,
+        end_token_ids=tuple(dict.fromkeys(i for i in (token_id("tokenizer.ggml.eot_token_id"),
+                                                      token_id("tokenizer.ggml.eom_token_id")) if i is not None)),
     )
 
 
@@ -160,7 +165,10 @@ def gguf_to_folder(path: Path, role: str, work_dir: Path) -> tuple[Path, GgufTok
                                                          local_files_only=True)
         for name_, value in ids.items():  # the config's own values are the model class's defaults
             setattr(model.config, name_, value)
-        model.generation_config = GenerationConfig(**{k: v for k, v in ids.items() if v is not None})
+        stops = [i for i in (tokens.eos_token_id, *tokens.end_token_ids) if i is not None]
+        generation = {**{k: v for k, v in ids.items() if v is not None},
+                      **({"eos_token_id": list(dict.fromkeys(stops))} if len(set(stops)) > 1 else {})}
+        model.generation_config = GenerationConfig(**generation)
         model.save_pretrained(partial)  # config.json: the loaded config, with architectures and the ids above
         del model
         release_freed_memory()
