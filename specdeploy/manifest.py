@@ -389,13 +389,18 @@ def _check_kv_memory(manifest: Manifest) -> None:
                               f"more than this machine's {physical / 2**30:.1f} GiB")
 
 
+def _not_json(name: str):
+    """NaN and Infinity, which Python's json reads and JSON has not (nor other hosts' parsers)."""
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def read_manifest_file(path: Path) -> Manifest:
     """One specdeploy.json, parsed and validated (a size limit first: it is read whole)."""
     size = path.stat().st_size
     if size > MAX_MANIFEST_BYTES:
         raise SpecdeployError(f"manifest {path} has {size} bytes; a manifest is at most {MAX_MANIFEST_BYTES}")
     try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
+        data = json.loads(path.read_bytes().decode("utf-8"), parse_constant=_not_json)
     except UnicodeDecodeError as exc:
         raise SpecdeployError(f"manifest {path} is not UTF-8 (byte {exc.start})") from None
     except (ValueError, RecursionError) as exc:

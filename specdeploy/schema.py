@@ -133,7 +133,7 @@ def _field_problem(item: dataclasses.Field, value: Any) -> str | None:
     meta = item.metadata
     if "range" in meta:
         low, high = meta["range"]
-        if (low is not None and value < low) or (high is not None and value > high):
+        if value != value or (low is not None and value < low) or (high is not None and value > high):  # NaN too
             return f"must be in {low if low is not None else '-inf'}..{high if high is not None else 'inf'}"
     if "choices" in meta and value not in meta["choices"]:
         return f"must be one of {', '.join(map(str, meta['choices']))}"

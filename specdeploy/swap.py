@@ -14,7 +14,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime
+import errno
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -24,7 +26,7 @@ from .errors import SpecdeployError
 from .manifest import MANIFEST_NAME, read_manifest_file
 
 PARTIAL, OLD = ".partial-", ".old-"
-_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+_AT_FDCWD, _RENAME_NOREPLACE, _RENAME_EXCHANGE = -100, 1, 2
 
 
 def lock_path(out: Path) -> Path:
@@ -86,11 +88,13 @@ def _same_file(fd: int, path: Path) -> bool:
 
 
 def leftovers(out: Path) -> list[Path]:
-    """Partial and old folders an interrupted export to out left beside it."""
-    prefixes = (f".{out.name}{PARTIAL}", f".{out.name}{OLD}")
+    """Partial and old folders an interrupted export to out left beside it: exactly the names this module
+    gives them (`.NAME.partial-` and mkdtemp's suffix, `.NAME.old-` and a timestamp), never another
+    bundle's (`.NAME.old-1.partial-x` is the work folder of an export to `NAME.old-1`)."""
+    own = re.compile(rf"\.{re.escape(out.name)}({re.escape(PARTIAL)}[a-z0-9_]+|{re.escape(OLD)}[0-9]+)")
     if not out.parent.is_dir():
         return []
-    return sorted(p for p in out.parent.iterdir() if p.name.startswith(prefixes))
+    return sorted(p for p in out.parent.iterdir() if own.fullmatch(p.name))
 
 
 def clean_leftovers(out: Path) -> list[str]:
@@ -124,9 +128,11 @@ def recover_missing(out: Path) -> bool:
 
 def replace(built: Path, out: Path) -> None:
     """Move the finished bundle built to out; an existing out (already checked to be a bundle) is
-    exchanged with it atomically and left at built, for the caller to delete."""
+    exchanged with it atomically and left at built, for the caller to delete. Where out was absent,
+    the move never replaces what appears there meanwhile (renameat2's RENAME_NOREPLACE)."""
     if not out.exists():
-        os.rename(built, out)
+        if _renameat2(built, out, _RENAME_NOREPLACE) is None:
+            os.rename(built, out)  # no renameat2 here: an empty folder that appeared is replaced, nothing else
         return
     if _exchange(built, out):
         return
@@ -139,12 +145,27 @@ def replace(built: Path, out: Path) -> None:
 def _exchange(first: Path, second: Path) -> bool:
     """renameat2(first, second, RENAME_EXCHANGE): both names swap in one step. False where unsupported."""
     try:
+        return _renameat2(first, second, _RENAME_EXCHANGE) is not None
+    except SpecdeployError:
+        return False
+
+
+def _renameat2(first: Path, second: Path, flags: int) -> bool | None:
+    """renameat2(first, second, flags): True once done, None where this system or file system lacks it;
+    SpecdeployError when the target is in the way (RENAME_NOREPLACE) or another error stops it."""
+    try:
         libc = ctypes.CDLL(None, use_errno=True)
         renameat2 = libc.renameat2
     except (OSError, AttributeError):
-        return False
-    result = renameat2(_AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), _RENAME_EXCHANGE)
-    return result == 0
+        return None
+    if renameat2(_AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), flags) == 0:
+        return True
+    error = ctypes.get_errno()
+    if error in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return None
+    if error == errno.EEXIST:
+        raise SpecdeployError(f"--out {second} appeared while the export ran; nothing was replaced")
+    raise SpecdeployError(f"cannot move the new bundle to {second}: {os.strerror(error)}")
 
 
 def _is_bundle(path: Path) -> bool:

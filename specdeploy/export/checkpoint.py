@@ -83,13 +83,13 @@ def check_weights(path: Path, role: str, allow_pickle: bool) -> None:
         )
 
 
-def _read_config(path: Path, role: str) -> dict:
+def _read_config(path: Path, role: str, name: str = "config.json") -> dict:
     try:
-        raw = json.loads((path / "config.json").read_bytes().decode("utf-8"))
+        raw = json.loads((path / name).read_bytes().decode("utf-8"))
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        raise SpecdeployError(f"--{role} {path}: config.json is not valid JSON: {str(exc)[:200]}") from None
+        raise SpecdeployError(f"--{role} {path}: {name} is not valid JSON: {str(exc)[:200]}") from None
     if not isinstance(raw, dict):
-        raise SpecdeployError(f"--{role} {path}: config.json is not a JSON object")
+        raise SpecdeployError(f"--{role} {path}: {name} is not a JSON object")
     return raw
 
 
@@ -130,17 +130,21 @@ def load_checkpoint(name: str, role: str, trust_remote_code: bool = False, allow
 
     generation = {}
     if (path / "generation_config.json").is_file():
-        generation = json.loads((path / "generation_config.json").read_text(encoding="utf-8"))
-    eos = _int_ids(generation.get("eos_token_id", getattr(config, "eos_token_id", None)))
-    bos = generation.get("bos_token_id", getattr(config, "bos_token_id", None))
-    pad = generation.get("pad_token_id", getattr(config, "pad_token_id", None))
+        generation = _read_config(path, role, "generation_config.json")
+    try:
+        eos = _int_ids(generation.get("eos_token_id", getattr(config, "eos_token_id", None)))
+        bos, pad = (generation.get(key, getattr(config, key, None)) for key in ("bos_token_id", "pad_token_id"))
+        bos, pad = (None if value is None else int(value) for value in (bos, pad))
+    except (TypeError, ValueError):
+        raise SpecdeployError(f"--{role} {path}: bos/eos/pad_token_id in config.json or generation_config.json "
+                              "must be token ids (integers)") from None
     return Checkpoint(
         role=role,
         path=path,
         config=config,
-        bos_token_id=None if bos is None else int(bos),
+        bos_token_id=bos,
         eos_token_ids=eos,
-        pad_token_id=None if pad is None else int(pad),
+        pad_token_id=pad,
         source=str(Path(name).expanduser().resolve()) if gguf_tokens is not None else str(path),
         gguf_tokens=gguf_tokens,
     )

@@ -82,6 +82,8 @@ def _unsupported(spec: ModelSpec) -> str | None:
         return "the draft is an eagle head over the target's features, which onnxruntime-genai does not run"
     if spec.vocab_ids is not None:
         return "the draft's logits cover a vocabulary subset, which onnxruntime-genai does not widen"
+    if spec.role == "target" and not spec.eos_token_ids:
+        return "the target states no EOS token, which onnxruntime-genai's config needs"
     if spec.model_type not in GENAI_MODEL_TYPES:
         return (f"the {spec.role}'s model type '{spec.model_type}' is not one specdeploy checks under "
                 f"onnxruntime-genai ({', '.join(sorted(GENAI_MODEL_TYPES))})")

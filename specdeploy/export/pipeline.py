@@ -18,8 +18,8 @@ from typing import Callable
 
 from .. import __version__
 from .. import swap
-from ..bundle import (FORMAT_VERSION, ROLES, FileEntry, Manifest, ModelSpec, ParityReport, TokenizerSpec, file_entry,
-                      load_manifest, save_manifest)
+from ..bundle import (FORMAT_VERSION, MAX_CONTEXT, ROLES, FileEntry, Manifest, ModelSpec, ParityReport, TokenizerSpec,
+                      file_entry, load_manifest, save_manifest)
 from ..errors import SpecdeployError
 from . import checkpoint as ckpt
 from . import convert, eagle, fused, genai
@@ -285,6 +285,7 @@ def export_bundle(config: ExportConfig, report: Reporter | None = None) -> Manif
                 checkpoints["draft"] = dataclasses.replace(checkpoints["target"], role="draft")
             max_context = _max_context(config, checkpoints)
             manifest = _build_bundle(config, checkpoints, max_context, work, report)
+            _check_out(out, config.force)  # again: another writer may have put something there meanwhile
             swap.replace(work / "bundle", out)
             return manifest
         finally:
@@ -308,6 +309,8 @@ def _max_context(config: ExportConfig, checkpoints: dict) -> int:
     max_context = config.max_context or model_limit or 2048
     if model_limit and max_context > model_limit:
         raise SpecdeployError(f"--max-context {max_context} exceeds the models' max_position_embeddings {model_limit}")
+    if max_context > MAX_CONTEXT:  # explicit, or the models' max_position_embeddings
+        raise SpecdeployError(f"{max_context} positions is past the {MAX_CONTEXT} a bundle holds: pass --max-context N")
     return max_context
 
 
