@@ -119,3 +119,13 @@ def test_nan_in_bounded_manifest_fields_is_refused(bundles, tmp_path):
     (copy / MANIFEST_NAME).write_text(json.dumps(data))  # as NaN, which is not JSON
     with pytest.raises(SpecdeployError, match="NaN is not a JSON number"):
         load_manifest(copy)
+
+
+@pytest.mark.parametrize("frequencies", ['["not", "an", "object"]', '{"ids": ["x"], "counts": [1]}'])
+def test_a_draft_vocab_file_with_bad_frequencies_is_one_error(tmp_path, frequencies):
+    from specdeploy.export.eagle import DRAFT_VOCAB_FILE, read_draft_vocab
+
+    (tmp_path / DRAFT_VOCAB_FILE).write_text('{"ids": [1, 2], "counts": [5, 3], "vocab_size": 10, '
+                                             f'"frequencies": {frequencies}}}')
+    with pytest.raises(SpecdeployError, match=DRAFT_VOCAB_FILE):
+        read_draft_vocab(tmp_path)

@@ -53,14 +53,15 @@ def read_draft_vocab(folder: Path) -> dict | None:
         ids, counts = np.asarray(data["ids"], dtype=np.int64), np.asarray(data["counts"], dtype=np.int64)
         always = [int(i) for i in data.get("always", [])]
         vocab = int(data["vocab_size"])
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        frequencies = data.get("frequencies") or {}
+        all_ids = np.asarray(frequencies.get("ids", []), dtype=np.int64)
+        all_counts = np.asarray(frequencies.get("counts", []), dtype=np.int64)
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError, RecursionError) as exc:
         raise SpecdeployError(f"--draft {folder}: {DRAFT_VOCAB_FILE} is unreadable ({exc})") from None
     if ids.ndim != 1 or ids.shape != counts.shape or len(ids) == 0 or ids.min() < 0 or ids.max() >= vocab:
         raise SpecdeployError(f"--draft {folder}: {DRAFT_VOCAB_FILE} lists ids outside 0..{vocab - 1}, or no ids")
-    frequencies = data.get("frequencies") or {}
     return {"ids": ids, "counts": counts, "always": always, "vocab_size": vocab, "source": data.get("source", {}),
-            "all_ids": np.asarray(frequencies.get("ids", []), dtype=np.int64),
-            "all_counts": np.asarray(frequencies.get("counts", []), dtype=np.int64)}
+            "all_ids": all_ids, "all_counts": all_counts}
 
 
 def choose_vocab(folder: Path, requested: int | None, vocab_size: int, eagle: bool = False) -> np.ndarray | None:
