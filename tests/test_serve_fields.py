@@ -103,9 +103,10 @@ def check_completion_layout(layout: dict, expected, generator, top: int) -> None
     assert layout["token_logprobs"] == pytest.approx([e.logprob for e in entries], abs=1e-4)
     for name, entry in zip(layout["tokens"], entries):
         assert token_text(generator, entry.token_id) in (None, name)
-    for best, entry in zip(layout["top_logprobs"], entries):
-        assert len(best) == top
-        assert list(best.values()) == pytest.approx([logprob for _, logprob in entry.top], abs=1e-4)
+    for best, entry in zip(layout["top_logprobs"], entries):  # the `top` likeliest, then the token itself (OpenAI's)
+        chosen = [] if entry.token_id in [token_id for token_id, _ in entry.top] else [entry.logprob]
+        assert len(best) == top + len(chosen)
+        assert list(best.values()) == pytest.approx([logprob for _, logprob in entry.top] + chosen, abs=1e-4)
     offsets = layout["text_offset"]
     assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] <= len(expected.text)
     for index, offset in enumerate(offsets):  # where the prefix decodes to whole characters, exactly its length
@@ -162,7 +163,8 @@ def test_completion_logprobs_are_the_runtimes_streamed_or_not(batched, generator
     # logprobs=0: the chosen tokens' only
     [bare] = post(batched, "/v1/completions", {**body, "logprobs": 0})["choices"]
     assert bare["logprobs"]["token_logprobs"] == choice["logprobs"]["token_logprobs"]
-    assert bare["logprobs"]["top_logprobs"] == [{}] * len(expected.token_ids)
+    assert bare["logprobs"]["top_logprobs"] == [{name: logprob} for name, logprob in
+                                                zip(bare["logprobs"]["tokens"], bare["logprobs"]["token_logprobs"])]
     assert post(batched, "/v1/completions", {**body, "logprobs": None})["choices"][0]["logprobs"] is None
 
 
@@ -404,3 +406,14 @@ def test_prompt_tokens_metric_counts_a_shared_prompt_once(batched):
     response = post(batched, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "n": 4})
     counted = batched.metric("specdeploy:prompt_tokens_total") - before
     assert counted == response["usage"]["prompt_tokens"], (counted, response["usage"])
+
+
+def test_completion_top_logprobs_always_hold_the_sampled_token(batched):
+    """OpenAI's legacy completions: "The API will always return the logprob of the sampled token, so there may be
+    up to logprobs+1 elements" in each top_logprobs entry (vLLM does the same); logprobs=0 gives the sampled token's."""
+    body = {"prompt": PROMPT, "max_tokens": 16, "temperature": 1.0, "seed": 11}
+    for count in (1, 0):
+        layout = post(batched, "/v1/completions", {**body, "logprobs": count})["choices"][0]["logprobs"]
+        for token, logprob, best in zip(layout["tokens"], layout["token_logprobs"], layout["top_logprobs"]):
+            assert len(best) <= count + 1
+            assert token in best and best[token] == pytest.approx(logprob, abs=1e-6), (count, token, best)

@@ -159,12 +159,14 @@ class ChoiceLogprobs:
 
 
 def completion_layout(entries: list[tuple[object, int]], tokens: TokenText) -> dict:
-    """OpenAI's legacy completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+    """OpenAI's legacy completions logprobs: tokens, token_logprobs, top_logprobs, text_offset. Each
+    top_logprobs entry holds the N likeliest tokens and the sampled one (up to N + 1), as OpenAI's does."""
     top_logprobs = []
     for entry, _ in entries:
         best: dict[str, float] = {}
         for token_id, logprob in entry.top:
             best.setdefault(tokens.text(token_id), logprob)  # two ids may share a text: the likelier one
+        best.setdefault(tokens.text(entry.token_id), entry.logprob)  # OpenAI's: the sampled token's, always
         top_logprobs.append(best)
     return {"tokens": [tokens.text(entry.token_id) for entry, _ in entries],
             "token_logprobs": [entry.logprob for entry, _ in entries],
