@@ -290,6 +290,7 @@ def test_the_openai_client_reads_choices_and_logprobs(batched):
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": -1}, "max_tokens"),
     ("/v1/completions", {"prompt": PROMPT, "stop": ["ok", "x" * 1001]}, "stop"),
     ("/v1/chat/completions", {"messages": MESSAGES, "stop": ""}, "stop"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * 400}]}, "messages"),
     ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4, "max_completion_tokens": -3}, "max_completion_tokens"),
     ("/v1/completions", {"prompt": PROMPT, "temperature": -1}, "temperature"),
 ])

@@ -151,6 +151,28 @@ def test_a_choice_that_ended_frees_its_slot_for_the_next_request(agreeing_bundle
     assert pair_done[1].output.token_ids == after_done[0].output.token_ids == alone
 
 
+def test_a_prompt_the_model_cannot_take_is_a_400_before_it_queues(gated):
+    """A prompt past the context (OpenAI's code context_length_exceeded) or with ids outside the vocabulary is
+    refused when it is read, naming the field: a full queue answers it 400, not 429."""
+    url, model, answers = gated.url, gated.model, {}
+    threads = [post_in_thread(url, {"prompt": PROMPT, "max_tokens": 50, "temperature": 0}, answers, "running")]
+    model.wait(lambda m: m.held == 1, "the first request to generate")
+    threads += [post_in_thread(url, {"prompt": PROMPT, "max_tokens": 2}, answers, f"queued{i}") for i in range(4)]
+    wait_for(lambda: gated.metric(WAITING) == 4, "a full queue")
+    assert httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 429
+    for path, body, param, code in (
+            ("/v1/completions", {"prompt": "x " * 400}, "prompt", "context_length_exceeded"),
+            ("/v1/completions", {"prompt": [1, 2, 10**6]}, "prompt", None)):
+        response = httpx.post(url + path, json={**body, "max_tokens": 2})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (error["param"], error["code"]) == (param, code), error
+    model.open()
+    for thread in threads:
+        thread.join(30)
+    assert all(answer.status_code == 200 for answer in answers.values())
+
+
 def test_shutdown_answers_every_request_left(gated):
     url, model, answers = gated.url, gated.model, {}
     model.allow(1)

@@ -230,7 +230,9 @@ class Generator:
         extra = tuple(t for t in self.end_of_turn_ids if t not in config.stop_token_ids)
         return ids, replace(config, stop_token_ids=config.stop_token_ids + extra)
 
-    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """A prompt's token ids (text encoded with the tokenizer's special tokens), checked as a request
+        checks them: ids in the vocabulary, fewer than max_context of them (SpecdeployError otherwise)."""
         if isinstance(prompt, str):
             ids = self.codec.encode(prompt)
         else:
@@ -254,7 +256,7 @@ class Generator:
         return self._sequence(prompt, self._config(kwargs), streaming)
 
     def _sequence(self, prompt, config: GenerationConfig, streaming: bool) -> Sequence:
-        return Sequence(self._prompt_ids(prompt), config, self.codec, self.eos_token_ids, self.max_context,
+        return Sequence(self.prompt_ids(prompt), config, self.codec, self.eos_token_ids, self.max_context,
                         self.target.spec.vocab_size, streaming=streaming)
 
     def stream(self, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,

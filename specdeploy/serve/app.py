@@ -203,25 +203,23 @@ async def _generate(service: Service, request: Request, kind: str) -> Response:
 
 
 def _prepare(service: Service, parsed: GenerationRequest) -> tuple[list[int], dict]:
-    """On a prompt thread: the prompt's token ids (a chat rendered by its template) and the job's options."""
-    generator, options = service.worker.generator, parsed.options
-    if not parsed.chat:
-        prompt = parsed.prompt
-        if prompt and not isinstance(prompt, str):
-            return prompt, options  # token ids
-        try:  # text; an empty list of ids is the empty prompt, as the runtime takes it
-            return generator.codec.encode(prompt or ""), options
-        except SpecdeployError as exc:
-            raise ApiError(400, str(exc), param="prompt") from None
-    if service.chat_template is None:
+    """On a prompt thread: the prompt's token ids (a chat rendered by its template), checked against the
+    vocabulary and the context before the request queues, and the job's options."""
+    generator, options, param = service.worker.generator, parsed.options, "messages" if parsed.chat else "prompt"
+    if parsed.chat and service.chat_template is None:
         raise ApiError(400, f"the model '{service.model}' has no chat template (its tokenizer_config.json names "
                             "none); use /v1/completions", code="no_chat_template")
     try:
-        ids = generator.encode_chat(parsed.prompt)
+        if parsed.chat:
+            # A reply ends at the template's end-of-turn token, as generate(messages=...) does (unless ignore_eos).
+            ids, options = generator.encode_chat(parsed.prompt), {**options, "stop_token_ids": generator.end_of_turn_ids}
+        else:  # text or token ids; an empty list of ids is the empty prompt, as the runtime takes it
+            ids = parsed.prompt if parsed.prompt and not isinstance(parsed.prompt, str) else parsed.prompt or ""
+        ids = generator.prompt_ids(ids)
     except SpecdeployError as exc:
-        raise ApiError(400, str(exc), param="messages") from None
-    # A reply ends at the template's end-of-turn token, as generate(messages=...) does (unless ignore_eos).
-    return ids, {**options, "stop_token_ids": generator.end_of_turn_ids}
+        too_long = "max context" in str(exc)
+        raise ApiError(400, str(exc), param=param, code="context_length_exceeded" if too_long else None) from None
+    return ids, options
 
 
 async def _first_event(job: Job, request: Request):
