@@ -397,6 +397,9 @@ def test_chat_without_a_template_is_a_400(keyed_server):
 def test_models_health_metrics_and_unknown_routes(server):
     models = server.client().models.list()
     assert [m.id for m in models.data] == ["tiny"]
+    assert server.client().models.retrieve("tiny") == models.data[0]  # OpenAI's retrieve
+    other = httpx.get(server.url + "/v1/models/gpt-4o")
+    assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     server.client().completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
     metrics = httpx.get(server.url + "/metrics")

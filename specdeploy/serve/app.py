@@ -138,11 +138,21 @@ def create_app(config: ServeConfig, load: Callable[[], object] | None = None,
     async def chat_completions(request: Request) -> Response:
         return await _generate(service, request, "chat")
 
+    def model_object() -> dict:
+        return {"id": service.model, "object": "model", "created": service.created, "owned_by": "specdeploy",
+                "max_model_len": service.max_context}
+
     async def models(request: Request) -> Response:
         service.check_access(request)
-        return JSONResponse({"object": "list", "data": [
-            {"id": service.model, "object": "model", "created": service.created, "owned_by": "specdeploy",
-             "max_model_len": service.max_context}]})
+        return JSONResponse({"object": "list", "data": [model_object()]})
+
+    async def model(request: Request) -> Response:
+        """OpenAI's retrieve: the served model by its id, or 404 model_not_found."""
+        service.check_access(request)
+        if request.path_params["name"] != service.model:
+            raise ApiError(404, f"The model '{request.path_params['name']}' does not exist", param="model",
+                           code="model_not_found")
+        return JSONResponse(model_object())
 
     async def health(request: Request) -> Response:
         state = "draining" if service.draining else service.worker.state  # see ModelWorker.state
@@ -158,6 +168,7 @@ def create_app(config: ServeConfig, load: Callable[[], object] | None = None,
     routes = [Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", chat_completions, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]),
+              Route("/v1/models/{name:path}", model, methods=["GET"]),
               Route("/health", health, methods=["GET"]),
               Route("/metrics", metrics, methods=["GET"])]
     handlers = {ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error}
