@@ -187,6 +187,10 @@ def deployment(config: ServeConfig, ray_config: RayConfig = RayConfig()):
         "name": "specdeploy",
         # our own queue answers 429 past max_queue: Ray's router may send a replica that many at most
         "max_ongoing_requests": config.max_batch + config.max_queue,
+        # and Ray's proxy holds at most max_queue more while every replica is full, then answers 429 too
+        # (without a bound it held them all, and no client ever got a 429)
+        "max_queued_requests": config.max_queue,
+        "backpressure_config": {"status_code": 429, "retry_after_s": 1},
         "graceful_shutdown_timeout_s": config.drain_timeout_s,
         "graceful_shutdown_wait_loop_s": 0.5,
         "ray_actor_options": {"num_cpus": threads},

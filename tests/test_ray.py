@@ -255,6 +255,20 @@ def test_autoscaling_goes_from_one_replica_to_two_under_load_and_back(cluster):
     serve.delete("auto")
 
 
+def test_past_every_replicas_queue_the_proxy_answers_429(cluster):
+    """--max-queue bounds Ray's proxy too: with the one replica's batch slot and queue taken, the proxy holds one
+    request more and answers the rest 429 with Retry-After. It used to hold every request, however many."""
+    config = ServeConfig(bundle=BUNDLE, max_batch=1, max_queue=1)
+    serve.run(deployment(config, RayConfig(replicas=1, threads_per_replica=1)), name="full", route_prefix="/full")
+    body = {"prompt": PROMPT, "max_tokens": 2000, "temperature": 0, "ignore_eos": True}  # each holds the slot a while
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda _: httpx.post(cluster + "/full/v1/completions", json=body, timeout=120), range(8)))
+    serve.delete("full")
+    statuses = sorted(answer.status_code for answer in answers)
+    assert set(statuses) == {200, 429} and statuses.count(200) >= 3, statuses  # at once: 1 decoding, 2 held
+    assert all(answer.headers.get("retry-after") == "1" for answer in answers if answer.status_code == 429)
+
+
 def test_replicas_without_the_ray_extra_get_one_error_line(tmp_path):
     script = ("import sys; sys.modules['ray'] = None\n"
               "from specdeploy.cli import main\n"
