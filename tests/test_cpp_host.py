@@ -91,3 +91,21 @@ def test_host_bad_input_is_one_error_line(host, bundles, tmp_path):
         result = subprocess.run([str(host), *args], capture_output=True, text=True)
         assert result.returncode == 2 and result.stdout == ""
         assert result.stderr.startswith("error: ") and message in result.stderr and result.stderr.count("\n") == 1
+
+
+def test_host_stops_at_the_bundles_max_context(host, bundles, tmp_path):
+    """A prompt near max_context with more new tokens than fit: `specdeploy run` (and the Node host) stop at the
+    context; the C++ host must too, not refuse to start (max_length = prompt + MAX_NEW_TOKENS > context_length)."""
+    from tokenizers import Tokenizer
+
+    bundle = bundles("llama")
+    max_context = load_manifest(bundle).max_context
+    tokenizer = Tokenizer.from_file(str(bundle / "tokenizer" / "tokenizer.json"))
+    prompt, line = "", "def f(x):\n    return x + 1\n"
+    while len(tokenizer.encode(prompt).ids) < max_context - 6:
+        prompt += line[len(prompt) % len(line)]
+    ours = specdeploy_run(bundle, prompt, max_new_tokens=MAX_NEW_TOKENS)
+    assert len(ours["token_ids"]) < MAX_NEW_TOKENS  # the context ended it
+    result = run_host(host, bundle, prompt, tmp_path)
+    assert result.returncode == 0, result.stderr.decode()
+    assert new_tokens_reported(result.stderr) == len(ours["token_ids"])

@@ -126,3 +126,57 @@ def test_node_host_runs_an_eagle_bundle_with_the_target_alone(node, eagle_bundle
     assert_same_text(node, eagle_bundle, tmp_path, prompts=PROMPTS[:1])
     result = run_node(node, eagle_bundle, PROMPTS[0], 4, tmp_path)
     assert "the draft is an eagle head, which this host does not run; decoding with the target alone" in result.stderr
+
+
+def test_node_host_zero_new_tokens_is_an_empty_completion(node, bundles, tmp_path):
+    """MAX_NEW_TOKENS 0 is allowed ('a whole number >= 0'): an empty completion and exit 0, not an error."""
+    result = run_node(node, bundles("llama"), "def f(x):", 0, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "" and "0 tokens in" in result.stderr
+
+
+def with_bos_post_processor(bundle: Path, out: Path) -> Path:
+    """A copy of bundle whose tokenizer.json prepends <s> (id 0) to every encoding, as Llama's tokenizers do."""
+    shutil.copytree(bundle, out)
+    tokenizer_json = out / "tokenizer" / "tokenizer.json"
+    data = json.loads(tokenizer_json.read_text())
+    bos = {"SpecialToken": {"id": "<s>", "type_id": 0}}
+    data["post_processor"] = {"type": "TemplateProcessing", "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
+                              "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                              "special_tokens": {"<s>": {"id": "<s>", "ids": [0], "tokens": ["<s>"]}}}
+    tokenizer_json.write_text(json.dumps(data))
+    manifest = json.loads((out / "specdeploy.json").read_text())
+    raw = tokenizer_json.read_bytes()
+    for entry in manifest["tokenizer"]["files"]:
+        if entry["path"] == "tokenizer/tokenizer.json":
+            entry.update(size=len(raw), sha256=hashlib.sha256(raw).hexdigest())
+    (out / "specdeploy.json").write_text(json.dumps(manifest, indent=2))
+    return out
+
+
+def test_node_host_keeps_one_bos_when_the_prompt_starts_with_it(node, bundles, tmp_path):
+    """A prompt that starts with the BOS text (a rendered template) keeps that BOS only, as TextCodec.encode:
+    the tokenizer's post-processor would put a second one in front, and the models see other ids."""
+    bundle = with_bos_post_processor(bundles("llama"), tmp_path / "bos-bundle")
+    prompt = "<s>def f(x):\n"
+    expected = python_greedy(bundle, prompt, 16)
+    assert expected["stats"]["prompt_tokens"] == 7  # <s> once
+    result = run_node(node, bundle, prompt, 16, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == expected["text"]
+
+
+def test_node_host_decodes_without_cleaning_up_spaces(node, tokenizer_dir, tmp_path):
+    """host.mjs prints tokenizer.decode(ids, {skip_special_tokens: true}); @huggingface/tokenizers then applies
+    transformers' clean_up_tokenization (" ," -> ",", " 's" -> "'s", ...) unless tokenizer_config.json says
+    false (its default is true, also without a config), while the Python runtime's `tokenizers` never does."""
+    from specdeploy.export.tokenizer_readers import read_node, read_reference
+
+    folder = tmp_path / "tokenizer"
+    shutil.copytree(tokenizer_dir, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["clean_up_tokenization_spaces"] = True  # as in GPT-2-era checkpoints; absent reads the same in JS
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    samples = ("name = 'spam'\nprint(a , b) .\n",)
+    reference = read_reference(json.loads((folder / "tokenizer.json").read_text()), samples)
+    assert read_node(folder, samples, reference.ids, NODE_DIR).texts == reference.texts

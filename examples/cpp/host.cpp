@@ -75,6 +75,19 @@ Options parse_arguments(int argc, char** argv) {
   return options;
 }
 
+// genai_config.json's model.context_length (the bundle's max context), which max_length may not pass;
+// 0 when the file does not state it. The file is the exporter's own JSON, one key per line.
+long context_length(const std::string& bundle) {
+  std::ifstream config(bundle + "/genai_config.json");
+  std::string line;
+  const std::string key = "\"context_length\":";
+  while (std::getline(config, line)) {
+    size_t at = line.find(key);
+    if (at != std::string::npos) return std::strtol(line.c_str() + at + key.size(), nullptr, 10);
+  }
+  return 0;
+}
+
 // The prompt's token ids as genai's tokenizer gives them; an empty prompt starts from BOS.
 std::vector<int32_t> encode(const OgaTokenizer* tokenizer, const std::string& prompt) {
   OgaSequences* raw = nullptr;
@@ -123,12 +136,19 @@ void complete(const Options& options) {
   check<BadInput>(OgaCreateTokenizer(model.get(), &raw_tokenizer), "loading the tokenizer");
   Tokenizer tokenizer(raw_tokenizer);
   std::vector<int32_t> prompt_ids = encode(tokenizer.get(), options.prompt);
+  // As `specdeploy run`: a prompt must leave the context room for one new token, and generation ends
+  // at the context's end if MAX_NEW_TOKENS would pass it.
+  size_t max_length = prompt_ids.size() + options.max_new_tokens;
+  long context = context_length(options.bundle);
+  if (context > 0 && prompt_ids.size() >= static_cast<size_t>(context))
+    throw BadInput("the prompt has " + std::to_string(prompt_ids.size()) + " tokens; the bundle's max context is " +
+                   std::to_string(context) + " (including new tokens)");
+  if (context > 0 && max_length > static_cast<size_t>(context)) max_length = static_cast<size_t>(context);
 
   OgaGeneratorParams* raw_params = nullptr;
   check(OgaCreateGeneratorParams(model.get(), &raw_params), "creating generator parameters");
   GeneratorParams params(raw_params);
-  check<BadInput>(OgaGeneratorParamsSetSearchNumber(params.get(), "max_length",
-                                                    static_cast<double>(prompt_ids.size() + options.max_new_tokens)),
+  check<BadInput>(OgaGeneratorParamsSetSearchNumber(params.get(), "max_length", static_cast<double>(max_length)),
                   "setting max_length");
   check(OgaGeneratorParamsSetSearchBool(params.get(), "do_sample", false), "setting greedy search");
   OgaGenerator* raw_generator = nullptr;

@@ -270,6 +270,13 @@ function loadTokenizer(bundle, spec) {
 function encode(tokenizer, spec, text, maxContext) {
   // As the Python runtime: the tokenizer's own special tokens; an empty prompt is just BOS.
   let promptIds = text ? tokenizer.encode(text, { add_special_tokens: true }).ids.map(Number) : [];
+  // Text that starts with the BOS token's string (a rendered template) keeps that BOS only: the
+  // tokenizer's post-processor would put a second one in front of it.
+  const bos = spec.bos_token_id;
+  if (bos !== null && promptIds[0] === bos && promptIds[1] === bos) {
+    const bosText = tokenizer.id_to_token(bos);
+    if (bosText && text.startsWith(bosText)) promptIds = promptIds.slice(1);
+  }
   if (promptIds.length === 0) {
     if (spec.bos_token_id === null) throw new UsageError("the prompt is empty and the tokenizer has no BOS token to start from");
     promptIds = [spec.bos_token_id];
@@ -300,7 +307,9 @@ async function main() {
   const tokenizer = loadTokenizer(bundle, manifest.tokenizer);
   const promptIds = encode(tokenizer, manifest.tokenizer, prompt, maxContext);
   const { tokens, stats } = await generate(models, promptIds, maxNewTokens, maxContext, new Set(manifest.target.eos_token_ids));
-  process.stdout.write(tokenizer.decode(tokens, { skip_special_tokens: true }));
+  // As Python's tokenizers: no clean-up of spaces before punctuation (" ," stays), whatever the config says.
+  const text = tokens.length ? tokenizer.decode(tokens, { skip_special_tokens: true, clean_up_tokenization_spaces: false }) : "";
+  process.stdout.write(text);
   const perSecond = stats.decodeMs > 0 ? (tokens.length / stats.decodeMs) * 1000 : 0;
   const acceptance = stats.drafted ? stats.accepted / stats.drafted : 0;
   process.stderr.write(

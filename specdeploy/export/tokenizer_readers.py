@@ -30,6 +30,7 @@ TEXT_SAMPLES = (
     "trailing spaces   ",
     " ",
     "12345678901234567890 0.000001 -42",
+    "print(a , b) . x = 's' ; it 's , is n't",  # spaces before punctuation: decoders must keep them
 )
 CHAT = ({"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4 🙂"})
 
@@ -125,7 +126,7 @@ const read = (p) => JSON.parse(fs.readFileSync(p, "utf8"));
 const tokenizer = new Tokenizer(read(job.tokenizer), job.config ? read(job.config) : {});
 process.stdout.write(JSON.stringify({
   ids: job.texts.map((text) => tokenizer.encode(text, { add_special_tokens: true }).ids.map(Number)),
-  texts: job.decode.map((ids) => tokenizer.decode(ids, { skip_special_tokens: true })),
+  texts: job.decode.map((ids) => tokenizer.decode(ids, { skip_special_tokens: true, clean_up_tokenization_spaces: false })),
 }));
 """
 
