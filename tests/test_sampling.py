@@ -420,3 +420,34 @@ def test_float64_and_strided_logits_draw_the_same_tokens(name):
     reference = [sampler.sample(logits[0], np.random.default_rng(seed).random(), out, [4]) for seed in range(50)]
     for variant in (logits[0].astype(np.float64), logits.T.copy().T[0]):
         assert [sampler.sample(variant, np.random.default_rng(seed).random(), out, [4]) for seed in range(50)] == reference
+
+
+@pytest.mark.parametrize("use_c", [True, False])
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
+def test_top_p_with_min_p_one_still_keeps_the_most_likely_token(monkeypatch, use_c):
+    """min_p = 1 (validated) keeps the most likely token; top_p always keeps at least one. Two logits one
+    float apart have the same float32 exponential, so top-p's tie rule (lower id) keeps token 0 while min-p
+    (on the scaled logits) keeps token 1 only: the intersection must not be empty (HF ranks top-p by logit
+    and keeps token 1; the row is a valid one and sampling must not raise)."""
+    if not use_c:
+        numpy_only(monkeypatch)
+    elif fast is None:
+        pytest.skip("the C kernel was not built")
+    logits = np.array([0.1, np.nextafter(np.float32(0.1), np.float32(1.0))], np.float32)
+    params = SamplingParams(temperature=1.0, top_p=0.5, min_p=1.0)
+    out = np.empty(2, np.float32)
+    token = Sampler(params, 2).sample(logits, 0.5, out)
+    assert token == 1 and out.tolist() == [0.0, 1.0]
+
+
+@needs_c
+def test_c_top_p_cut_between_near_ties_keeps_the_definitions_token():
+    """Tokens 1 and 2 differ by one float (token 2 is the more likely); NumPy's exponentials order them,
+    the kernel's exp (~2 ulp) ties them and its tie rule keeps token 1: the support differs from
+    process_row's (and from the exact one) at an ordinary top_p, far from any rounding of the cut's mass."""
+    logits = np.array([0.0, -0.5525608, np.nextafter(np.float32(-0.5525608), np.float32(0.0))], np.float32)
+    params = SamplingParams(temperature=1.0, top_p=0.6)  # the cut keeps token 0 and one of 1, 2
+    reference = process_row(logits, params, np.empty(3, np.float32))
+    assert reference[1] == 0 and reference[2] > 0  # the definition keeps the larger logit here
+    ours = Sampler(params, 3).distribution(logits, np.empty(3, np.float32))
+    assert_same_row(ours, reference)

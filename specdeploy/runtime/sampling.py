@@ -79,7 +79,9 @@ def support(logits: np.ndarray, params: SamplingParams) -> np.ndarray | None:
     """The tokens the truncations keep, as a mask [vocab] (None: all of them), from penalized logits [vocab].
 
     top-k keeps every token at least as high as the k-th highest logit; top-p then the smallest set of
-    most probable tokens (of the top-k distribution; ties ranked by token id) whose mass reaches top_p;
+    most probable tokens (of the top-k distribution; equal probabilities ranked by the higher logit, then
+    the lower token id, so the most likely token, which min-p keeps, always ranks first) whose mass
+    reaches top_p;
     min-p then the tokens whose probability is at least min_p times the top one's, tested as
     logit / T - max / T >= log(min_p) on the scaled logits the softmax forms (the same test)."""
     vocab = logits.shape[0]
@@ -92,16 +94,17 @@ def support(logits: np.ndarray, params: SamplingParams) -> np.ndarray | None:
         scaled -= scaled.max()
         if params.top_p < 1.0:
             weights = np.exp(scaled) if keep is None else np.where(keep, np.exp(scaled), np.float32(0.0))
-            keep = _nucleus(weights, params.top_p)
+            keep = _nucleus(weights, params.top_p, logits)
         if params.min_p > 0.0:
             above = scaled >= np.float32(math.log(params.min_p))
             keep = above if keep is None else keep & above
     return keep
 
 
-def _nucleus(weights: np.ndarray, top_p: float, candidates: int = 64) -> np.ndarray:
-    """Mask [vocab] of the tokens whose preceding mass (of tokens ranked before them: higher weight, or equal
-    weight and a lower id) is below top_p of the total, from non-negative weights [vocab].
+def _nucleus(weights: np.ndarray, top_p: float, logits: np.ndarray, candidates: int = 64) -> np.ndarray:
+    """Mask [vocab] of the tokens whose preceding mass (of tokens ranked before them: higher weight; equal
+    weight and a higher logit; or both equal and a lower id) is below top_p of the total, from non-negative
+    weights [vocab] (the exponentials of logits [vocab]).
 
     Only the most probable tokens are sorted (argpartition), unless they hold less than top_p of the mass."""
     vocab = weights.shape[0]
@@ -111,7 +114,7 @@ def _nucleus(weights: np.ndarray, top_p: float, candidates: int = 64) -> np.ndar
         # The count most probable tokens and every token tied with the last of them, so that ties rank by id.
         top = np.flatnonzero(weights >= np.partition(weights, vocab - count)[vocab - count]) if count < vocab \
             else np.arange(vocab)
-        top = top[np.lexsort((top, -weights[top]))]  # most probable first, ties by token id
+        top = top[np.lexsort((top, -logits[top], -weights[top]))]  # most probable first, ties by logit, then id
         mass_before = np.cumsum(weights[top], dtype=np.float64) - weights[top]
         if count == vocab or mass_before[-1] + weights[top[-1]] >= top_p * total:
             break

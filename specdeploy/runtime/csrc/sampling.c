@@ -567,16 +567,19 @@ static fs_index collect_at_least(const float *row, fs_index n, float threshold, 
     return count;
 }
 
-/* Whether token (weight, id) ranks before (other_weight, other_id): more probable, or as probable and a lower id. */
-static inline int ranks_before(float weight, fs_index id, float other_weight, fs_index other_id) {
-    return weight > other_weight || (weight == other_weight && id < other_id);
+/* Whether token (weight, id) ranks before (other_weight, other_id): more probable; as probable (an exponential
+ * can round two logits to one weight), a higher logit of row; then a lower id. With exponentials that never
+ * decrease as the logit grows, this is the logit's order, whatever exp's last bits. */
+static inline int ranks_before(const float *row, float weight, fs_index id, float other_weight, fs_index other_id) {
+    return weight > other_weight ||
+           (weight == other_weight && (row[id] > row[other_id] || (row[id] == row[other_id] && id < other_id)));
 }
 
 /* The nucleus's last token: ranking (values, ids) [count], the last one whose preceding mass is below
  * target (the first always is: target > 0). A selection by mass: partition around a pivot, and
  * continue in the part that holds the cut, O(count) on average. values and ids are reordered. */
-static void nucleus_cut(float *values, fs_index *ids, fs_index count, double target, float *cut_value,
-                        fs_index *cut_id) {
+static void nucleus_cut(const float *row, float *values, fs_index *ids, fs_index count, double target,
+                        float *cut_value, fs_index *cut_id) {
     fs_index low = 0, high = count; /* the cut lies in [low, high) */
     double before = 0.0;              /* mass of the tokens ranked before low: below target */
 #define SWAP(a, b)                                                                      \
@@ -587,15 +590,15 @@ static void nucleus_cut(float *values, fs_index *ids, fs_index count, double tar
     while (high - low > 16) {
         const fs_index middle = low + (high - low) / 2, last = high - 1;
         /* median of three to the end, as the pivot */
-        if (ranks_before(values[middle], ids[middle], values[low], ids[low])) SWAP(middle, low);
-        if (ranks_before(values[last], ids[last], values[low], ids[low])) SWAP(last, low);
-        if (ranks_before(values[middle], ids[middle], values[last], ids[last])) SWAP(middle, last);
+        if (ranks_before(row, values[middle], ids[middle], values[low], ids[low])) SWAP(middle, low);
+        if (ranks_before(row, values[last], ids[last], values[low], ids[low])) SWAP(last, low);
+        if (ranks_before(row, values[middle], ids[middle], values[last], ids[last])) SWAP(middle, last);
         const float pivot = values[last];
         const fs_index pivot_id = ids[last];
         fs_index store = low;
         double mass = 0.0;
         for (fs_index i = low; i < last; i++)
-            if (ranks_before(values[i], ids[i], pivot, pivot_id)) {
+            if (ranks_before(row, values[i], ids[i], pivot, pivot_id)) {
                 mass += values[i];
                 SWAP(i, store);
                 store++;
@@ -615,7 +618,8 @@ static void nucleus_cut(float *values, fs_index *ids, fs_index count, double tar
         low = store + 1;
     }
     for (fs_index i = low + 1; i < high; i++) /* insertion sort of the few left */
-        for (fs_index j = i; j > low && ranks_before(values[j], ids[j], values[j - 1], ids[j - 1]); j--) SWAP(j, j - 1);
+        for (fs_index j = i; j > low && ranks_before(row, values[j], ids[j], values[j - 1], ids[j - 1]); j--)
+            SWAP(j, j - 1);
 #undef SWAP
     *cut_value = values[low];
     *cut_id = ids[low];
@@ -627,17 +631,17 @@ static void nucleus_cut(float *values, fs_index *ids, fs_index count, double tar
 }
 
 /* Keeps the support's tokens that rank no later than the nucleus's last token (in token order). */
-static void keep_nucleus(fs_processor *p, Sparse *s, double target) {
+static void keep_nucleus(fs_processor *p, Sparse *s, const float *row, double target) {
     float *values = p->work;
     fs_index *ids = p->work_indices;
     memcpy(values, s->weights, (size_t)s->count * sizeof *values);
     memcpy(ids, s->indices, (size_t)s->count * sizeof *ids);
     float cut_value;
     fs_index cut_id;
-    nucleus_cut(values, ids, s->count, target, &cut_value, &cut_id);
+    nucleus_cut(row, values, ids, s->count, target, &cut_value, &cut_id);
     fs_index kept = 0;
     for (fs_index j = 0; j < s->count; j++)
-        if (!ranks_before(cut_value, cut_id, s->weights[j], s->indices[j])) {
+        if (!ranks_before(row, cut_value, cut_id, s->weights[j], s->indices[j])) {
             s->indices[kept] = s->indices[j];
             s->weights[kept++] = s->weights[j];
         }
@@ -742,7 +746,7 @@ static Sparse *top_k_row(fs_processor *processor, const float *row, fs_index n, 
     const float kth = kth_largest(row, n, p->top_k, processor->maxima, processor->chunks, &num_listed, processor->keys);
     s->count = collect_at_least(row, n, kth, processor->chunks, num_listed, s->indices);
     for (fs_index j = 0; j < s->count; j++) s->weights[j] = exp_nonpositive(row[s->indices[j]] * inverse - shift);
-    if (p->top_p < 1.0) keep_nucleus(processor, s, p->top_p * sparse_sums(s, n));
+    if (p->top_p < 1.0) keep_nucleus(processor, s, row, p->top_p * sparse_sums(s, n));
     if (p->log_min_p > -INFINITY) keep_min_p(s, row, inverse, shift, p->log_min_p);
     return s;
 }
@@ -801,7 +805,8 @@ ROW_PASS static fs_index bucket_members(const float *restrict weights, fs_index 
  * a histogram of the mass by bucket finds the bucket the cut falls in (weights below (1 - top_p) / n
  * hold less than 1 - top_p of a mass of at least 1 together, and share the lowest bucket), and the
  * mass selection runs over that bucket's tokens alone. */
-static fs_index dense_nucleus_cut(fs_processor *p, const float *weights, fs_index n, float *cut_value, fs_index *cut_id) {
+static fs_index dense_nucleus_cut(fs_processor *p, const float *row, const float *weights, fs_index n, float *cut_value,
+                                  fs_index *cut_id) {
     double *histogram = p->histogram;
     const double top_p = p->settings.top_p;
     const int32_t low = weight_key((float)((1.0 - top_p) / (double)n * (1.0 - 1e-6)));
@@ -828,17 +833,17 @@ static fs_index dense_nucleus_cut(fs_processor *p, const float *weights, fs_inde
         before -= histogram[bucket];
         count = bucket_members(weights, n, low, (int32_t)bucket, p->work, p->work_indices);
     }
-    nucleus_cut(p->work, p->work_indices, count, target - before, cut_value, cut_id);
+    nucleus_cut(row, p->work, p->work_indices, count, target - before, cut_value, cut_id);
     return count;
 }
 
-/* Zeroes the weights tied with the nucleus's last token that rank after it (a higher id): they share its
- * bucket, whose members (values, ids) [count] dense_nucleus_cut left in scratch. The masking pass then
- * keeps every weight at or above the cut's value, with no id to compare per token. */
-static void drop_later_ties(float *out, const float *values, const fs_index *ids, fs_index count, float cut_value,
-                            fs_index cut_id) {
+/* Zeroes the weights tied with the nucleus's last token that rank after it (a lower logit, or a higher id):
+ * they share its bucket, whose members (values, ids) [count] dense_nucleus_cut left in scratch. The masking
+ * pass then keeps every weight at or above the cut's value, with no logit or id to compare per token. */
+static void drop_later_ties(float *out, const float *row, const float *values, const fs_index *ids, fs_index count,
+                            float cut_value, fs_index cut_id) {
     for (fs_index j = 0; j < count; j++)
-        if (values[j] == cut_value && ids[j] > cut_id) out[ids[j]] = 0.0f;
+        if (values[j] == cut_value && ranks_before(row, cut_value, cut_id, values[j], ids[j])) out[ids[j]] = 0.0f;
 }
 
 /* out [n] = the weights at or above the cut's value (the nucleus, once drop_later_ties has run) that min-p
@@ -888,8 +893,8 @@ static fs_index process_row(fs_processor *processor, const float *logits, float 
         float cut_value;
         fs_index cut_id;
         exp_row(row, out, n, p->inverse_temperature, shift);
-        const fs_index members = dense_nucleus_cut(processor, out, n, &cut_value, &cut_id);
-        drop_later_ties(out, processor->work, processor->work_indices, members, cut_value, cut_id);
+        const fs_index members = dense_nucleus_cut(processor, row, out, n, &cut_value, &cut_id);
+        drop_later_ties(out, row, processor->work, processor->work_indices, members, cut_value, cut_id);
         mask_row(out, row, n, cut_value, p->inverse_temperature, shift, p->log_min_p);
         const double total = block_sums_of(out, n, dense_blocks);
         return finish_dense(processor, out, n, total, uniform);
