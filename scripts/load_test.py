@@ -286,12 +286,15 @@ def grouped(cells: list[dict]) -> dict:
     return groups
 
 
-def markdown(cells: list[dict], runs: dict, args) -> str:
-    """One row per cell (medians over --repeat; x sequential: the median of each repeat's own ratio)."""
-    lines = [f"{args.max_tokens}-token outputs{' (ignore_eos)' if args.ignore_eos else ''}, speculative "
+def markdown(cells: list[dict], runs: dict, args, interrupted: bool = False) -> str:
+    """One row per cell (medians over the repeats each cell ran; x sequential: the median of each repeat's own
+    ratio); an interrupted run says so first."""
+    done = max((c["repeat"] + 1 for c in cells), default=0)
+    lines = (["**Interrupted**: the cells run before the run was stopped.", ""] if interrupted else []) + [
+             f"{args.max_tokens}-token outputs{' (ignore_eos)' if args.ignore_eos else ''}, speculative "
              f"{args.speculative} (k = {args.num_draft_tokens}), sampled at T {args.temperature}; requests per cell: "
              f"max({args.min_requests}, {args.requests_per_stream} x streams)"
-             + (f"; medians of {args.repeat} repeats" if args.repeat > 1 else ""), "",
+             + (f"; medians of {done} repeats" if done > 1 else ""), "",
              "| prompts | mode | streams | server | gen tok/s | x sequential | p50 TTFT ms | p99 TTFT ms | p50 ITL ms "
              "| p99 ITL ms | tokens/chunk | failed | altered |",
              "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -300,7 +303,8 @@ def markdown(cells: list[dict], runs: dict, args) -> str:
         base = [g for key, g in groups.items() if key[:3] == (kind, mode, level) and g[0]["max_batch"] == 1]
         ratio = ""
         if base and group[0]["max_batch"] != 1:
-            ratio = f"{median(c['tokens_per_s'] / b['tokens_per_s'] for c, b in zip(group, base[0])):.2f}"
+            ratios = [c["tokens_per_s"] / b["tokens_per_s"] for c, b in zip(group, base[0]) if b["tokens_per_s"] > 0]
+            ratio = f"{median(ratios):.2f}" if ratios else "n/a"  # n/a: every sequential request failed
         compared = sum(c["compared"] for c in group)
         altered = f"{sum(c['altered'] for c in group)}/{compared}" if compared else ""
         figure = {key: median(c[key] for c in group) for key in ("tokens_per_s", "ttft_p50_s", "ttft_p99_s",
@@ -385,14 +389,14 @@ def main(argv=None) -> None:
     rank = {name: i for i, (name, _, _) in enumerate(servers)}
     cells.sort(key=lambda c: (list(kinds).index(c["kind"]), c["mode"], c["concurrency"], rank[c["server"]],
                               c["repeat"]))
-    table = markdown(cells, runs, args)
     report = {"interrupted": interrupted, "bundle": args.bundle, "url": args.url, "servers": [s[:2] for s in servers], "max_tokens": args.max_tokens,
               "ignore_eos": args.ignore_eos, "speculative": args.speculative, "num_draft_tokens": args.num_draft_tokens,
               "temperature": args.temperature, "cpu_count": os.cpu_count(), "cells": cells,
               "run_tokens_per_s": [{"kind": k, "mode": m, "tokens_per_s": v} for (k, m), v in runs.items()]}
-    if args.json_out:
+    if args.json_out:  # before the tables: a run's figures are kept whatever formatting them does
         with open(args.json_out, "w") as f:
             json.dump(report, f, indent=2)
+    table = markdown(cells, runs, args, interrupted)
     if args.markdown_out:
         with open(args.markdown_out, "w") as f:
             f.write(table + "\n")

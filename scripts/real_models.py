@@ -185,12 +185,14 @@ def quality(args) -> None:
 
 
 def time_ours(bundle: Path, ids: list[int], tokens: int, drafter: str | None = None) -> float:
-    """New tokens over decode time; a run that ends at EOS early counts its own tokens, as the peers' do.
-    drafter None: the target alone; model / hybrid: speculative with the bundle's draft, k = 4."""
+    """New tokens over decode time, exactly `tokens` of them (EOS does not end the run, as it ends no peer's:
+    genai's min_length, llama-bench -n). drafter None: the target alone; model / hybrid: speculative with the
+    bundle's draft, k = 4."""
     import specdeploy
 
     generator = specdeploy.load(bundle, drafter=drafter or "hybrid")
-    output = generator.generate(ids, max_new_tokens=tokens, temperature=0, speculative=drafter is not None)
+    output = generator.generate(ids, max_new_tokens=tokens, temperature=0, speculative=drafter is not None,
+                                ignore_eos=True)
     return output.stats.tokens_per_s
 
 

@@ -1,0 +1,155 @@
+"""Measurement checks of the benchmark scripts in scripts/ (each script imported from its file)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import signal
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def script(name: str):
+    spec = importlib.util.spec_from_file_location(f"_script_{name}", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _record(prompt: int = 0, tokens: int = 8) -> dict:
+    return {"ok": True, "prompt": prompt, "text": "x" * tokens, "tokens": tokens, "latency_s": 1.0,
+            "first_token_s": 0.1, "usage_per_chunk": True, "itl_s": [0.1] * (tokens - 1),
+            "chunk_gaps_s": [0.1] * (tokens - 1)}
+
+
+# ------------------------------------------------------------------------------------------- load_test
+
+
+def test_load_test_markdown_of_an_interrupted_run_says_so(tmp_path, monkeypatch):
+    """SIGTERM after the first cell: the JSON says interrupted, so must the Markdown (it otherwise reads as
+    a complete run of --repeat 2, medians and all)."""
+    load_test = script("load_test")
+    calls = {"n": 0}
+
+    async def fake_run_cell(url, headers, bodies, concurrency):
+        calls["n"] += 1
+        if calls["n"] > 2:  # warm-up, then one cell, then SIGTERM
+            raise SystemExit(143)
+        return [_record(body["_prompt"]) for body in bodies], 1.0
+
+    monkeypatch.setattr(load_test, "run_cell", fake_run_cell)
+    md, js = tmp_path / "load.md", tmp_path / "load.json"
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit):
+            load_test.main(["--url", "http://127.0.0.1:9", "--name", "peer", "--plain", "--concurrency", "1,2",
+                            "--modes", "greedy", "--repeat", "2", "--max-tokens", "8", "--markdown-out", str(md),
+                            "--json-out", str(js)])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert json.loads(js.read_text())["interrupted"] is True
+    assert "interrupted" in md.read_text().lower(), md.read_text()
+
+
+def test_load_test_markdown_survives_a_sequential_cell_whose_requests_all_failed():
+    """A cell of failures is a result to report (failed 4), not a ZeroDivisionError that loses the whole run's
+    tables and JSON (main builds the Markdown before it writes either)."""
+    load_test = script("load_test")
+    args = load_test.parse_args(["--url", "http://127.0.0.1:9", "--max-tokens", "8", "--ignore-eos"])
+    failed = [{"ok": False, "prompt": i, "text": "", "status": 503, "error": "busy"} for i in range(4)]
+    fine = [_record(i) for i in range(4)]
+    cells = [{"kind": "code", "mode": "greedy", "concurrency": 1, "server": "batched (8)", "max_batch": 8, "repeat": 0,
+              **load_test.summarize(fine, 1.0, args, None)},
+             {"kind": "code", "mode": "greedy", "concurrency": 1, "server": "sequential (1)", "max_batch": 1,
+              "repeat": 0, **load_test.summarize(failed, 1.0, args, None)}]
+    table = load_test.markdown(cells, {}, args)
+    assert "| sequential (1) |" in table
+
+
+# ------------------------------------------------------------------------------------------ real_models
+
+
+def test_real_models_time_ours_counts_as_many_tokens_as_the_peers(monkeypatch):
+    """The peers decode exactly --tokens tokens whatever EOS does (genai min_length, llama-bench -n,
+    llama-speculative --ignore-eos) and the docstring says EOS may not end a run: ours must not stop
+    early at EOS either, or it is timed over fewer (and earlier, cheaper) tokens."""
+    real_models = script("real_models")
+
+    class FakeGenerator:
+        def generate(self, ids, max_new_tokens, ignore_eos=False, **_):
+            made = max_new_tokens if ignore_eos else 3  # this model says EOS at its third token
+            stats = types.SimpleNamespace(new_tokens=made, tokens_per_s=float(made))  # one second of decode
+            return types.SimpleNamespace(stats=stats, token_ids=[1] * made)
+
+    fake = types.ModuleType("specdeploy")
+    fake.load = lambda *a, **k: FakeGenerator()
+    monkeypatch.setitem(sys.modules, "specdeploy", fake)
+    assert real_models.time_ours(Path("bundle"), [1, 2, 3], 128) == 128.0
+
+
+# ------------------------------------------------------------------------------------------ bench_peers
+
+
+STEP_S = 0.04  # one forward pass of the fake genai model
+
+
+def _fake_onnxruntime_genai():
+    """onnxruntime-genai's generator as it works: append_tokens runs the prefill and computes the logits of
+    the first new token; generate_next_token samples from logits already computed, running the model on
+    the previous token first only when there are none (src/generators.cpp, computed_logits_)."""
+    og = types.ModuleType("onnxruntime_genai")
+
+    class GeneratorParams:
+        def __init__(self, model):
+            self.max_length = 0
+
+        def set_search_options(self, max_length, **_):
+            self.max_length = max_length
+
+        def set_speculative_options(self, **_):
+            pass
+
+    class Generator:
+        def __init__(self, model, params):
+            self.max_length, self.sequence, self.computed = params.max_length, [], False
+
+        def append_tokens(self, ids):
+            self.sequence += list(ids)
+            time.sleep(STEP_S)  # the prefill pass
+            self.computed = True
+
+        def generate_next_token(self):
+            if not self.computed:
+                time.sleep(STEP_S)  # the pass on the previous token
+            self.computed = False
+            self.sequence.append(7)
+
+        def is_done(self):
+            return len(self.sequence) >= self.max_length
+
+        def get_sequence(self, index):
+            return list(self.sequence)
+
+    og.GeneratorParams, og.Generator = GeneratorParams, Generator
+    return og
+
+
+def test_bench_peers_genai_decode_rate_does_not_count_the_prefills_token():
+    """ours: N new tokens over the N decode passes that made them; HF: the first chunk's tokens left out
+    with its time. genai's first token comes out of append_tokens (timed as prefill), so counting it as a
+    decode token gives N tokens over N - 1 passes: 4 tokens over 3 passes reads 33% fast here."""
+    bench_peers = script("bench_peers")
+    peer = object.__new__(bench_peers.GenaiPeer)
+    peer.og, peer.args = _fake_onnxruntime_genai(), argparse.Namespace(num_draft_tokens=4)
+    run = peer.run(None, "target_only", [1, 2, 3], bench_peers.Setting("greedy"), 0, 4)
+    assert run["new_tokens"] == 4
+    rate, per_pass = run["decode_tokens"] / run["decode_s"], 1 / STEP_S
+    assert rate < 1.1 * per_pass, (rate, per_pass)
