@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import json
-import re
 from pathlib import Path
 
 from ..bundle import TokenizerSpec
 from ..errors import SpecdeployError
-
-
-BYTE_PIECE = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
 
 
 def check_unicode(text: str, what: str) -> None:
@@ -33,7 +28,7 @@ class TextCodec:
         except Exception as exc:
             raise SpecdeployError(f"cannot read {folder / 'tokenizer.json'}: {str(exc).splitlines()[0]}") from None
         self.spec = spec
-        self._byte_tokens: frozenset[int] | None = None
+        self.byte_tokens = self._byte_run_tokens()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Prompt text -> ids, with the tokenizer's own special tokens unless add_special_tokens=False (text
@@ -54,18 +49,15 @@ class TextCodec:
             ids = [self.spec.bos_token_id]
         return ids
 
-    @property
-    def byte_tokens(self) -> frozenset[int]:
-        """The ids of SentencePiece byte-fallback pieces (`<0xNN>`) when the decoder has ByteFallback, which
-        decodes a run of them as a whole: one U+FFFD per byte when the run is not valid UTF-8, the valid
-        bytes before the fault included."""
-        if self._byte_tokens is None:
-            decoder = json.loads(self.tokenizer.to_str()).get("decoder")
-            ids: frozenset[int] = frozenset()
-            if '"ByteFallback"' in json.dumps(decoder):
-                ids = frozenset(i for piece, i in self.tokenizer.get_vocab().items() if BYTE_PIECE.match(piece))
-            self._byte_tokens = ids
-        return self._byte_tokens
+    def _byte_run_tokens(self) -> frozenset[int]:
+        """The ids of SentencePiece byte-fallback pieces (`<0xNN>`) when the decoder decodes a run of them as a
+        whole (ByteFallback): one U+FFFD per byte when the run is not valid UTF-8, the valid bytes before the
+        fault included. Probed on 'H' and a lone continuation byte; empty for other tokenizers."""
+        ids = {self.tokenizer.token_to_id(f"<0x{byte:02X}>") for byte in range(256)} - {None}
+        probe = [self.tokenizer.token_to_id("<0x48>"), self.tokenizer.token_to_id("<0x9B>")]
+        if None in probe or self.tokenizer.decode(probe, skip_special_tokens=False) != "\ufffd\ufffd":
+            return frozenset()
+        return frozenset(ids)
 
     def special_token_ids(self) -> frozenset[int]:
         """The ids of the tokenizer's special added tokens (BOS, EOS, a chat template's turn markers)."""
