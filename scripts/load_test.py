@@ -142,7 +142,9 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict:
             if response.status_code != 200:
                 await response.aread()
                 return {**record, "status": response.status_code, "error": response.text[:200]}
+            finished = False  # the stream's [DONE]: one that ends without it was cut short, not served
             async for line in response.aiter_lines():
+                finished = finished or line == "data: [DONE]"
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 now = time.perf_counter()
@@ -167,6 +169,8 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict:
                     record["extension"] = chunk["specdeploy"]
     except httpx.HTTPError as exc:
         return {**record, "status": f"transport: {exc!r}"[:200]}
+    if not finished:
+        return {**record, "status": "stream ended without [DONE]"}
     end = time.perf_counter()
     tokens = record.get("tokens", marks[-1][1] if marks else 0)
     record.update(ok=True, tokens=tokens, latency_s=end - start, first_token_s=(marks[0][0] if marks else end) - start,

@@ -153,3 +153,25 @@ def test_bench_peers_genai_decode_rate_does_not_count_the_prefills_token():
     assert run["new_tokens"] == 4
     rate, per_pass = run["decode_tokens"] / run["decode_s"], 1 / STEP_S
     assert rate < 1.1 * per_pass, (rate, per_pass)
+
+
+@pytest.mark.parametrize("done", [True, False])
+def test_load_test_a_stream_cut_short_is_a_failed_request(done):
+    """A stream that ends cleanly without [DONE] (a server that dropped it mid-reply) is a failure, not a
+    shorter success that raises the cell's rate."""
+    import asyncio
+
+    import httpx
+
+    load_test = script("load_test")
+    chunk = {"choices": [{"index": 0, "text": "ab", "finish_reason": None}]}
+    body = f"data: {json.dumps(chunk)}\n\n" + ("data: [DONE]\n\n" if done else "")
+
+    async def request() -> dict:
+        transport = httpx.MockTransport(lambda _: httpx.Response(200, text=body,
+                                                                 headers={"content-type": "text/event-stream"}))
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await load_test.one_request(client, "http://server", {"_prompt": 0, "prompt": "x"})
+
+    record = asyncio.run(request())
+    assert record["ok"] is done and record["text"] == "ab"
