@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import SpecdeployError
+from .runtime.config import SEED_LIMIT
 from .runtime.generate import GenerationStats, Generator
 
 
@@ -37,11 +38,13 @@ def parse_prompts(text: str, where: str) -> list[str]:
     """A JSON list of strings, or JSONL with a "prompt" field per line; where names the text in errors."""
     try:
         data = json.loads(text)
-        prompts = data if isinstance(data, list) else None
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
+        data = None
+    prompts = data if isinstance(data, list) else None
+    if prompts is None:  # JSONL (one line of it is also a JSON object)
         try:
             prompts = [json.loads(line)["prompt"] for line in text.splitlines() if line.strip()]
-        except (json.JSONDecodeError, KeyError, TypeError):
+        except (json.JSONDecodeError, RecursionError, KeyError, TypeError):
             prompts = None
     if not prompts or not all(isinstance(p, str) for p in prompts):
         raise SpecdeployError(f"{where}: expected a JSON list of strings or JSONL with a 'prompt' field")
@@ -237,7 +240,7 @@ def run_bench(generator: Generator, config: BenchConfig, progress=None) -> dict:
     results = {k: KResult(k, ModeTotals(), True if greedy else None) for k in ks}
     for repeat in range(config.repeat):
         for index, prompt in enumerate(config.prompts):
-            seed = config.seed + repeat * len(config.prompts) + index
+            seed = (config.seed + repeat * len(config.prompts) + index) % SEED_LIMIT  # as chat's turns wrap
             generator.reset()  # no run reuses the previous run's prefix
             reference = generator.generate(prompt, speculative=False, seed=seed, **options)
             baseline.add(reference.stats)

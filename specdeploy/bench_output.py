@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from .errors import SpecdeployError
 
@@ -120,8 +121,27 @@ def pyplot():
     return plt
 
 
-def plot_report(report: dict, path: str) -> None:
-    """Draw the report (draw_report) into a PNG at `path`."""
+def plot_file(path: str) -> Path:
+    """The file --plot writes, checked before the benchmark: ~ expanded, `.png` added to a name without
+    a suffix (as matplotlib adds it), a suffix matplotlib cannot write refused, the folder writable."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    from .cli_support import check_output_file
+
+    pyplot()
+    check_output_file(path, "--plot")  # a folder, or a folder missing, as given
+    file = Path(path).expanduser()
+    file = file if file.suffix else file.with_name(file.name + ".png")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if file.suffix[1:].lower() not in formats:
+        raise SpecdeployError(f"--plot {path}: matplotlib cannot write .{file.suffix[1:]} files "
+                              f"(it writes {', '.join(sorted(formats))})")
+    check_output_file(str(file), "--plot")
+    return file.resolve()
+
+
+def plot_report(report: dict, path: Path) -> None:
+    """Draw the report (draw_report) into `path` (plot_file's), in the format its suffix names."""
     figure = draw_report(report)
     figure.savefig(path, dpi=100)
     pyplot().close(figure)

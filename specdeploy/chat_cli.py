@@ -21,7 +21,7 @@ from typing import Callable
 
 import click
 
-from .cli_support import format_stats, stream_text
+from .cli_support import format_stats, strict_utf8, stream_text
 from .errors import SpecdeployError
 from .runtime.generate import SEED_LIMIT, GenerationConfig
 
@@ -76,8 +76,14 @@ def read_lines(stream=None, interactive: bool = False) -> Callable[[], str | Non
                 return input(PROMPT if not parts else "  ")
             except EOFError:
                 return None
-        line = (stream or sys.stdin).readline()
-        return line[:-1] if line.endswith("\n") else (line or None)
+        source = stream or getattr(sys.stdin, "buffer", sys.stdin)  # bytes: a bad one fails its message alone
+        line = source.readline()
+        if isinstance(line, bytes):
+            line = strict_utf8(line, "this message") if line else ""
+        for end in ("\r\n", "\n"):  # Windows line ends too: "/exit\r" is /exit
+            if line.endswith(end):
+                return line[: -len(end)]
+        return line or None
 
     parts: list[str] = []
 
@@ -105,6 +111,9 @@ def run_chat(generator, config: ChatConfig, read: Callable[[], str | None]) -> N
             line = read()
         except KeyboardInterrupt:  # at the prompt: a fresh prompt, as Python's REPL does
             click.echo(f"\n(Ctrl-D or /exit quits; {COMMANDS})", err=True)
+            continue
+        except SpecdeployError as exc:  # a message that is not UTF-8: the session goes on
+            click.echo(f"error: {exc}", err=True)
             continue
         if line is None:
             return

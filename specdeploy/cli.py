@@ -116,7 +116,7 @@ def export(target, draft, out, dtype, quantize, draft_quantize, max_context, dra
     _export(target, draft, out, dtype=dtype, quantize=quantize, draft_quantize=draft_quantize, max_context=max_context,
             draft_window=draft_window, draft_vocab=draft_vocab, graph=graph, force=force,
             trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, allow_lossy=allow_lossy)
-    click.echo(str(Path(out).resolve()))
+    click.echo(str(Path(out).expanduser().resolve()))
 
 
 def resolve_bundle(bundle: str | None) -> str:
@@ -314,8 +314,8 @@ def bench(bundle, prompts_file, prompt_file, max_new_tokens, prompt_tokens, num_
     from rich.console import Console
 
     from .bench import BenchConfig, context_sweep, lengthen_prompts, run_bench
-    from .bench_output import machine_description, pyplot
-    from .cli_support import bench_prompts, check_output_file
+    from .bench_output import machine_description, plot_file
+    from .cli_support import bench_prompts
     from .runtime import load
 
     if repeat < 1 or max_new_tokens < 1:
@@ -323,9 +323,7 @@ def bench(bundle, prompts_file, prompt_file, max_new_tokens, prompt_tokens, num_
     ks = parse_draft_tokens(num_draft_tokens)
     checked_generation(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
                        draft_confidence=draft_confidence, seed=seed)
-    if plot:  # before the benchmark, not after it
-        check_output_file(plot, "--plot")
-        pyplot()
+    plot = plot_file(plot) if plot else None  # checked before the benchmark, not after it
     prompts = bench_prompts(prompts_file, prompt_file)
     bundle = resolve_bundle(bundle)
     generator = load(bundle, device=device, drafter=drafter, verify=verify, policy="always")
@@ -355,16 +353,16 @@ def bench(bundle, prompts_file, prompt_file, max_new_tokens, prompt_tokens, num_
 
     report.update(bundle=str(Path(bundle).resolve()), date=datetime.now().astimezone().isoformat(timespec="seconds"),
                   machine=machine_description())
-    if plot:
-        plot_report(report, plot)
-        click.echo(f"plot: {Path(plot).expanduser().resolve()}", err=True)
-    if as_json:
+    if as_json:  # the figures first: a plot that fails to draw loses nothing
         click.echo(json.dumps(report))
     else:
         for each in report.get("by_prompt_tokens", [report]):
             print_bench(each)
         if "context_sweep" in report:
             print_context_sweep(report["context_sweep"])
+    if plot:
+        plot_report(report, plot)
+        click.echo(f"plot: {plot}", err=True)
 
 
 @main.command()

@@ -62,7 +62,7 @@ def test_bench_smoke(agreeing_bundle, tmp_path):
     result = runner.invoke(main, ["bench", str(agreeing_bundle), "--prompts", str(tmp_path / "prompts.json"),
                                   "--max-new-tokens", "12", "-k", "2,4", "--json", "--plot", str(plot)])
     assert result.exit_code == 0, result.output
-    report = json.loads(result.output.strip().splitlines()[-1])
+    report = json.loads(result.stdout.strip().splitlines()[-1])  # stdout: the report alone
     for key in ("target_only", "speculative", "speedup", "identical_outputs", "acceptance_rate", "mean_accepted_tokens"):
         assert key in report
     assert report["identical_outputs"] is True and report["target_only"]["tokens_per_s"] > 0
