@@ -267,7 +267,7 @@ def validate_manifest(manifest: Manifest) -> None:
         for graph in (manifest.accept.greedy, manifest.accept.sampled):
             if graph.path not in listed:
                 raise SpecdeployError(f"manifest: the accept graph {graph.path} is not listed in 'accept.files'")
-    _check_kv_memory(manifest)
+    check_kv_memory(manifest)
 
 
 def _check_token_ids(where: str, spec, vocab_size: int) -> None:
@@ -378,14 +378,16 @@ def kv_cache_bytes(manifest: Manifest) -> int:
                for m in (manifest.target, manifest.draft))
 
 
-def _check_kv_memory(manifest: Manifest) -> None:
+def check_kv_memory(manifest: Manifest, slots: int = 1) -> None:
+    """The KV caches of `slots` sequences (a load's max_batch) fit in this machine's memory."""
     try:
         physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, ValueError, OSError):  # not POSIX: no limit known
         return
-    needed = kv_cache_bytes(manifest)
+    needed = slots * kv_cache_bytes(manifest)
     if needed > physical:
-        raise SpecdeployError(f"manifest: KV caches for max_context {manifest.max_context} need {needed / 2**30:.1f} GiB, "
+        whose = f"max_batch {slots}: the KV caches" if slots > 1 else "manifest: KV caches"
+        raise SpecdeployError(f"{whose} for max_context {manifest.max_context} need {needed / 2**30:.1f} GiB, "
                               f"more than this machine's {physical / 2**30:.1f} GiB")
 
 

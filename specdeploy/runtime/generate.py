@@ -150,6 +150,12 @@ class Generator:
         take, into the speculation policy's tables."""
         import time
 
+        k = num_draft_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DRAFT_TOKENS:
+            raise SpecdeployError(f"num_draft_tokens must be an integer in 1..{MAX_DRAFT_TOKENS} (got {k!r})")
+        prompt = self.prompt_ids(prompt)  # text or ids, checked as a request's
+        if len(prompt) + k + 1 > self.max_context:
+            raise SpecdeployError(f"a calibration prompt of {len(prompt)} tokens leaves no room for {k + 1} more")
         policy, target = self.scheduler.policy, self.target
         caches = [slot.target_cache for slot in self.slots]
         for cache in caches:

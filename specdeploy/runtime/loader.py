@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 from ..bundle import load_manifest
+from ..manifest import check_kv_memory
 from ..errors import SpecdeployError
 from .chat import load_chat_template
 from .drafters import MAX_NGRAM, HybridDrafter, ModelDrafter, PromptLookupDrafter, read_vocab_ids
@@ -43,8 +44,9 @@ def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verif
     warm_up=True (the default) runs each kind of pass once before returning (Generator.warm_up), so
     that the first request runs as fast as later ones; False returns sooner, the first request slower."""
     bundle = Path(bundle)
+    _check_arguments(drafter, lookup_ngram, max_batch, verify=verify, warm_up=warm_up)
     manifest = load_manifest(bundle, verify=verify)
-    _check_arguments(drafter, lookup_ngram, max_batch)
+    check_kv_memory(manifest, slots=max_batch)  # every slot's caches are mapped at load
     config = session or SessionConfig(
         device=device,
         shared_threads=os.environ.get("SPECDEPLOY_SHARED_THREADS", "1") != "0",
@@ -77,7 +79,10 @@ def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verif
     return generator
 
 
-def _check_arguments(drafter: str, lookup_ngram: int, max_batch: int) -> None:
+def _check_arguments(drafter: str, lookup_ngram: int, max_batch: int, **flags: bool) -> None:
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise SpecdeployError(f"{name} must be True or False (got {value!r})")
     if drafter not in DRAFTERS:
         raise SpecdeployError(f"unknown drafter '{drafter}' (choose from {', '.join(DRAFTERS)})")
     for name, value in (("lookup_ngram", lookup_ngram), ("max_batch", max_batch)):

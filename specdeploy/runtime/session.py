@@ -113,9 +113,32 @@ def _use_global_pool(threads: int) -> None:
         _GLOBAL_POOL.append(threads)
 
 
+LEVELS = ("disable", "basic", "extended", "all")
+
+
+def check_session_config(config: SessionConfig) -> None:
+    """Each field of the type and range it is declared with, and a pool ONNX Runtime can give (SpecdeployError)."""
+    if not isinstance(config, SessionConfig):
+        raise SpecdeployError(f"session must be a SessionConfig (got {type(config).__name__})")
+    for name in ("allow_spinning", "shared_threads", "memory_arena", "prepack_weights"):
+        if not isinstance(getattr(config, name), bool):
+            raise SpecdeployError(f"SessionConfig.{name} must be True or False (got {getattr(config, name)!r})")
+    threads = config.intra_op_threads
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+        raise SpecdeployError(f"SessionConfig.intra_op_threads must be an integer >= 0 (got {threads!r})")
+    if config.graph_optimization not in LEVELS:
+        raise SpecdeployError(f"SessionConfig.graph_optimization must be one of {', '.join(LEVELS)} "
+                              f"(got {config.graph_optimization!r})")
+    if not config.shared_threads and global_pool_active():
+        raise SpecdeployError("this process already runs ONNX Runtime on its shared thread pool (an earlier "
+                              "specdeploy.load), and ONNX Runtime then opens no session with a pool of its own: "
+                              "load with shared_threads=True, or set SPECDEPLOY_SHARED_THREADS=0 before the first load")
+
+
 def session_options(config: SessionConfig, spec: ModelSpec | None = None):
     import onnxruntime as ort
 
+    check_session_config(config)
     options = ort.SessionOptions()
     if config.shared_threads:
         _use_global_pool(config.intra_op_threads)
@@ -161,8 +184,9 @@ def open_session(model_path: Path, spec: ModelSpec, config: SessionConfig):
             f"the {spec.role} is an fp32 fused graph, which ONNX Runtime's GPU kernels do not run: "
             "export with --dtype fp16 (or --graph optimum) for --device cuda/tensorrt"
         )
+    options = session_options(config, spec)  # its own errors name the setting, not the model
     try:
-        session = ort.InferenceSession(str(model_path), session_options(config, spec), providers=providers)
+        session = ort.InferenceSession(str(model_path), options, providers=providers)
     except Exception as exc:
         raise SpecdeployError(f"ONNX Runtime cannot load {model_path}: {str(exc).splitlines()[0]}") from None
     check_graph_io(spec, session.get_inputs(), session.get_outputs())
