@@ -138,21 +138,13 @@ def create_app(config: ServeConfig, load: Callable[[], object] | None = None,
     async def chat_completions(request: Request) -> Response:
         return await _generate(service, request, "chat")
 
-    def model_object() -> dict:
-        return {"id": service.model, "object": "model", "created": service.created, "owned_by": "specdeploy",
-                "max_model_len": service.max_context}
-
     async def models(request: Request) -> Response:
         service.check_access(request)
-        return JSONResponse({"object": "list", "data": [model_object()]})
+        return JSONResponse({"object": "list", "data": [_model_object(service)]})
 
     async def model(request: Request) -> Response:
-        """OpenAI's retrieve: the served model by its id, or 404 model_not_found."""
         service.check_access(request)
-        if request.path_params["name"] != service.model:
-            raise ApiError(404, f"The model '{request.path_params['name']}' does not exist", param="model",
-                           code="model_not_found")
-        return JSONResponse(model_object())
+        return JSONResponse(_model_object(service, request.path_params["name"]))
 
     async def health(request: Request) -> Response:
         state = "draining" if service.draining else service.worker.state  # see ModelWorker.state
@@ -175,6 +167,14 @@ def create_app(config: ServeConfig, load: Callable[[], object] | None = None,
     app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
     app.state.service = service
     return CountRequests(app, service.metrics, {route.path for route in routes})
+
+
+def _model_object(service: Service, name: str | None = None) -> dict:
+    """The served model as /v1/models lists it; with a name (OpenAI's retrieve), 404 model_not_found unless it is its id."""
+    if name is not None and name != service.model:
+        raise ApiError(404, f"The model '{name}' does not exist", param="model", code="model_not_found")
+    return {"id": service.model, "object": "model", "created": service.created, "owned_by": "specdeploy",
+            "max_model_len": service.max_context}
 
 
 async def _generate(service: Service, request: Request, kind: str) -> Response:
