@@ -129,14 +129,14 @@ def plot_file(path: str) -> Path:
     from .cli_support import check_output_file
 
     pyplot()
-    check_output_file(path, "--plot")  # a folder, or a folder missing, as given
     file = Path(path).expanduser()
-    file = file if file.suffix else file.with_name(file.name + ".png")
+    if not file.suffix and not file.is_dir():  # a folder is refused below, as given
+        file = file.with_name(file.name + ".png")
+    check_output_file(str(file), "--plot")
     formats = FigureCanvasBase.get_supported_filetypes()
     if file.suffix[1:].lower() not in formats:
         raise SpecdeployError(f"--plot {path}: matplotlib cannot write .{file.suffix[1:]} files "
                               f"(it writes {', '.join(sorted(formats))})")
-    check_output_file(str(file), "--plot")
     return file.resolve()
 
 
