@@ -8,24 +8,33 @@ BIN := $(VENV)/bin
 # CUDA build). Empty: pip's configured index. `make install TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu`
 # gets the CPU build where that index would give the CUDA one. The runtime alone needs no torch.
 TORCH_INDEX_URL ?=
+TORCH_VERSION := 2.13.0
+EXTRAS := export,test,bench,serve,hosts,ray
+# Every package at the version `make test` last passed with: pip's constraints file, written by `make lock`
+# for CPython 3.11 on Linux x86_64. Another Python, or `make install LOCK=`, takes pyproject.toml's ranges alone.
+LOCK ?= $(if $(filter 3.11,$(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')),requirements.lock)
 export HF_HUB_OFFLINE := 1
 export RAY_USAGE_STATS_ENABLED := 0
 export TOKENIZERS_PARALLELISM := false
 
 DEMO_PROMPT ?= def fibonacci(n):\n
 
-.PHONY: demo demo-bundle test bench install host clean
+.PHONY: demo demo-bundle test bench install lock host clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
-$(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[export,test,bench,serve,hosts,ray]'
+$(VENV)/.installed: pyproject.toml $(LOCK) | $(BIN)/python
+	$(BIN)/python -m pip install --quiet $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) $(if $(LOCK),--constraint $(LOCK)) torch==$(TORCH_VERSION)
+	$(BIN)/python -m pip install --quiet $(if $(LOCK),--constraint $(LOCK)) -e '.[$(EXTRAS)]'
 	touch $@
 
 install: $(VENV)/.installed
+
+# After a change to pyproject.toml's requirements: resolve them again and record the versions.
+lock: | $(BIN)/python
+	$(BIN)/python scripts/lock.py
 
 # The prompt goes through stdin: a command substitution would strip its trailing newline.
 demo: $(VENV)/.installed
