@@ -26,7 +26,7 @@ from . import convert, eagle, fused, genai
 from .special_tokens import check_special_tokens
 from . import quantize as quantization
 from .accept import write_accept_graphs
-from .parity import check_parity, overall_agreement
+from .parity import check_parity, overall_agreement, worst_abs_diff
 
 DTYPES = ("fp32", "fp16")
 GRAPHS = ("auto", "fused", "optimum")
@@ -232,7 +232,7 @@ def _build_model(role: str, quantize: str, load_model: Callable, checkpoint, roo
 
 def _parity_failure(parity: ParityReport) -> str:
     if parity.check == "max_abs_diff":
-        return f"max |diff| {max(parity.prefill_max_abs_diff, parity.verify_max_abs_diff):.2e} > {parity.tolerance:g}"
+        return f"max |diff| {worst_abs_diff(parity.prefill_max_abs_diff, parity.verify_max_abs_diff):.2e} > {parity.tolerance:g}"
     agreement = overall_agreement(parity.prefill_tokens, parity.prefill_greedy_agreement, parity.verify_tokens,
                                   parity.verify_greedy_agreement)
     return (f"greedy agreement with fp32 {agreement:.3f} < {parity.tolerance:g} over "
