@@ -1,7 +1,8 @@
 """Weight-only int8 / int4 quantization, the embedding and the LM head included.
 
 Every MatMul with a constant weight becomes ONNX Runtime's MatMulNBits (its own quantizer, blocks of
-`block_size` along the input dimension, symmetric). The token embedding and the LM head are the
+`block_size` along the input dimension, symmetric), and so does every Gemm with one (GPT-2's projections
+in optimum's graphs: MatMulNBits and an Add of the bias). The token embedding and the LM head are the
 largest tensors of a small model with a large vocabulary (SmolLM2-135M: 49,152 x 576, more bytes
 than all its layers at int4), and ONNX Runtime's quantizer leaves both in fp32: the embedding is a
 Gather, and a tied head reads the embedding table transposed. So this module quantizes the table
@@ -14,6 +15,7 @@ and points both users at that one tensor, as onnxruntime-genai's builder does fo
 
     Gather(table, input_ids)        -> GatherBlockQuantized(data, input_ids, scales) [-> Slice the padding]
     FusedMatMul(hidden, table^T)    -> MatMulNBits(hidden, data, scales)      (tied head: stored once)
+    MatMul(hidden, Transpose(table)) -> the same                              (optimum's tied head)
 
 An untied head is a plain MatMul, which the quantizer takes with the rest.
 
@@ -97,6 +99,7 @@ def quantize_weights(path: Path, bits: int, block_size: int = BLOCK_SIZE, accura
         written: dict[str, object] = {}  # name -> TensorProto in the new data file
         _quantize_embedding(graph, reader, writer, written, bits, block_size, accuracy_level, chunk_rows)
         _quantize_matmuls(model, reader, writer, written, bits, block_size, accuracy_level)
+        _quantize_gemms(graph, reader, writer, written, bits, block_size, accuracy_level)
         used = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
         # Unused initializers go (the fp32 table, the quantized MatMuls' weights), as ORT's quantizer cleans them.
         dropped = {t.name for t in graph.initializer if t.name not in used}
@@ -213,14 +216,49 @@ def _quantize_embedding(graph, reader, writer, written: dict, bits: int, block_s
         nodes.append(helper.make_node("Slice", [rows, f"{prefix}/start", f"{prefix}/end", f"{prefix}/axis"],
                                       [gather.output[0]], name=f"{prefix}/Slice"))
     _replace(graph, gather, nodes)
+    transposed = {n.output[0] for n in graph.node if n.op_type == "Transpose" and list(n.input) == [table_name]
+                  and [list(helper.get_attribute_value(a)) for a in n.attribute if a.name == "perm"] in ([], [[1, 0]])}
     for node in list(graph.node):
         attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        if (node.op_type == "FusedMatMul" and node.domain == MS and list(node.input[1:]) == [table_name]
-                and attributes.get("transB") == 1 and not attributes.get("transA") and attributes.get("alpha", 1.0) == 1.0):
+        fused = (node.op_type == "FusedMatMul" and node.domain == MS and list(node.input[1:]) == [table_name]
+                 and attributes.get("transB") == 1 and not attributes.get("transA") and attributes.get("alpha", 1.0) == 1.0)
+        if fused or (node.op_type == "MatMul" and node.input[1] in transposed):
             head = helper.make_node("MatMulNBits", [node.input[0], data_name, scales_name], list(node.output),
                                     name=node.name or "lm_head", domain=MS, K=hidden, N=vocab, bits=bits,
                                     block_size=block_size, accuracy_level=accuracy_level)
             _replace(graph, node, [head])
+    used = {name for node in graph.node for name in node.input}
+    for node in [n for n in graph.node if n.op_type == "Transpose" and n.output[0] in transposed - used]:
+        graph.node.remove(node)
+
+
+def _quantize_gemms(graph, reader, writer, written: dict, bits: int, block_size: int, accuracy_level: int) -> None:
+    """Every Gemm of a constant 2-D weight (alpha and beta 1, A not transposed) as MatMulNBits, then an Add of C.
+
+    quantize_blockwise's blocks are those of ORT's MatMulNBits quantizer (tests/test_quantize.py): the weight's
+    rows are its output features, as a Gemm's B is with transB and its transpose is without."""
+    import onnx
+    from onnx import helper
+
+    initializers = {t.name: t for t in graph.initializer}
+    for node in list(graph.node):
+        attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        weight = initializers.get(node.input[1]) if node.op_type == "Gemm" else None
+        if (weight is None or len(weight.dims) != 2 or weight.data_type != onnx.TensorProto.FLOAT
+                or attributes.get("transA", 0) or attributes.get("alpha", 1.0) != 1.0 or attributes.get("beta", 1.0) != 1.0):
+            continue
+        rows = reader.array(weight)
+        rows = rows if attributes.get("transB", 0) else rows.T  # [out, in]
+        data, scales = quantize_blockwise(np.ascontiguousarray(rows), bits, block_size)
+        name = f"{weight.name}_Q{bits}_{node.name or len(written)}"
+        written[name], written[f"{name}_scales"] = writer.array(name, data), writer.array(f"{name}_scales", scales)
+        product = node.output[0] if len(node.input) < 3 or not node.input[2] else f"{node.output[0]}/MatMulNBits"
+        nodes = [helper.make_node("MatMulNBits", [node.input[0], name, f"{name}_scales"], [product],
+                                  name=f"{node.name}/MatMulNBits", domain=MS, K=rows.shape[1], N=rows.shape[0],
+                                  bits=bits, block_size=block_size, accuracy_level=accuracy_level)]
+        if product != node.output[0]:
+            nodes.append(helper.make_node("Add", [product, node.input[2]], [node.output[0]], name=f"{node.name}/Add"))
+        _replace(graph, node, nodes)
 
 
 def _replace(graph, old, new: list) -> None:
