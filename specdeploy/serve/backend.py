@@ -94,18 +94,29 @@ class SchedulerBackend:
         if self.scheduler.active:
             self.scheduler.step()
         for live in list(self._live):
-            sequence = live.sequence
-            text = "".join(sequence.take_pieces())
-            count = len(sequence.new_tokens)
-            if sequence.finished:
-                self._live.remove(live)
-                if sequence.error is not None:
-                    updates.append(Update(live, text, count, error=sequence.error))
-                else:
-                    updates.append(Update(live, text, count, live.new_logprobs(count), output=sequence.output()))
-            elif text:
-                updates.append(Update(live, text, count, live.new_logprobs(count)))
-            elif count and not live.started:  # its first tokens, none shown yet (not streamed, or held back)
-                updates.append(Update(live, num_new_tokens=count))
-            live.started = live.started or count > 0
+            try:
+                update = self._update(live)
+            except Exception as exc:  # this sequence's own text, logprobs or output: it fails alone
+                self.cancel(live)
+                update = Update(live, error=exc)
+            if update is not None:
+                updates.append(update)
         return updates
+
+    def _update(self, live: _Live) -> Update | None:
+        sequence = live.sequence
+        text = "".join(sequence.take_pieces())
+        count = len(sequence.new_tokens)
+        update = None
+        if sequence.finished:
+            if sequence.error is not None:
+                update = Update(live, text, count, error=sequence.error)
+            else:
+                update = Update(live, text, count, live.new_logprobs(count), output=sequence.output())
+            self._live.remove(live)
+        elif text:
+            update = Update(live, text, count, live.new_logprobs(count))
+        elif count and not live.started:  # its first tokens, none shown yet (not streamed, or held back)
+            update = Update(live, num_new_tokens=count)
+        live.started = live.started or count > 0
+        return update

@@ -216,6 +216,10 @@ class ModelWorker:
                 live, self._live = self._live, []
             for job in live:
                 self._release(job)
+            try:
+                self._count()  # nothing decodes now, nothing waits
+            except Exception:
+                log.exception("updating the gauges failed")
 
     def _load_model(self) -> bool:
         started = time.perf_counter()

@@ -1,0 +1,110 @@
+"""The worker's gauges after a crash or a shutdown, and one sequence's failure inside a batched step.
+
+Tests wait on the gates of GatedModel and on events, never on the clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import httpx
+
+import specdeploy
+from specdeploy.serve import ServeConfig
+from specdeploy.serve.metrics import Metrics
+from specdeploy.serve.worker import Job, ModelWorker
+from test_serve import PROMPT, GatedModel, LiveServer, wait_for
+from test_serve_worker import WorkerKilled, post_in_thread
+
+RUNNING = "specdeploy:num_requests_running"
+WAITING = "specdeploy:num_requests_waiting"
+
+
+def test_running_gauge_reads_zero_once_the_worker_has_died(agreeing_bundle):
+    """docs/serve.md: num_requests_running is the requests decoding now; a dead worker decodes none."""
+    model = GatedModel(specdeploy.load(agreeing_bundle))
+    live = LiveServer(ServeConfig(bundle=str(agreeing_bundle), max_queue=4), load=lambda: model)
+    try:
+        answers = {}
+        running = post_in_thread(live.url, {"prompt": PROMPT, "max_tokens": 50, "temperature": 0}, answers, "running")
+        model.wait(lambda m: m.held == 1, "the request to generate")
+        assert live.metric(RUNNING) == 1
+        model.fail(WorkerKilled("injected"))
+        running.join(30)
+        assert answers["running"].status_code == 500
+        live.service.worker._thread.join(30)  # the worker's thread has ended, its cleanup done
+        assert httpx.get(live.url + "/health").json()["status"] == "crashed"
+        assert live.metric(RUNNING) == 0 and live.metric(WAITING) == 0
+    finally:
+        model.open()
+        live.close()
+
+
+def test_running_gauge_reads_zero_once_shutdown_has_answered_every_request(agreeing_bundle):
+    model = GatedModel(specdeploy.load(agreeing_bundle))
+    live = LiveServer(ServeConfig(bundle=str(agreeing_bundle), max_queue=4), load=lambda: model)
+    try:
+        answers = {}
+        running = post_in_thread(live.url, {"prompt": PROMPT, "max_tokens": 50, "temperature": 0}, answers, "running")
+        model.wait(lambda m: m.held == 1, "the request to generate")
+        stopper = threading.Thread(target=live.service.worker.stop)
+        stopper.start()
+        running.join(30)
+        assert answers["running"].status_code == 503
+        model.open()
+        stopper.join(30)
+        assert not live.service.worker._thread.is_alive()
+        assert live.metric(RUNNING) == 0 and live.metric(WAITING) == 0
+    finally:
+        model.open()
+        live.close()
+
+
+class FailingOutput:
+    """The real generator, whose first sequence raises when the runtime builds its GenerationOutput."""
+
+    def __init__(self, generator):
+        self.generator, self.made = generator, 0
+
+    def __getattr__(self, name):
+        return getattr(self.generator, name)
+
+    def new_sequence(self, prompt, **options):
+        sequence = self.generator.new_sequence(prompt, **options)
+        self.made += 1
+        if self.made == 1:
+            def output():
+                raise RuntimeError("injected output failure")
+
+            sequence.output = output
+        return sequence
+
+
+def test_one_sequences_failure_in_a_batched_step_fails_its_request_alone(agreeing_bundle):
+    """docs/serve.md: an exception while serving a request, in the runtime or in the server's own
+    bookkeeping, fails that request alone. Two requests decode together; building the first one's
+    output fails: the second still gets its own output."""
+    generator = FailingOutput(specdeploy.load(agreeing_bundle, max_batch=2))
+    alone = generator.generator.generate(PROMPT, max_new_tokens=8, temperature=0).token_ids
+    ids = generator.codec.encode(PROMPT)
+
+    async def scenario():
+        worker = ModelWorker(lambda: generator, max_queue=4, metrics=Metrics())
+        assert worker._load_model() and worker.backend.capacity == 2
+        failing = Job(ids, [dict(max_new_tokens=2, temperature=0)], streaming=False)
+        healthy = Job(ids, [dict(max_new_tokens=8, temperature=0)], streaming=False)
+        worker.submit(failing)
+        worker.submit(healthy)  # both queued before the loop runs: they start, and decode, together
+        thread = threading.Thread(target=worker._loop)
+        thread.start()
+        try:
+            return await failing.events.get(), await healthy.events.get()
+        finally:
+            worker.stop()
+            thread.join(30)
+
+    (failing_kind, failure), (healthy_kind, healthy_value) = asyncio.run(scenario())
+    assert failing_kind == "error" and failure.status == 500 and "injected output failure" in failure.message
+    assert healthy_kind == "done", getattr(healthy_value, "message", healthy_value)
+    assert healthy_value[0].output.token_ids == alone
