@@ -216,6 +216,16 @@ def _quantize_embedding(graph, reader, writer, written: dict, bits: int, block_s
         nodes.append(helper.make_node("Slice", [rows, f"{prefix}/start", f"{prefix}/end", f"{prefix}/axis"],
                                       [gather.output[0]], name=f"{prefix}/Slice"))
     _replace(graph, gather, nodes)
+    head = helper.make_node("MatMulNBits", ["", data_name, scales_name], [""], domain=MS, K=hidden, N=vocab, bits=bits,
+                            block_size=block_size, accuracy_level=accuracy_level)
+    _point_heads_at(graph, table_name, head)
+
+
+def _point_heads_at(graph, table_name: str, head) -> None:
+    """Every tied head reading table_name transposed (a FusedMatMul with transB, or a MatMul of its Transpose)
+    becomes a copy of `head` (MatMulNBits over the quantized table) with that node's input, output and name."""
+    from onnx import helper
+
     transposed = {n.output[0] for n in graph.node if n.op_type == "Transpose" and list(n.input) == [table_name]
                   and [list(helper.get_attribute_value(a)) for a in n.attribute if a.name == "perm"] in ([], [[1, 0]])}
     for node in list(graph.node):
@@ -223,10 +233,10 @@ def _quantize_embedding(graph, reader, writer, written: dict, bits: int, block_s
         fused = (node.op_type == "FusedMatMul" and node.domain == MS and list(node.input[1:]) == [table_name]
                  and attributes.get("transB") == 1 and not attributes.get("transA") and attributes.get("alpha", 1.0) == 1.0)
         if fused or (node.op_type == "MatMul" and node.input[1] in transposed):
-            head = helper.make_node("MatMulNBits", [node.input[0], data_name, scales_name], list(node.output),
-                                    name=node.name or "lm_head", domain=MS, K=hidden, N=vocab, bits=bits,
-                                    block_size=block_size, accuracy_level=accuracy_level)
-            _replace(graph, node, [head])
+            copy = type(head)()
+            copy.CopyFrom(head)
+            copy.input[0], copy.output[0], copy.name = node.input[0], node.output[0], node.name or "lm_head"
+            _replace(graph, node, [copy])
     used = {name for node in graph.node for name in node.input}
     for node in [n for n in graph.node if n.op_type == "Transpose" and n.output[0] in transposed - used]:
         graph.node.remove(node)
