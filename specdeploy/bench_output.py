@@ -124,11 +124,11 @@ def pyplot():
 def plot_file(path: str) -> Path:
     """The file --plot writes, checked before the benchmark: ~ expanded, `.png` added to a name without
     a suffix (as matplotlib adds it), a suffix matplotlib cannot write refused, the folder writable."""
-    from matplotlib.backend_bases import FigureCanvasBase
-
     from .cli_support import check_output_file
 
-    pyplot()
+    pyplot()  # matplotlib missing: the one error naming the extra, before anything else of it is imported
+    from matplotlib.backend_bases import FigureCanvasBase
+
     file = Path(path).expanduser()
     if not file.suffix and not file.is_dir():  # a folder is refused below, as given
         file = file.with_name(file.name + ".png")
