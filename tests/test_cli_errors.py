@@ -12,6 +12,7 @@ from click.testing import CliRunner
 
 from specdeploy.bench_output import draw_report
 from specdeploy.cli import main
+from specdeploy.defaults import SHIPPED_BUNDLE
 from specdeploy.errors import SpecdeployError
 from specdeploy.inspect_output import format_size
 
@@ -287,3 +288,26 @@ def test_bench_plot_without_matplotlib_fails_before_anything_loads(tmp_path, mon
     code, stdout, stderr = invoke("bench", str(tmp_path / "no-bundle"), "--plot", str(tmp_path / "k.png"))
     assert_one_line(code, stderr, "--plot needs matplotlib (pip install 'specdeploy[bench]')")
     assert stdout == "" and not (tmp_path / "k.png").exists()
+
+
+def _cuda_provider_available() -> bool:
+    import onnxruntime as ort
+
+    return "CUDAExecutionProvider" in ort.get_available_providers()
+
+
+@pytest.mark.parametrize("device, message", [
+    ("gpu", "unknown device 'gpu'"),
+    pytest.param("cuda", "needs onnxruntime-gpu",
+                 marks=pytest.mark.skipif(_cuda_provider_available(), reason="this onnxruntime has CUDA")),
+])
+def test_serve_refuses_an_unusable_device_before_it_listens(device, message):
+    """`--device gpu` (not a device) and `--device cuda` without onnxruntime-gpu are refused as `run` and
+    `bench` refuse them: one error line, exit 2, and no server started ("serving ... on http://...")."""
+    result = subprocess.run([sys.executable, "-m", "specdeploy", "serve", str(SHIPPED_BUNDLE), "--port", "0",
+                             "--device", device], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert "serving" not in result.stderr and "uvicorn" not in result.stderr, result.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr

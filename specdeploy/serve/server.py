@@ -20,6 +20,7 @@ import uvicorn
 from ..bundle import load_manifest
 from ..errors import SpecdeployError
 from ..runtime.loader import DRAFTERS
+from ..runtime.session import DEVICES, SessionConfig, providers_for
 from .app import create_app
 from .config import ServeConfig
 from .protocol import ApiError, parse_request
@@ -31,6 +32,8 @@ DRAIN_GRACE_S = 2.0  # after the drain deadline: time to send the answers the wo
 def check_config(config: ServeConfig) -> None:
     """Refuse a bad configuration before anything listens (the model itself loads once the server is up)."""
     manifest = load_manifest(config.bundle)
+    if config.device not in DEVICES:
+        raise SpecdeployError(f"unknown device '{config.device}' (choose from {', '.join(DEVICES)})")
     if config.drafter not in DRAFTERS:
         raise SpecdeployError(f"unknown drafter '{config.drafter}' (choose from {', '.join(DRAFTERS)})")
     try:  # the options a request that sets none starts from, through the requests' own validation
@@ -66,6 +69,7 @@ def serve(config: ServeConfig, load: Callable[[], object] | None = None) -> None
 
     load: builds the Generator (default: specdeploy.load with the config's device and drafter)."""
     check_config(config)
+    providers_for(SessionConfig(device=config.device))  # this machine's onnxruntime runs the device (a replica's may not)
     sock = bind(config.host, config.port)
     port = sock.getsockname()[1]
     app = create_app(config, load)
