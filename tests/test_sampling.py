@@ -451,3 +451,19 @@ def test_c_top_p_cut_between_near_ties_keeps_the_definitions_token():
     assert reference[1] == 0 and reference[2] > 0  # the definition keeps the larger logit here
     ours = Sampler(params, 3).distribution(logits, np.empty(3, np.float32))
     assert_same_row(ours, reference)
+
+
+def test_top_p_near_one_never_readmits_tokens_top_k_removed():
+    """Token 9 is the 10th most likely, so top_k=9 removes it. With top_p one double below 1 (a valid
+    value), the nucleus's float64 sums (the total, pairwise; the sorted cumulative sum, sequential) differ
+    by rounding so that top_p * total exceeds the whole top-k mass: the removed token, whose weight is 0
+    in the nucleus's weights, then passes the nucleus test and its logit is restored."""
+    logits = np.full(10, -36.8, np.float32)
+    logits[8] = 0.0
+    logits[9] = -37.5
+    params = SamplingParams(temperature=1.0, top_k=9, top_p=float(np.nextafter(1.0, 0.0)))
+    reference = process_row(logits, params, np.empty(10, np.float32))
+    assert reference[9] == 0.0, "the NumPy definition kept a token outside the top-k"
+    if sampling._fastsample is not None:
+        ours = Sampler(params, 10).distribution(logits, np.empty(10, np.float32))
+        np.testing.assert_array_equal(ours > 0, reference > 0)

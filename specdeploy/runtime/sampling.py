@@ -94,7 +94,8 @@ def support(logits: np.ndarray, params: SamplingParams) -> np.ndarray | None:
         scaled -= scaled.max()
         if params.top_p < 1.0:
             weights = np.exp(scaled) if keep is None else np.where(keep, np.exp(scaled), np.float32(0.0))
-            keep = _nucleus(weights, params.top_p, logits)
+            nucleus = _nucleus(weights, params.top_p, logits)
+            keep = nucleus if keep is None else keep & nucleus  # rounding never readmits what top-k removed
         if params.min_p > 0.0:
             above = scaled >= np.float32(math.log(params.min_p))
             keep = above if keep is None else keep & above
