@@ -75,7 +75,8 @@ def prepare_out(out: Path, resume: bool) -> dict | None:
     if out.exists() and not out.is_dir():
         raise SpecdeployError(f"--out {out}: exists and is not a folder")
     run = read_run(out) if out.is_dir() else None
-    has_checkpoint = run is not None and run.get("step") is not None and (out / STATE_FILE).is_file()
+    # distill.json says step null until the first save completes: a save cut after checkpoint.pt landed still counts
+    has_checkpoint = run is not None and (out / STATE_FILE).is_file()
     if resume:
         if run is None:
             raise SpecdeployError(f"--resume: no distill checkpoint in {out}")
@@ -83,8 +84,8 @@ def prepare_out(out: Path, resume: bool) -> dict | None:
             raise SpecdeployError(f"--resume: the run in {out} has no checkpoint yet; start it again without --resume")
         return run
     if has_checkpoint:
-        raise SpecdeployError(f"--out {out}: holds a distill run at step {run['step']}; pass --resume to continue it, "
-                              "or choose another folder")
+        at = f"at step {run['step']}" if run.get("step") is not None else "with a checkpoint"
+        raise SpecdeployError(f"--out {out}: holds a distill run {at}; pass --resume to continue it, or choose another folder")
     if out.is_dir() and run is None and any(out.iterdir()):
         raise SpecdeployError(f"--out {out}: not empty and not a distill folder; choose a new or empty folder")
     existing = next((p for p in (out, *out.parents) if p.exists()), None)
@@ -102,7 +103,8 @@ def check_resume(run: dict, state: dict, fingerprint: dict, target_identity: dic
     # checkpoint.pt is written first, distill.json last: a state ahead of the record means the writes after
     # it were cut (a kill, a second Ctrl-C). The state is whole (written atomically) and the next save
     # rewrites the rest; a state behind the record is not this run's.
-    if not isinstance(state.get("step"), int) or state["step"] < run["step"]:
+    recorded = run.get("step") if isinstance(run.get("step"), int) else -1  # null: the first save was cut
+    if not isinstance(state.get("step"), int) or state["step"] < recorded:
         raise SpecdeployError(f"--resume: {out / STATE_FILE} (step {state.get('step')}) does not match {RUN_FILE} "
                               f"(step {run.get('step')})")
     previous = state.get("target", {})

@@ -71,6 +71,11 @@ class DistillConfig:
             raise SpecdeployError("--generate-tokens and token limits cannot be negative")
         if not self.data and self.generate_tokens == 0:
             raise SpecdeployError("no training text: pass --data, or let the target generate some (--generate-tokens > 0)")
+        if self.data and self.max_text_tokens == 0:
+            raise SpecdeployError("--max-text-tokens 0 reads no text from --data: raise it, or leave --data out")
+        if self.kind == "eagle" and self.seq_len < self.unroll + 1:  # S tokens give S - 1 head inputs, step s uses S - s
+            raise SpecdeployError(f"--seq-len {self.seq_len}: an eagle head needs at least --unroll + 1 "
+                                  f"({self.unroll + 1}) tokens a window")
         if self.kind == "model" and self.unroll != 1:
             raise SpecdeployError("--unroll applies to --kind eagle only")
         if self.kind == "eagle" and self.hidden_size is not None:

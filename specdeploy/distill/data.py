@@ -45,7 +45,7 @@ def expand_paths(paths: tuple[str, ...], exclude: Path | None = None) -> list[Pa
         if path.is_file():
             found = [path]
         elif path.is_dir():
-            found = sorted(f for f in path.rglob("*") if f.is_file() and not SKIPPED_DIRS & set(f.parts)
+            found = sorted(f for f in path.rglob("*") if f.is_file() and not SKIPPED_DIRS & set(f.relative_to(path).parts)
                            and not any(part.startswith(".") for part in f.relative_to(path).parts))
             if not found:
                 raise SpecdeployError(f"--data {entry}: an empty folder")

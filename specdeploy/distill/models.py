@@ -128,6 +128,10 @@ def draft_config(target: Target, layers: int, hidden_size: int | None):
                               f"(hidden size {target.hidden_size}) would cost more than it saves")
     config = copy.deepcopy(target.config)
     config.num_hidden_layers = layers
+    # No dropout: its draws come from no state a checkpoint holds, so a resumed run would end with other weights.
+    for name, value in config.to_dict().items():
+        if isinstance(value, float) and name.endswith(("dropout", "pdrop", "dropout_prob")):
+            setattr(config, name, 0.0)
     if isinstance(getattr(config, "layer_types", None), list):
         config.layer_types = config.layer_types[:layers]
     config.tie_word_embeddings = False

@@ -123,15 +123,20 @@ def distill(config: DistillConfig, report: Callable = lambda event: None, stop=N
 
     config.validate()
     out = Path(config.out).expanduser()
-    created = not out.exists()
+    made = [folder for folder in (out, *out.parents) if not folder.exists()]  # this run makes them, deepest first
     previous_threads = torch.get_num_threads()
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     try:
         return _distill(config, report, stop)
-    except SpecdeployError:  # bad input found once this run had made the folder (too little text): it leaves none
-        if created and out.is_dir() and not (out / ckpt.STATE_FILE).exists():
+    except SpecdeployError:  # bad input found once this run had made the folders (too little text): it leaves none
+        if made and out.is_dir() and not (out / ckpt.STATE_FILE).exists():
             shutil.rmtree(out)
+            for parent in made[1:]:
+                try:
+                    parent.rmdir()  # only while empty: nothing another program put there goes
+                except OSError:
+                    break
         raise
     finally:
         torch.set_num_threads(previous_threads)
