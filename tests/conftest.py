@@ -6,7 +6,10 @@ standard library, the models are random configs with seeded weights.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -313,3 +316,23 @@ def check_two_token_distribution(generator, prompt_ids: list[int], options: dict
         assert observed[-1] == 0
         observed, expected = observed[:-1], expected[:-1]
     assert scipy_stats.chisquare(observed, np.array(expected) * sum(observed) / sum(expected)).pvalue > 1e-3
+
+
+NODE_HOST_DIR = Path(__file__).resolve().parents[1] / "examples" / "node"
+
+
+@pytest.fixture(scope="session")
+def node():
+    """The node binary, with examples/node's locked packages installed (again only when the lock file changed)."""
+    node, npm = shutil.which("node"), shutil.which("npm")
+    if node is None or npm is None:
+        pytest.skip("the Node host needs node and npm (Node.js 18 or later) on PATH")
+    digest = hashlib.sha256((NODE_HOST_DIR / "package-lock.json").read_bytes()).hexdigest()
+    stamp = NODE_HOST_DIR / "node_modules" / ".installed-lock-sha256"
+    if not stamp.is_file() or stamp.read_text() != digest:
+        # --ignore-scripts: onnxruntime-node's install script downloads optional GPU binaries; its CPU library ships in the package.
+        result = subprocess.run([npm, "ci", "--ignore-scripts", "--no-audit", "--no-fund"], cwd=NODE_HOST_DIR,
+                                capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+        stamp.write_text(digest)
+    return node

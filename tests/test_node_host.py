@@ -23,23 +23,6 @@ MAX_NEW_TOKENS = 40
 
 
 @pytest.fixture(scope="module")
-def node():
-    """The node binary, with examples/node's locked packages installed (again only when the lock file changed)."""
-    node, npm = shutil.which("node"), shutil.which("npm")
-    if node is None or npm is None:
-        pytest.skip("the Node host needs node and npm (Node.js 18 or later) on PATH")
-    digest = hashlib.sha256((NODE_DIR / "package-lock.json").read_bytes()).hexdigest()
-    stamp = NODE_DIR / "node_modules" / ".installed-lock-sha256"
-    if not stamp.is_file() or stamp.read_text() != digest:
-        # --ignore-scripts: onnxruntime-node's install script downloads optional GPU binaries; its CPU library ships in the package.
-        result = subprocess.run([npm, "ci", "--ignore-scripts", "--no-audit", "--no-fund"], cwd=NODE_DIR,
-                                capture_output=True, text=True)
-        assert result.returncode == 0, result.stderr
-        stamp.write_text(digest)
-    return node
-
-
-@pytest.fixture(scope="module")
 def fp16_bundle(tmp_path_factory, trained_pair):
     """fp16 fused graphs: float16 logits and KV buffers, and the target's two-token minimum pass."""
     from conftest import export_pair

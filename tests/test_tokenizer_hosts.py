@@ -31,7 +31,6 @@ CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}
                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 needs_genai = pytest.mark.skipif(th.genai_version() is None, reason="onnxruntime-genai is not installed")
-needs_node = pytest.mark.skipif(th.node_version() is None, reason="node or examples/node's packages are missing")
 
 
 def build_folder(folder: Path, kind: str) -> Path:
@@ -154,8 +153,8 @@ def test_no_repair_that_changes_hf_ids_is_taken_and_the_host_is_unsupported(tmp_
         assert th.read_reference(json.loads((folder / "tokenizer.json").read_text()), result.samples) == result.reference
 
 
-@needs_node
-def test_node_reads_the_hybrid_and_the_repair_alike(tmp_path):
+def test_node_reads_the_hybrid_and_the_repair_alike(node, tmp_path):
+    """`node` installs examples/node's locked packages where they are missing."""
     folder = build_folder(tmp_path, "hybrid")
     samples = th.sample_texts(folder)
     data = json.loads((folder / "tokenizer.json").read_text())
