@@ -80,3 +80,21 @@ def test_calibrate_takes_a_prompt_as_generate_does(prompt):
     generator.calibrate(prompt, 2)
     generator.reset()
     assert len(generator.generate("def fib(n):", max_new_tokens=4).token_ids) == 4
+
+
+def test_calibrate_refuses_while_a_stream_is_open_and_the_stream_goes_on_as_alone():
+    """calibrate times passes in every slot's caches: with a stream open it overwrote that stream's KV cache, and
+    the stream's greedy tokens went wrong. It is refused until the stream ends."""
+    generator = specdeploy.load(SHIPPED_BUNDLE, warm_up=False, max_batch=2)
+    prompt = "def fibonacci(n):\n"
+    alone = generator.generate(prompt, max_new_tokens=40, temperature=0).token_ids
+    stream = generator.stream(prompt, max_new_tokens=40, temperature=0)
+    pieces = iter(stream)
+    next(pieces)
+    with pytest.raises(SpecdeployError, match="finish or close"):
+        generator.calibrate("class Stack:\n", 3)
+    list(pieces)
+    assert stream.output.token_ids == alone
+    generator.calibrate("class Stack:\n", 3)  # once nothing generates
+    assert generator.generate(prompt, max_new_tokens=40, temperature=0).token_ids == alone
+

@@ -154,6 +154,10 @@ class Generator:
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DRAFT_TOKENS:
             raise SpecdeployError(f"num_draft_tokens must be an integer in 1..{MAX_DRAFT_TOKENS} (got {k!r})")
         prompt = self.prompt_ids(prompt)  # text or ids, checked as a request's
+        if self.scheduler.active:  # it times passes in every slot's caches
+            live = len(self.scheduler.waiting) + len(self.scheduler.running)
+            raise SpecdeployError(f"calibrate would overwrite the KV caches of the {live} sequence(s) generating now: "
+                                  "finish or close their streams first")
         if len(prompt) + k + 1 > self.max_context:
             raise SpecdeployError(f"a calibration prompt of {len(prompt)} tokens leaves no room for {k + 1} more")
         policy, target = self.scheduler.policy, self.target
