@@ -99,6 +99,24 @@ def test_genai_runs_the_demo_pair_both_ways(demo_bundle):
                                   speculative=False)
 
 
+def test_genai_samples_when_a_caller_asks_for_sampling_alone(demo_bundle):
+    """The config's search defaults are greedy, with top_k 50 for a caller who turns sampling on (genai's
+    model builder's default): top_k 1 made `do_sample=True` greedy. Sampling at T 1 over the demo pair's
+    8k vocabulary with different seeds gives different continuations."""
+    model = og.Model(str(demo_bundle / load_manifest(demo_bundle).genai.target_only))
+    ids = prompt_ids(demo_bundle, PROMPTS[0])
+    continuations = set()
+    for seed in range(4):
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=len(ids) + 24, do_sample=True, random_seed=seed)
+        generator = og.Generator(model, params)
+        generator.append_tokens(ids)
+        while not generator.is_done():
+            generator.generate_next_token()
+        continuations.add(tuple(int(t) for t in generator.get_sequence(0))[len(ids):])
+    assert len(continuations) > 1, continuations
+
+
 def test_manifest_records_the_genai_folders(bundles):
     bundle = bundles("llama")
     manifest = load_manifest(bundle, verify=True)  # the configs and tokenizer copies are checksummed too

@@ -133,7 +133,8 @@ def _decoder(spec: ModelSpec, filename: str, spinning: bool) -> dict[str, Any]:
 
 
 def _search(max_context: int, shared_buffer: bool) -> dict[str, Any]:
-    """Greedy defaults a caller overrides per request.
+    """Greedy defaults a caller overrides per request; a caller who turns sampling on gets top_k 50, as
+    genai's model builder writes for a model without sampling defaults (top_k 1 kept it greedy).
 
     shared_buffer: every model has the fused graph, so the KV cache can be one max_length buffer per
     layer written in place (optimum's graph concatenates, and genai then grows the cache instead)."""
@@ -146,7 +147,7 @@ def _search(max_context: int, shared_buffer: bool) -> dict[str, Any]:
         "past_present_share_buffer": shared_buffer,
         "repetition_penalty": 1.0,
         "temperature": 1.0,
-        "top_k": 1,
+        "top_k": 50,
         "top_p": 1.0,
     }
 
