@@ -467,3 +467,14 @@ def test_top_p_near_one_never_readmits_tokens_top_k_removed():
     if sampling._fastsample is not None:
         ours = Sampler(params, 10).distribution(logits, np.empty(10, np.float32))
         np.testing.assert_array_equal(ours > 0, reference > 0)
+
+
+def test_draw_cuts_a_large_vocabulary_at_the_exact_token():
+    """Equal weights over Gemma 3's 262,144 tokens: a uniform u draws token floor(u * vocab). The block sums'
+    running total was float32, which drifted by several tokens' mass across the vocabulary (u = 0.59 drew
+    token 154,633 for 154,630); they are float64, as the C kernel's are."""
+    vocab = 262_144
+    weights = np.full(vocab, 0.1, np.float32)
+    for u in np.random.default_rng(0).random(200):
+        if abs(u * vocab - round(u * vocab)) > 1e-3:  # not at a boundary, where rounding may go either way
+            assert draw(weights, float(u)) == int(u * vocab), u

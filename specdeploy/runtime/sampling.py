@@ -332,12 +332,13 @@ def draw(weights: np.ndarray, uniform: float) -> int:
 
     Two levels: a cumulative sum over blocks of 64 (their sums are one vectorized reduction),
     then one inside the chosen block. np.cumsum over a whole 8k vocabulary is sequential and cost
-    24 us, more than the softmax before it; this costs ~5 us and draws from the same distribution."""
+    24 us, more than the softmax before it; this costs ~5 us and draws from the same distribution.
+    The sums are float64, as the C kernel's are, so both cut the same point at the same token."""
     vocab = weights.shape[0]
     full = vocab - vocab % BLOCK
-    sums = weights[:full].reshape(-1, BLOCK).sum(axis=1)
+    sums = weights[:full].reshape(-1, BLOCK).sum(axis=1, dtype=np.float64)
     if full < vocab:
-        sums = np.append(sums, weights[full:].sum())
+        sums = np.append(sums, weights[full:].sum(dtype=np.float64))
     cdf = np.cumsum(sums)
     if not (0 < cdf[-1] < np.inf):  # no mass, or NaN / infinite weights: no distribution (as in C)
         raise ValueError("weights have no positive entry")
@@ -350,7 +351,7 @@ def draw(weights: np.ndarray, uniform: float) -> int:
         point -= cdf[block - 1] if block else 0.0
     start = block * BLOCK
     inner = weights[start : start + BLOCK]
-    index = int(np.searchsorted(np.cumsum(inner), point, side="right"))
+    index = int(np.searchsorted(np.cumsum(inner, dtype=np.float64), point, side="right"))
     if index >= len(inner) or inner[index] == 0:  # rounding between the two levels: nearest token with mass
         nonzero = np.flatnonzero(inner)
         index = int(nonzero[min(np.searchsorted(nonzero, index), len(nonzero) - 1)])
