@@ -109,10 +109,14 @@ def file_problems(bundle_dir: Path, manifest: Manifest, hashes: bool) -> list[st
     root = Path(bundle_dir).resolve()
     problems = []
     for entry in listed_files(manifest):
-        path = (root / entry.path).resolve()  # symlinks followed: the file read is the file checked
+        try:
+            path = (root / entry.path).resolve()  # symlinks followed: the file read is the file checked
+        except (RuntimeError, OSError) as exc:  # a symlink loop
+            problems.append(f"{entry.path} cannot be resolved ({exc})")
+            continue
         if not path.is_relative_to(root):
-            return [f"{entry.path} resolves to {path}, outside the bundle"]  # never opened, never hashed
-        if not path.is_file():
+            problems.append(f"{entry.path} resolves to {path}, outside the bundle")  # never opened, never hashed
+        elif not path.is_file():
             problems.append(f"{entry.path} is missing")
         elif path.stat().st_size != entry.size:
             problems.append(f"{entry.path} has {path.stat().st_size} bytes, the manifest says {entry.size}")

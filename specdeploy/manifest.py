@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -396,13 +397,21 @@ def _not_json(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
 
+def _finite(text: str) -> float:
+    """A JSON number as a float; one too large for a float (1e999 reads as inf) is refused as NaN is."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:40]} is out of a float's range")
+    return value
+
+
 def read_manifest_file(path: Path) -> Manifest:
     """One specdeploy.json, parsed and validated (a size limit first: it is read whole)."""
     size = path.stat().st_size
     if size > MAX_MANIFEST_BYTES:
         raise SpecdeployError(f"manifest {path} has {size} bytes; a manifest is at most {MAX_MANIFEST_BYTES}")
     try:
-        data = json.loads(path.read_bytes().decode("utf-8"), parse_constant=_not_json)
+        data = json.loads(path.read_bytes().decode("utf-8"), parse_constant=_not_json, parse_float=_finite)
     except UnicodeDecodeError as exc:
         raise SpecdeployError(f"manifest {path} is not UTF-8 (byte {exc.start})") from None
     except (ValueError, RecursionError) as exc:

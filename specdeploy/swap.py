@@ -102,12 +102,19 @@ def clean_leftovers(out: Path) -> list[str]:
 
     Returns one line per action, for the caller to report."""
     actions = []
-    if not out.exists():
-        olds = [p for p in leftovers(out) if p.name.startswith(f".{out.name}{OLD}") and _is_bundle(p)]
+    old_bundle = lambda p: p.name.startswith(f".{out.name}{OLD}") and _is_bundle(p)  # noqa: E731
+    if not os.path.lexists(out):  # a dangling symlink or a file at out is not replaced
+        olds = [p for p in leftovers(out) if old_bundle(p)]
         if olds:
-            os.rename(olds[-1], out)  # the newest: names sort by time
+            try:
+                os.rename(olds[-1], out)  # the newest: names sort by time
+            except OSError as exc:
+                raise SpecdeployError(f"cannot restore {out} from {olds[-1].name}: {exc}") from None
             actions.append(f"restored {out} from {olds[-1].name} (an export was interrupted while replacing it)")
+    keep_olds = not _is_bundle(out)  # an old bundle is deleted only once out holds a bundle again
     for path in leftovers(out):
+        if keep_olds and old_bundle(path):
+            continue
         shutil.rmtree(path, ignore_errors=True)
         actions.append(f"removed {path.name}, left by an interrupted export")
     return actions

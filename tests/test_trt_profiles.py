@@ -29,8 +29,12 @@ def test_profiles_are_ordered_on_every_axis(bundles, arch, max_context):
         for axis, (a, b, c) in enumerate(zip(low[name], opt[name], high[name])):
             assert 0 <= a <= b <= c, (name, axis, a, b, c)
     assert high["input_ids"][1] <= max_context  # no pass longer than the context
-    if "attention_mask" in high:
+    if "attention_mask" in high and spec.kv_cache.shared_buffer:
         assert high["attention_mask"][1] == max_context
+    elif "attention_mask" in high:  # each point's mask is its past + tokens, the shapes the graph runs
+        past = spec.kv_cache.past_key % 0
+        for point in (low, opt, high):
+            assert point["attention_mask"][1] == point[past][2] + point["input_ids"][1]
 
 
 def test_fp16_follows_the_bundle_dtype(bundles, tmp_path):

@@ -126,7 +126,10 @@ def load_chat_template(tokenizer_dir: Path) -> ChatTemplate | None:
     tokenizer_dir = Path(tokenizer_dir)
     config = _read_json(tokenizer_dir / "tokenizer_config.json")
     jinja_path = tokenizer_dir / "chat_template.jinja"
-    source = jinja_path.read_text(encoding="utf-8") if jinja_path.is_file() else config.get("chat_template")
+    try:
+        source = jinja_path.read_text(encoding="utf-8") if jinja_path.is_file() else config.get("chat_template")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecdeployError(f"cannot read {jinja_path}: {exc}") from None
     if isinstance(source, list):  # named templates: [{"name": "default", "template": "..."}, ...]
         named = {entry.get("name"): entry.get("template") for entry in source if isinstance(entry, dict)}
         source = named.get("default")

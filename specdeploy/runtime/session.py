@@ -45,22 +45,29 @@ def trt_profiles(spec: ModelSpec, max_context: int, max_new: int = 33) -> dict[s
 
     Format from the ONNX Runtime TensorRT EP docs: "name:1x4x0x64,name2:...". Inputs run 1..max_new
     tokens per pass (k + 1 <= 33) or a prefill chunk, on a past of 0..max_context - 1 positions.
-    TensorRT needs min <= opt <= max on every axis: opt is the typical shape, clamped into range
-    (a short context puts the usual 512-position opt above max)."""
+    TensorRT needs min <= opt <= max on every axis, and each of the three points must be shapes the
+    graph runs: a concatenating graph's mask is past + tokens long at each (TensorRT checks the
+    graph's shape rules there). A shared buffer is always max_context long, its mask independent of it.
+    An eagle draft's features [1, tokens, F] follow the tokens."""
     longest_pass = min(max(max_new, PREFILL_CHUNK), max_context)
-    ranges = {"tokens": (1, 5, longest_pass), "mask": (1, 512, max_context), "past": (0, 512, max_context - 1)}
-    ranges = {axis: (low, min(max(opt, low), high), high) for axis, (low, opt, high) in ranges.items()}
+    tokens = (1, min(5, longest_pass), longest_pass)
+    if spec.kv_cache.shared_buffer:
+        past = (max_context,) * 3
+        mask = (1, min(512, max_context), max_context)
+    else:
+        past = (0, max(0, min(512, max_context - tokens[1])), max_context - 1)
+        mask = tuple(p + t for p, t in zip(past, tokens))
     shapes = {"min": [], "opt": [], "max": []}
     for tensor in spec.inputs:
         if tensor.name in ("input_ids", "position_ids"):
-            dims = {key: (1, n) for key, n in zip(shapes, ranges["tokens"])}
+            dims = [(1, n) for n in tokens]
         elif tensor.name == "attention_mask":
-            dims = {key: (1, n) for key, n in zip(shapes, ranges["mask"])}
-        else:  # past keys and values [1, kv_heads, past, head_dim]; a shared buffer is always max_context long
-            heads, head_dim = tensor.shape[1], tensor.shape[3]
-            lengths = (max_context,) * 3 if spec.kv_cache.shared_buffer else ranges["past"]
-            dims = {key: (1, heads, past, head_dim) for key, past in zip(shapes, lengths)}
-        for key, value in dims.items():
+            dims = [(1, n) for n in mask]
+        elif len(tensor.shape) == 3:  # features [1, tokens, F]
+            dims = [(1, n, tensor.shape[2]) for n in tokens]
+        else:  # past keys and values [1, kv_heads, past, head_dim]
+            dims = [(1, tensor.shape[1], n, tensor.shape[3]) for n in past]
+        for key, value in zip(shapes, dims):
             shapes[key].append(f"{tensor.name}:{'x'.join(str(d) for d in value)}")
     return {f"trt_profile_{key}_shapes": ",".join(items) for key, items in shapes.items()}
 
@@ -190,4 +197,22 @@ def open_session(model_path: Path, spec: ModelSpec, config: SessionConfig):
     except Exception as exc:
         raise SpecdeployError(f"ONNX Runtime cannot load {model_path}: {str(exc).splitlines()[0]}") from None
     check_graph_io(spec, session.get_inputs(), session.get_outputs())
+    check_rotary_positions(model_path, spec)
     return session
+
+
+def check_rotary_positions(model_path: Path, spec: ModelSpec) -> None:
+    """A fused graph's rotary tables (cos_cache, one row per position) must reach the manifest's max_context:
+    past them ONNX Runtime's GroupQueryAttention refuses every pass. The graph is read without its weights."""
+    import onnx
+
+    if spec.graph != "fused":
+        return
+    try:
+        graph = onnx.load(str(model_path), load_external_data=False).graph
+    except Exception as exc:  # ONNX Runtime has just loaded it; a failure here is the file changing under us
+        raise SpecdeployError(f"cannot read {model_path}: {exc}") from None
+    rows = [t.dims[0] for t in graph.initializer if t.name.startswith("cos_cache") and t.dims]
+    if rows and min(rows) < spec.max_context:
+        raise SpecdeployError(f"the {spec.role} graph's rotary tables hold {min(rows)} positions, fewer than the "
+                              f"manifest's max_context {spec.max_context}: this manifest does not belong to these graphs")
