@@ -142,6 +142,21 @@ def distill(config: DistillConfig, report: Callable = lambda event: None, stop=N
         torch.set_num_threads(previous_threads)
 
 
+def _restore(state: dict, module, optimizer, generator, draws_noise: bool, path: Path, device: str):
+    """A checkpoint's weights, optimizer and noise generator into this run; its LoopState."""
+    from .train import LoopState
+
+    module.load_state_dict(state["draft"])
+    optimizer.load_state_dict(state["optimizer"])
+    try:
+        generator.set_state(state["noise_rng"])
+    except RuntimeError:  # another device's generator state (a model draft draws no noise: nothing lost)
+        if draws_noise:
+            raise SpecdeployError(f"--resume: {path} holds another device's noise generator; resume with the "
+                                  f"--device it was trained on (this run: {device})") from None
+    return LoopState(step=state["step"], elapsed_s=state["elapsed_s"], history=list(state["history"]))
+
+
 def _distill(config: DistillConfig, report: Callable, stop) -> DistillResult:
     import torch
 
@@ -178,10 +193,7 @@ def _distill(config: DistillConfig, report: Callable, stop) -> DistillResult:
     noise = uniform_noise(config.feature_noise, generator) if config.kind == "eagle" and config.feature_noise else None
     loop = LoopState()
     if state is not None:
-        module.load_state_dict(state["draft"])
-        optimizer.load_state_dict(state["optimizer"])
-        generator.set_state(state["noise_rng"])
-        loop = LoopState(step=state["step"], elapsed_s=state["elapsed_s"], history=list(state["history"]))
+        loop = _restore(state, module, optimizer, generator, noise is not None, out / ckpt.STATE_FILE, device)
         report(Note(f"resuming at step {loop.step} ({loop.elapsed_s / 60:.1f} min trained)"))
     parameters = _parameters(config, module, target, len(ids))
     report(Note(f"draft ({config.kind}): {', '.join(note)}; {models.describe_count(parameters['trained'])} trained "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -19,6 +20,19 @@ from .text import TextCodec
 DRAFTERS = ("model", "prompt-lookup", "hybrid")
 
 
+def _session_config(bundle: Path, device: str, session: SessionConfig | None) -> SessionConfig:
+    """The sessions' settings: `session`'s, on `device` where it names none other; TensorRT engines cached
+    in the bundle unless it names another folder."""
+    if session is not None and device != "cpu" and session.device not in ("cpu", device):
+        raise SpecdeployError(f"device '{device}' and the SessionConfig's device '{session.device}' differ: give one")
+    config = session or SessionConfig(shared_threads=os.environ.get("SPECDEPLOY_SHARED_THREADS", "1") != "0")
+    if device != "cpu":
+        config = dataclasses.replace(config, device=device)
+    if config.device == "tensorrt" and config.trt_cache_dir is None:
+        config = dataclasses.replace(config, trt_cache_dir=str(bundle / "trt_cache"))
+    return config
+
+
 def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verify: bool = False,
          session: SessionConfig | None = None, lookup_ngram: int = 2, warm_up: bool = True, max_batch: int = 1,
          policy: str = "auto") -> Generator:
@@ -26,8 +40,8 @@ def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verif
 
     drafter: "hybrid" (default: prompt lookup when an n-gram of `lookup_ngram` tokens recurs, of 3
     when sampling (see HybridDrafter), the draft model otherwise), "model" (the draft model every
-    round) or "prompt-lookup" (no model). lookup_ngram is 1 to MAX_NGRAM, the longest match
-    the lookup tries. All three are exact: they change speed, never the output.
+    round) or "prompt-lookup" (no model). lookup_ngram is 1 to MAX_NGRAM, the shortest n-gram the
+    lookup drafts from (it tries MAX_NGRAM down to it). All three are exact: they change speed, never the output.
 
     Every file the manifest lists is checked for its place and size; verify=True also re-hashes
     each one against its sha256 (a same-size corrupted weights file is caught only then).
@@ -47,11 +61,7 @@ def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verif
     _check_arguments(drafter, lookup_ngram, max_batch, verify=verify, warm_up=warm_up)
     manifest = load_manifest(bundle, verify=verify)
     check_kv_memory(manifest, slots=max_batch)  # every slot's caches are mapped at load
-    config = session or SessionConfig(
-        device=device,
-        shared_threads=os.environ.get("SPECDEPLOY_SHARED_THREADS", "1") != "0",
-        trt_cache_dir=str(bundle / "trt_cache") if device == "tensorrt" else None,
-    )
+    config = _session_config(bundle, device, session)
 
     def engine(spec, features: str | None = None) -> OrtEngine:
         # The generate loop reads each pass's logits before the next pass: they may share one buffer.

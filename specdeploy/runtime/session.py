@@ -180,22 +180,27 @@ def open_session(model_path: Path, spec: ModelSpec, config: SessionConfig):
     """The ONNX Runtime session for spec, once it is clear the engine can run it."""
     import onnxruntime as ort
 
-    providers = providers_for(config, spec)  # validates the device first
     if spec.kv_cache.layout != KV_LAYOUT:
         raise SpecdeployError(f"the {spec.role}'s KV cache layout '{spec.kv_cache.layout}' is not one this runtime "
                               f"binds ({KV_LAYOUT})")
-    if config.device != "cpu" and spec.graph == "fused" and spec.dtype == "fp32":
+    if config.device in ("cuda", "tensorrt") and spec.graph == "fused" and spec.dtype == "fp32":
         # ONNX Runtime's CUDA GroupQueryAttention runs fp16/bf16 only: an fp32 fused graph would
         # send every attention node, and the KV buffers with it, back to the CPU each pass.
         raise SpecdeployError(
             f"the {spec.role} is an fp32 fused graph, which ONNX Runtime's GPU kernels do not run: "
             "export with --dtype fp16 (or --graph optimum) for --device cuda/tensorrt"
         )
+    providers = providers_for(config, spec)  # validates the device
     options = session_options(config, spec)  # its own errors name the setting, not the model
     try:
         session = ort.InferenceSession(str(model_path), options, providers=providers)
     except Exception as exc:
         raise SpecdeployError(f"ONNX Runtime cannot load {model_path}: {str(exc).splitlines()[0]}") from None
+    wanted = providers[0] if isinstance(providers[0], str) else providers[0][0]
+    if session.get_providers()[0] != wanted:  # onnxruntime-gpu falls back, with a warning only, when its libraries fail
+        raise SpecdeployError(f"--device {config.device}: ONNX Runtime started the {spec.role} on "
+                              f"{session.get_providers()[0]}, not {wanted} (its CUDA, cuDNN or TensorRT libraries "
+                              "did not load: see ONNX Runtime's warning above)")
     check_graph_io(spec, session.get_inputs(), session.get_outputs())
     check_rotary_positions(model_path, spec)
     return session
