@@ -60,8 +60,11 @@ class Drafter(Protocol):
 def read_vocab_ids(path: Path, vocab_size: int, count: int) -> np.ndarray:
     """A bundle's draft vocabulary subset (export writes it): `count` sorted distinct ids in range."""
     try:
-        ids = np.asarray(json.loads(Path(path).read_text(encoding="utf-8"))["ids"], dtype=np.int64)
-    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        raw = json.loads(Path(path).read_text(encoding="utf-8"))["ids"]
+        if not isinstance(raw, list) or not all(type(i) is int for i in raw):  # 2.9 would become 2 below
+            raise ValueError("the ids are not a list of integers")
+        ids = np.asarray(raw, dtype=np.int64)
+    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError, OverflowError) as exc:
         raise SpecdeployError(f"{path}: unreadable vocabulary subset ({exc})") from None
     if ids.shape != (count,) or (count and (ids.min() < 0 or ids.max() >= vocab_size)) or np.any(np.diff(ids) <= 0):
         raise SpecdeployError(f"{path}: expected {count} sorted distinct ids in 0..{vocab_size - 1}")

@@ -249,7 +249,7 @@ class Scheduler:
 
     def _engine_seconds(self, rows: list[Sequence]) -> float:
         """Seconds the target and the rows' draft engine have spent in their passes so far."""
-        draft = getattr(rows[0].drafter, "engine", None)
+        draft = next((row.drafter.engine for row in rows if getattr(row.drafter, "engine", None) is not None), None)
         return self.target.seconds + (draft.seconds if draft is not None else 0.0)
 
     def _target_round(self, rows: list[Sequence]) -> None:
