@@ -10,9 +10,9 @@ cache, where the verify pass left them). `for_cache(cache, target_cache)` makes 
 kind on another draft cache (one per KV slot, beside that slot's target cache), `with_target` binds
 one to the target cache it runs beside, and `propose_many` proposes for several sequences at once.
 
-A draft whose logits cover a subset of the vocabulary (`vocab_ids`) is widened to the whole of it
-with -inf elsewhere before any row is formed: its proposal distribution gives every other token
-probability zero, and the rows the accept rule reads are those it drew from.
+A draft whose logits cover a subset of the vocabulary (`vocab_ids`) is widened to the whole of it with
+-inf elsewhere before any row is formed: its proposal gives every other token probability zero, and
+the rows the accept rule reads are those it drew from.
 """
 
 from __future__ import annotations
@@ -60,12 +60,10 @@ class Drafter(Protocol):
 def read_vocab_ids(path: Path, vocab_size: int, count: int) -> np.ndarray:
     """A bundle's draft vocabulary subset (export writes it): `count` sorted distinct ids in range."""
     try:
-        raw = json.loads(Path(path).read_text(encoding="utf-8"))["ids"]
-        if not isinstance(raw, list) or not all(type(i) is int for i in raw):  # 2.9 would become 2 below
-            raise ValueError("the ids are not a list of integers")
-        ids = np.asarray(raw, dtype=np.int64)
+        ids = np.asarray(json.loads(Path(path).read_text(encoding="utf-8"))["ids"])  # integers stay integers (2.9: float)
     except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError, OverflowError) as exc:
         raise SpecdeployError(f"{path}: unreadable vocabulary subset ({exc})") from None
+    ids = ids.astype(np.int64) if ids.dtype.kind == "i" or ids.size == 0 else np.full(1, -1)  # not integers: refused
     if ids.shape != (count,) or (count and (ids.min() < 0 or ids.max() >= vocab_size)) or np.any(np.diff(ids) <= 0):
         raise SpecdeployError(f"{path}: expected {count} sorted distinct ids in 0..{vocab_size - 1}")
     return ids
