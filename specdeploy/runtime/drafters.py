@@ -1,14 +1,13 @@
 """Drafters: whatever proposes the k tokens the target then verifies.
 
-The seam (after transformers' candidate generators): `propose(context, k, ...)` returns the draft
-tokens and the probabilities they were drawn from (None when greedy); `prefill(context, limit)`
-readies a drafter for a sequence, `limit` tokens a call, and `reset()` forgets its cache. Between
-two prefills a drafter follows one sequence, whose context only grows: a model drafter's cache drops
-rejected tokens when its next proposal compares the tokens after the context it last saw. It needs
-nothing back from the verification (an eagle head reads the target's features from the target's
-cache, where the verify pass left them). `for_cache(cache, target_cache)` makes a drafter of the same
-kind on another draft cache (one per KV slot, beside that slot's target cache), `with_target` binds
-one to the target cache it runs beside, and `propose_many` proposes for several sequences at once.
+The seam (after transformers' candidate generators): `propose(context, k, ...)` returns the draft tokens and
+the probabilities they were drawn from (None when greedy); `prefill(context, limit)` readies a drafter for a
+sequence, `limit` tokens a call, and `reset()` forgets its cache. Between two prefills a drafter follows one
+sequence, whose context only grows: a model drafter's cache drops rejected tokens when its next proposal
+compares the tokens after the context it last saw. It needs nothing back from the verification (an eagle head
+reads the target's features from the target's cache, where the verify pass left them). `for_cache(cache,
+target_cache)` makes a drafter of the same kind on another draft cache (one per KV slot, beside that slot's
+target cache), `with_target` binds one to its target cache, `propose_many` proposes for several at once.
 
 A draft whose logits cover a subset of the vocabulary (`vocab_ids`) is widened to the whole of it with
 -inf elsewhere before any row is formed: its proposal gives every other token probability zero, and
