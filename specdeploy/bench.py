@@ -56,6 +56,9 @@ def lengthen_prompts(prompts: list[str], encode, num_tokens: int) -> list[list[i
 
     For measuring decode speed at a long context with text the model has seen the like of."""
     ids = [encode(p) for p in prompts]
+    longest = max(len(own) for own in ids)
+    if longest > num_tokens:  # the report would call it a num_tokens-token prompt
+        raise SpecdeployError(f"--prompt-tokens {num_tokens}: a prompt is already {longest} tokens long")
     pool = [token for chunk in ids for token in chunk]
     result = []
     for own in ids:
@@ -96,17 +99,25 @@ class ModeTotals:
     accepted: int = 0
     draft_calls: int = 0
     target_calls: int = 0
+    draft_rounds: int = 0  # rounds that verified at least one draft token
     accepted_by_position: list[int] = field(default_factory=list)
+    drafted_by_position: list[int] = field(default_factory=list)  # rounds that drafted position i
 
     def add(self, stats: GenerationStats) -> None:
         self.runs += 1
         for name in ("new_tokens", "decode_ms", "prefill_ms", "draft_ms", "target_ms", "other_ms", "rounds", "drafted",
-                     "accepted", "draft_calls", "target_calls"):
+                     "accepted", "draft_calls", "target_calls", "draft_rounds"):
             setattr(self, name, getattr(self, name) + getattr(stats, name))
-        if len(self.accepted_by_position) < len(stats.accepted_by_position):
-            self.accepted_by_position += [0] * (len(stats.accepted_by_position) - len(self.accepted_by_position))
-        for position, count in enumerate(stats.accepted_by_position):
-            self.accepted_by_position[position] += count
+        for name in ("accepted_by_position", "drafted_by_position"):
+            totals, counts = getattr(self, name), getattr(stats, name)
+            totals += [0] * (len(counts) - len(totals))
+            for position, count in enumerate(counts):
+                totals[position] += count
+
+    def acceptance_by_position(self) -> list[float | None]:
+        """Position i's rate among the rounds that drafted it (None where none did)."""
+        return [accepted / drafted if drafted else None
+                for accepted, drafted in zip(self.accepted_by_position, self.drafted_by_position)]
 
     @property
     def tokens_per_s(self) -> float:
@@ -123,7 +134,7 @@ def tokens_per_round(alpha: float, num_draft: int) -> float:
     return num_draft + 1.0 if alpha >= 1.0 else (1 - alpha ** (num_draft + 1)) / (1 - alpha)
 
 
-def fit_alpha(mean_tokens_per_round: float, num_draft: int) -> float:
+def fit_alpha(mean_tokens_per_round: float, num_draft: float) -> float:
     """The alpha whose expected tokens per round equals the measured mean (bisection; it is monotone)."""
     low, high = 0.0, 1.0
     for _ in range(60):
@@ -143,8 +154,11 @@ class KResult:
         target_step_ms = baseline.target_ms / max(baseline.target_calls, 1)
         cost_ratio = (spec.draft_ms / max(spec.draft_calls, 1)) / target_step_ms  # c
         verify_cost = (spec.target_ms / max(spec.target_calls, 1)) / target_step_ms  # v
-        mean_tokens = (spec.accepted + spec.rounds) / spec.rounds if spec.rounds else 0.0
-        alpha = fit_alpha(mean_tokens, self.num_draft_tokens)
+        mean_tokens = spec.new_tokens / spec.rounds if spec.rounds else 0.0  # tokens the run produced, a round
+        # alpha from the rounds that drafted, at their mean draft length (a round cut short by the token budget,
+        # a confidence stop or a round of the target alone is no rejection)
+        drafted_length = spec.drafted / spec.draft_rounds if spec.draft_rounds else 0.0
+        alpha = fit_alpha(1 + spec.accepted / spec.draft_rounds, drafted_length) if spec.draft_rounds else 0.0
         # Draft passes per round: k for the model drafter, fewer when prompt lookup proposes for free.
         draft_passes = spec.draft_calls / spec.rounds if spec.rounds else 0.0
         bound = mean_tokens / (draft_passes * cost_ratio + verify_cost)
@@ -157,6 +171,7 @@ class KResult:
             "acceptance_rate": spec.accepted / spec.drafted if spec.drafted else 0.0,
             "mean_accepted_tokens": mean_tokens,
             "accepted_by_position": spec.accepted_by_position,
+            "acceptance_by_position": spec.acceptance_by_position(),
             "cost_ratio_c": cost_ratio,
             "verify_cost_v": verify_cost,
             "fitted_alpha": alpha,

@@ -44,7 +44,8 @@ def print_bench(report: dict) -> None:
     add("identical outputs", "", lambda r: "" if r["identical_outputs"] is None else ("yes" if r["identical_outputs"] else "NO"))
     add("acceptance rate", "", lambda r: f"{r['acceptance_rate']:.2f}")
     add("tokens per round", "1.00", lambda r: f"{r['mean_accepted_tokens']:.2f}")
-    add("accepted by position", "", lambda r: " ".join(f"{a / max(r['speculative']['rounds'], 1):.2f}" for a in r["accepted_by_position"]))
+    add("accepted by position", "", lambda r: " ".join("-" if rate is None else f"{rate:.2f}"
+                                                        for rate in r["acceptance_by_position"]))
     add("draft step cost c", "", lambda r: f"{r['cost_ratio_c']:.3f}")
     add("verify cost v", "1.00", lambda r: f"{r['verify_cost_v']:.2f}")
     add("fitted alpha", "", lambda r: f"{r['fitted_alpha']:.2f}")
@@ -108,35 +109,46 @@ def plot_title(report: dict) -> str:
     return f"{first}\n{report.get('date', '')[:10]}, {report.get('machine', '')}".rstrip(", \n")
 
 
+# What matplotlib writes (FigureCanvasBase.get_supported_filetypes(); tests/test_cli_errors.py keeps this in step).
+# --plot's file is checked against it before the benchmark without importing matplotlib, whose memory would
+# otherwise count in the peak the benchmark reports.
+PLOT_FORMATS = ("avif", "eps", "gif", "jpeg", "jpg", "pdf", "pgf", "png", "ps", "raw", "rgba", "svg", "svgz", "tif",
+                "tiff", "webp")
+PLOT_NEEDS = "--plot needs matplotlib (pip install 'specdeploy[bench]')"
+
+
 def pyplot():
-    """matplotlib.pyplot on its file backend, or one error naming the extra to install (bench --plot checks
-    this before the benchmark runs)."""
+    """matplotlib.pyplot on its file backend, or one error naming the extra to install."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SpecdeployError("--plot needs matplotlib (pip install 'specdeploy[bench]')") from None
+        raise SpecdeployError(PLOT_NEEDS) from None
     return plt
 
 
 def plot_file(path: str) -> Path:
     """The file --plot writes, checked before the benchmark: ~ expanded, `.png` added to a name without
     a suffix (as matplotlib adds it), a suffix matplotlib cannot write refused, the folder writable."""
+    import importlib.util
+
     from .cli_support import check_output_file
 
-    pyplot()  # matplotlib missing: the one error naming the extra, before anything else of it is imported
-    from matplotlib.backend_bases import FigureCanvasBase
-
+    try:
+        found = importlib.util.find_spec("matplotlib") is not None
+    except (ImportError, ValueError):  # sys.modules["matplotlib"] = None, as a test hides it
+        found = False
+    if not found:
+        raise SpecdeployError(PLOT_NEEDS)
     file = Path(path).expanduser()
     if not file.suffix and not file.is_dir():  # a folder is refused below, as given
         file = file.with_name(file.name + ".png")
     check_output_file(str(file), "--plot")
-    formats = FigureCanvasBase.get_supported_filetypes()
-    if file.suffix[1:].lower() not in formats:
+    if file.suffix[1:].lower() not in PLOT_FORMATS:
         raise SpecdeployError(f"--plot {path}: matplotlib cannot write .{file.suffix[1:]} files "
-                              f"(it writes {', '.join(sorted(formats))})")
+                              f"(it writes {', '.join(PLOT_FORMATS)})")
     return file.resolve()
 
 
@@ -168,19 +180,18 @@ def draw_report(report: dict):
     left.set_ylabel("speedup over target-only (decode tok/s)")
     left.set_title("speedup", fontsize=10)
     left.legend(loc="lower right", fontsize=8)
-    longest = max(len(r["accepted_by_position"]) for r in rows)
+    longest = max(len(r["acceptance_by_position"]) for r in rows)
     positions = np.arange(1, longest + 1)
     bar_width = 0.8 / len(rows)
     for index, r in enumerate(rows):
-        rounds = max(r["speculative"]["rounds"], 1)
-        kept = [a / rounds for a in r["accepted_by_position"]]
+        kept = [np.nan if rate is None else rate for rate in r["acceptance_by_position"]]  # never drafted: no bar
         offset = (index - (len(rows) - 1) / 2) * bar_width
         right.bar(positions[: len(kept)] + offset, kept, bar_width, label=f"k = {r['num_draft_tokens']}")
     right.set_xticks(positions)
     right.set_xlim(0.5, longest + 0.5)
     right.set_ylim(0, 1)
     right.set_xlabel("draft position")
-    right.set_ylabel("fraction of rounds that kept it")
+    right.set_ylabel("kept, of the rounds that drafted it")
     right.set_title("acceptance by draft position", fontsize=10)
     right.legend(fontsize=8)
     figure.suptitle(plot_title(report), fontsize=9)

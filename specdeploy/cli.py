@@ -334,8 +334,9 @@ def bench(bundle, prompts_file, prompt_file, max_new_tokens, prompt_tokens, num_
         prompts, stop_token_ids = [tuple(encode(text)) for text in texts], generator.end_of_turn_ids
     console = Console(stderr=True)
     reports = []
-    for length in lengths:
-        lengthened = [tuple(ids) for ids in lengthen_prompts(texts, encode, length)] if length else prompts
+    runs = [(length, [tuple(ids) for ids in lengthen_prompts(texts, encode, length)] if length else prompts)
+            for length in lengths]  # every length checked before the first runs
+    for length, lengthened in runs:
         config = BenchConfig(prompts=tuple(lengthened), max_new_tokens=max_new_tokens, num_draft_tokens=ks,
                              temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                              repetition_penalty=repetition_penalty, draft_confidence=draft_confidence,

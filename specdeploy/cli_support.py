@@ -326,7 +326,7 @@ def parse_draft_tokens(value: str) -> tuple[int, ...] | None:
         raise SpecdeployError(f"--num-draft-tokens '{value}': expected K, a list like 2,4,8, or auto") from None
     if not all(1 <= k <= MAX_DRAFT_TOKENS for k in ks):
         raise SpecdeployError(f"--num-draft-tokens: each k must be in 1..{MAX_DRAFT_TOKENS}")
-    return ks
+    return tuple(dict.fromkeys(ks))  # -k 4,4 benches k = 4 once
 
 
 def parse_prompt_tokens(value: str | None, max_new_tokens: int, max_context: int) -> tuple[int | None, ...]:

@@ -130,10 +130,15 @@ def test_zero_tokens_is_not_an_error(bundle):
     assert code == 0 and "0 tokens" in stderr
 
 
-def test_an_onnx_runtime_failure_names_the_model_and_the_pass(bundles, tmp_path):
+def test_an_onnx_runtime_failure_names_the_model_and_the_pass(bundles, tmp_path, monkeypatch):
     """A real failure inside a run: the fused graphs' rotary tables end at the exported context, so a
-    manifest that claims a longer one (and is otherwise consistent) fails in its first pass."""
+    manifest that claims a longer one (and is otherwise consistent) fails in its first pass. Load refuses
+    such a manifest (check_rotary_positions); with that check off, the pass itself fails inside ONNX Runtime."""
     import shutil
+
+    from specdeploy.runtime import session
+
+    monkeypatch.setattr(session, "check_rotary_positions", lambda *args: None)
 
     bundle = tmp_path / "bundle"
     shutil.copytree(bundles("llama"), bundle)
@@ -242,7 +247,8 @@ def test_inspect_and_verify_default_to_the_demo_bundle(bundle, home):
 
 def report_with(ks):
     rows = [{"num_draft_tokens": k, "speedup": 1.4 + 0.1 * k, "leviathan_bound": 1.6 + 0.1 * k,
-             "accepted_by_position": [8 - i for i in range(k)], "speculative": {"rounds": 10}} for k in ks]
+             "accepted_by_position": [8 - i for i in range(k)], "speculative": {"rounds": 10},
+             "acceptance_by_position": [(8 - i) / 10 for i in range(k - 1)] + [None]} for k in ks]
     return {"by_num_draft_tokens": rows, "temperature": 0.8, "top_k": 50, "top_p": 1.0, "min_p": 0.0,
             "repetition_penalty": 1.0, "prompts": 10, "max_new_tokens": 128, "repeat": 1, "drafter": "hybrid",
             "prompt_tokens": None, "bundle": "/somewhere/my-bundle", "date": "2026-12-01T14:50:00+00:00",
@@ -311,3 +317,14 @@ def test_serve_refuses_an_unusable_device_before_it_listens(device, message):
     lines = result.stderr.strip().splitlines()
     assert "serving" not in result.stderr and "uvicorn" not in result.stderr, result.stderr
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+
+
+def test_the_plot_formats_bench_checks_are_the_ones_matplotlib_writes():
+    """bench --plot checks its file's suffix against PLOT_FORMATS without importing matplotlib (its memory would
+    count in the reported peak); the list must stay the installed matplotlib's."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    from specdeploy.bench_output import PLOT_FORMATS
+
+    assert sorted(PLOT_FORMATS) == sorted(FigureCanvasBase.get_supported_filetypes())

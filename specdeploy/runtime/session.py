@@ -183,6 +183,7 @@ def open_session(model_path: Path, spec: ModelSpec, config: SessionConfig):
     if spec.kv_cache.layout != KV_LAYOUT:
         raise SpecdeployError(f"the {spec.role}'s KV cache layout '{spec.kv_cache.layout}' is not one this runtime "
                               f"binds ({KV_LAYOUT})")
+    providers_for(config)  # this onnxruntime runs the device (before the profiles below are built)
     if config.device in ("cuda", "tensorrt") and spec.graph == "fused" and spec.dtype == "fp32":
         # ONNX Runtime's CUDA GroupQueryAttention runs fp16/bf16 only: an fp32 fused graph would
         # send every attention node, and the KV buffers with it, back to the CPU each pass.
