@@ -188,8 +188,8 @@ def deployment(config: ServeConfig, ray_config: RayConfig = RayConfig()):
         # our own queue answers 429 past max_queue: Ray's router may send a replica that many at most
         "max_ongoing_requests": config.max_batch + config.max_queue,
         # and Ray's proxy holds at most max_queue more while every replica is full, then answers 429 too
-        # (without a bound it held them all, and no client ever got a 429)
-        "max_queued_requests": config.max_queue,
+        # (without a bound it held them all, and no client ever got a 429); Ray's least is one
+        "max_queued_requests": max(1, config.max_queue),
         "backpressure_config": {"status_code": 429, "retry_after_s": 1},
         "graceful_shutdown_timeout_s": config.drain_timeout_s,
         "graceful_shutdown_wait_loop_s": 0.5,
@@ -201,7 +201,8 @@ def deployment(config: ServeConfig, ray_config: RayConfig = RayConfig()):
             "initial_replicas": ray_config.replicas,
             "target_ongoing_requests": ray_config.target_ongoing_requests or config.max_batch,
             "upscale_delay_s": ray_config.upscale_delay_s, "downscale_delay_s": ray_config.downscale_delay_s,
-            "look_back_period_s": 5.0,
+            # the shortest window Ray accepts: longer than its replicas' 10 s metrics push
+            "look_back_period_s": 15.0,
         }
     else:
         options["num_replicas"] = ray_config.replicas
@@ -228,6 +229,10 @@ def app_builder(args: dict):
 def _typed(name: str, value, field):
     """A config file's value as its field's type (text from the command line; None stays None)."""
     kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", "")
+    if kind.startswith("str") and value is not None and not isinstance(value, str):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):  # YAML's `api_key: 12345` is an int
+            raise SpecdeployError(f"specdeploy.ray:app_builder: {name}={value!r} is not text")
+        return str(value)
     if not isinstance(value, str) or kind.startswith("str"):
         return value
     try:
@@ -271,17 +276,21 @@ def serve_on_ray(config: ServeConfig, ray_config: RayConfig) -> None:
         raise KeyboardInterrupt
 
     previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
-    ray.init(address=ray_config.address, num_cpus=os.cpu_count() if local else None, include_dashboard=False,
-             log_to_driver=True)
+    # "local": a new cluster even where $RAY_ADDRESS or a `ray start` cluster would be joined
+    ray.init(address="local" if local else ray_config.address, num_cpus=os.cpu_count() if local else None,
+             include_dashboard=False, log_to_driver=True)
     try:
+        running = bool(serve.status().proxies)  # Serve already runs on a joined cluster: its proxy stays as it is
         serve.start(http_options={"host": config.host, "port": port})
         serve.run(application, name=APP_NAME, route_prefix="/")
         for sig in previous:
             signal.signal(sig, lambda *_: stop.set())
         scaling = (f"{ray_config.min_replicas}..{ray_config.max_replicas} replicas" if ray_config.autoscaling
                    else f"{ray_config.replicas} replica{'s' if ray_config.replicas > 1 else ''}")
-        log.info("serving %s on Ray Serve (%s, %d threads each) on http://%s:%d", config.bundle, scaling,
-                 ray_config.threads(), config.host, port)
+        where = ("the cluster's own Ray Serve proxy (Serve already ran there: --host and --port do not apply)"
+                 if running else f"http://{config.host}:{port}")
+        log.info("serving %s on Ray Serve (%s, %d threads each) on %s", config.bundle, scaling, ray_config.threads(),
+                 where)
         stop.wait()
         log.info("shutting down: replicas finish their in-flight requests (at most %gs)", config.drain_timeout_s)
     finally:
