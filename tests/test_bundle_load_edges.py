@@ -155,3 +155,14 @@ def test_tensorrt_profiles_cover_an_eagle_drafts_feature_input():
         entry = next(item for item in profiles[key].split(",") if item.startswith("hidden_states:"))
         dims = entry.split(":")[1].split("x")
         assert len(dims) == 3 and dims[0] == "1" and dims[2] == "320", entry
+
+
+def test_a_weights_file_the_manifest_leaves_out_is_refused_at_load(bundle_copy):
+    """The manifest had to list only each model's .onnx: one that left out model.onnx.data loaded and verified
+    ('ok'), its weights never size- or hash-checked. Every file a graph reads must be listed."""
+    def drop(data):
+        data["target"]["files"] = [f for f in data["target"]["files"] if not f["path"].endswith(".onnx.data")]
+
+    _edit_manifest(bundle_copy, drop)
+    with pytest.raises(SpecdeployError, match=r"target/model\.onnx\.data.*does not list"):
+        specdeploy.load(bundle_copy, warm_up=False)

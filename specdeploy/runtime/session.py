@@ -7,7 +7,7 @@ after checking that the engine can run it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from ..bundle import ModelSpec, check_graph_io
 from ..errors import SpecdeployError
@@ -203,21 +203,33 @@ def open_session(model_path: Path, spec: ModelSpec, config: SessionConfig):
                               f"{session.get_providers()[0]}, not {wanted} (its CUDA, cuDNN or TensorRT libraries "
                               "did not load: see ONNX Runtime's warning above)")
     check_graph_io(spec, session.get_inputs(), session.get_outputs())
-    check_rotary_positions(model_path, spec)
+    check_graph(model_path, spec)
     return session
 
 
-def check_rotary_positions(model_path: Path, spec: ModelSpec) -> None:
-    """A fused graph's rotary tables (cos_cache, one row per position) must reach the manifest's max_context:
-    past them ONNX Runtime's GroupQueryAttention refuses every pass. The graph is read without its weights."""
+def check_graph(model_path: Path, spec: ModelSpec) -> None:
+    """What the manifest says of the graph ONNX Runtime loaded, read from the graph itself (without weights)."""
     import onnx
 
-    if spec.graph != "fused":
-        return
     try:
         graph = onnx.load(str(model_path), load_external_data=False).graph
     except Exception as exc:  # ONNX Runtime has just loaded it; a failure here is the file changing under us
         raise SpecdeployError(f"cannot read {model_path}: {exc}") from None
+    check_rotary_positions(graph, spec)
+    listed = {entry.path for entry in spec.files}
+    folder = PurePosixPath(spec.onnx_path).parent
+    for tensor in graph.initializer:  # a weights file the manifest leaves out would never be size- or hash-checked
+        location = next((e.value for e in tensor.external_data if e.key == "location"), None)
+        if location is not None and str(folder / location) not in listed:
+            raise SpecdeployError(f"the {spec.role} graph reads its weights from {folder / location}, "
+                                  "which the manifest does not list")
+
+
+def check_rotary_positions(graph, spec: ModelSpec) -> None:
+    """A fused graph's rotary tables (cos_cache, one row per position) must reach the manifest's max_context:
+    past them ONNX Runtime's GroupQueryAttention refuses every pass."""
+    if spec.graph != "fused":
+        return
     rows = [t.dims[0] for t in graph.initializer if t.name.startswith("cos_cache") and t.dims]
     if rows and min(rows) < spec.max_context:
         raise SpecdeployError(f"the {spec.role} graph's rotary tables hold {min(rows)} positions, fewer than the "
