@@ -117,3 +117,15 @@ def test_max_text_tokens_zero_with_data_names_the_option(target, text_file, tmp_
                           "--max-text-tokens", "0", "--generate-tokens", "0", "--steps", "1")
     line = one_error(code, stderr)
     assert "--max-text-tokens" in line, line
+
+
+def test_an_eagle_head_for_a_target_without_a_fused_graph_is_refused_before_training(checkpoints, text_file, tmp_path):
+    """Export builds an eagle head from the target's fused graph only (GPT-2 has none): distill used to train
+    the head whole and export refused it afterwards. It is refused before any data is made."""
+    gpt2 = checkpoints("gpt2")["target"]
+    out = tmp_path / "eagle"
+    code, stderr = invoke("distill", "--target", str(gpt2), "--out", str(out), "--data", str(text_file),
+                          "--kind", "eagle", "--generate-tokens", "0", "--heldout-tokens", "16", "--steps", "1",
+                          "--threads", "1")
+    assert "fused graph" in one_error(code, stderr)
+    assert not out.exists()

@@ -230,6 +230,14 @@ def _check_inputs(config: DistillConfig, target, out: Path, run) -> dict | None:
         raise SpecdeployError(f"--seq-len {config.seq_len}: the target takes at most {positions} positions")
     if config.draft_vocab is not None:  # the range choose_draft_vocab accepts
         data_module.choose_draft_vocab(np.zeros(target.vocab_size), config.draft_vocab, data_module.special_ids(target))
+    if config.kind == "eagle" or config.draft_vocab is not None:  # export builds either from fused graphs only
+        from ..export.fused import unsupported_reason
+
+        why = unsupported_reason(target.model, config.seq_len)
+        if why is not None:
+            needs = "an eagle head reads the target's features" if config.kind == "eagle" else "a draft vocabulary subset"
+            raise SpecdeployError(f"{needs}, which export builds from the fused graph only, and this target cannot "
+                                  f"take it: {why}")
     state = ckpt.load_state(out) if run is not None else None
     if state is not None:
         ckpt.check_resume(run, state, config.fingerprint(), target.identity(), out)
