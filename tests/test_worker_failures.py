@@ -108,3 +108,24 @@ def test_one_sequences_failure_in_a_batched_step_fails_its_request_alone(agreein
     assert failing_kind == "error" and failure.status == 500 and "injected output failure" in failure.message
     assert healthy_kind == "done", getattr(healthy_value, "message", healthy_value)
     assert healthy_value[0].output.token_ids == alone
+
+
+def test_a_chunk_that_fails_to_format_ends_the_stream_with_an_error_and_done(agreeing_bundle, monkeypatch):
+    """docs/serve.md: an error after a stream began is an error event, then [DONE]. A failure while formatting a
+    chunk on the event loop (Responder.piece) ended the stream with neither."""
+    from specdeploy.serve import responses
+
+    def broken(self, value):
+        raise RuntimeError("injected formatting failure")
+
+    monkeypatch.setattr(responses.Responder, "piece", broken)
+    live = LiveServer(ServeConfig(bundle=str(agreeing_bundle)))
+    try:
+        body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "stream": True}
+        with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=60) as response:
+            lines = [line for line in response.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]" and "injected formatting failure" in lines[-2], lines[-3:]
+        answer = httpx.post(live.url + "/v1/completions", json={**body, "stream": False}, timeout=60)
+        assert answer.status_code == 200  # the server goes on
+    finally:
+        live.close()

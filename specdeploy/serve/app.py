@@ -259,15 +259,21 @@ async def _events(service: Service, job: Job, responder: Responder, first):
         kind, value = first
         yield responder.first()
         while True:
-            if kind == "piece":
-                yield responder.piece(value)
-            elif kind == "choice":
-                yield responder.finish(value)
-            elif kind == "done":
-                yield responder.end(value)
+            try:
+                if kind == "piece":
+                    chunk = responder.piece(value)
+                elif kind == "choice":
+                    chunk = responder.finish(value)
+                elif kind == "done":
+                    chunk = responder.end(value)
+                else:
+                    chunk = responder.error(value.body())
+            except Exception as exc:  # formatting a chunk failed: the stream still ends with an error and [DONE]
+                log.exception("a stream's chunk failed")
+                yield responder.error(ApiError(500, f"internal error: {exc}", kind="server_error").body())
                 return
-            else:
-                yield responder.error(value.body())
+            yield chunk
+            if kind not in ("piece", "choice"):
                 return
             kind, value = await job.events.get()
     finally:
