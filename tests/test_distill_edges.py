@@ -3,9 +3,6 @@
 
 from __future__ import annotations
 
-import sysconfig
-from pathlib import Path
-
 import pytest
 import torch
 from click.testing import CliRunner
@@ -13,21 +10,9 @@ from click.testing import CliRunner
 from specdeploy.cli import main
 from specdeploy.distill import DistillConfig, distill
 from specdeploy.distill.data import expand_paths
+from test_distill import target, text_file  # noqa: F401 (fixtures)
 
 TINY = dict(seq_len=32, batch_size=2, heldout_tokens=64, generate_tokens=32, eval_every=1000, minutes=None, threads=1)
-
-
-@pytest.fixture(scope="module")
-def target(checkpoints):
-    return checkpoints("llama")["target"]
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("distill-text")
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    (folder / "code.py").write_text((stdlib / "textwrap.py").read_text() + (stdlib / "bisect.py").read_text())
-    return folder / "code.py"
 
 
 def tiny(target, out, text_file, **options) -> DistillConfig:

@@ -76,13 +76,18 @@ def test_the_cli_serves_on_a_local_cluster_and_drains_on_sigterm():
         assert json.loads(rest[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
         assert process.wait(RAY_WAIT_S) == 0
     finally:
-        if process.poll() is None:  # SIGTERM first: the server stops its local cluster on the way out
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(RAY_WAIT_S)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_process(process)
+
+
+def stop_process(process) -> None:
+    """SIGTERM first (the server stops what it started on the way out), then SIGKILL after RAY_WAIT_S."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(RAY_WAIT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 @pytest.mark.parametrize("options, message", [

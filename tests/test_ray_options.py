@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import queue
-import signal
 import subprocess
 import sys
 import threading
@@ -22,7 +21,7 @@ from ray import serve  # noqa: E402
 from specdeploy.errors import SpecdeployError  # noqa: E402
 from specdeploy.ray import RayConfig, app_builder, deployment  # noqa: E402
 from specdeploy.serve import ServeConfig  # noqa: E402
-from test_ray import BUNDLE, PROMPT, RAY_WAIT_S, cluster, free_port  # noqa: E402,F401  (cluster: the fixture)
+from test_ray import BUNDLE, RAY_WAIT_S, cluster, free_port, stop_process  # noqa: E402,F401  (cluster: the fixture)
 
 pytestmark = pytest.mark.ray
 
@@ -110,11 +109,5 @@ def test_with_ray_address_and_serve_already_running_the_log_names_the_clusters_p
         health = httpx.get(cluster + "/health", timeout=30)  # where the cluster's proxy answers
         assert health.status_code == 200, health.text
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(RAY_WAIT_S)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_process(process)
     assert ray.is_initialized() and serve.status() is not None  # the joined cluster and its Serve outlive it

@@ -9,6 +9,7 @@ import asyncio
 import threading
 
 import httpx
+import pytest
 
 import specdeploy
 from specdeploy.serve import ServeConfig
@@ -21,8 +22,10 @@ RUNNING = "specdeploy:num_requests_running"
 WAITING = "specdeploy:num_requests_waiting"
 
 
-def test_running_gauge_reads_zero_once_the_worker_has_died(agreeing_bundle):
-    """docs/serve.md: num_requests_running is the requests decoding now; a dead worker decodes none."""
+@pytest.mark.parametrize("ending", ["crash", "shutdown"])
+def test_running_gauge_reads_zero_once_the_worker_has_ended(agreeing_bundle, ending):
+    """docs/serve.md: num_requests_running is the requests decoding now. A worker that died, or a shutdown that
+    answered every request, leaves none decoding; the gauge kept counting the request it had ended."""
     model = GatedModel(specdeploy.load(agreeing_bundle))
     live = LiveServer(ServeConfig(bundle=str(agreeing_bundle), max_queue=4), load=lambda: model)
     try:
@@ -30,31 +33,19 @@ def test_running_gauge_reads_zero_once_the_worker_has_died(agreeing_bundle):
         running = post_in_thread(live.url, {"prompt": PROMPT, "max_tokens": 50, "temperature": 0}, answers, "running")
         model.wait(lambda m: m.held == 1, "the request to generate")
         assert live.metric(RUNNING) == 1
-        model.fail(WorkerKilled("injected"))
+        if ending == "crash":
+            model.fail(WorkerKilled("injected"))
+        else:
+            stopper = threading.Thread(target=live.service.worker.stop)
+            stopper.start()
         running.join(30)
-        assert answers["running"].status_code == 500
+        assert answers["running"].status_code == (500 if ending == "crash" else 503)
+        model.open()
+        if ending == "shutdown":
+            stopper.join(30)
         live.service.worker._thread.join(30)  # the worker's thread has ended, its cleanup done
-        assert httpx.get(live.url + "/health").json()["status"] == "crashed"
-        assert live.metric(RUNNING) == 0 and live.metric(WAITING) == 0
-    finally:
-        model.open()
-        live.close()
-
-
-def test_running_gauge_reads_zero_once_shutdown_has_answered_every_request(agreeing_bundle):
-    model = GatedModel(specdeploy.load(agreeing_bundle))
-    live = LiveServer(ServeConfig(bundle=str(agreeing_bundle), max_queue=4), load=lambda: model)
-    try:
-        answers = {}
-        running = post_in_thread(live.url, {"prompt": PROMPT, "max_tokens": 50, "temperature": 0}, answers, "running")
-        model.wait(lambda m: m.held == 1, "the request to generate")
-        stopper = threading.Thread(target=live.service.worker.stop)
-        stopper.start()
-        running.join(30)
-        assert answers["running"].status_code == 503
-        model.open()
-        stopper.join(30)
-        assert not live.service.worker._thread.is_alive()
+        if ending == "crash":
+            assert httpx.get(live.url + "/health").json()["status"] == "crashed"
         assert live.metric(RUNNING) == 0 and live.metric(WAITING) == 0
     finally:
         model.open()
