@@ -245,6 +245,15 @@ def _typed(name: str, value, field):
     return value
 
 
+def serve_already_running(status, local: bool) -> bool:
+    """Whether Ray Serve already runs on the cluster (its proxy then keeps its own host and port). On a joined
+    cluster an application of ours already there is refused: serving would replace it, exiting delete it."""
+    if not local and APP_NAME in status.applications:
+        raise SpecdeployError(f"an application named '{APP_NAME}' already runs on this cluster: serving would replace "
+                              f"it and exiting would delete it (serve.delete('{APP_NAME}') removes it)")
+    return bool(status.proxies)
+
+
 def serve_on_ray(config: ServeConfig, ray_config: RayConfig) -> None:
     """`specdeploy serve --replicas N`: the deployment on a Ray cluster (ray_config.address, or a local one
     with this machine's cores), Ray's proxy on config.host:config.port, until SIGTERM or Ctrl-C; then the
@@ -280,7 +289,7 @@ def serve_on_ray(config: ServeConfig, ray_config: RayConfig) -> None:
     ray.init(address="local" if local else ray_config.address, num_cpus=os.cpu_count() if local else None,
              include_dashboard=False, log_to_driver=True)
     try:
-        running = bool(serve.status().proxies)  # Serve already runs on a joined cluster: its proxy stays as it is
+        running = serve_already_running(serve.status(), local)
         serve.start(http_options={"host": config.host, "port": port})
         serve.run(application, name=APP_NAME, route_prefix="/")
         for sig in previous:

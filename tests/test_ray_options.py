@@ -111,3 +111,16 @@ def test_with_ray_address_and_serve_already_running_the_log_names_the_clusters_p
     finally:
         stop_process(process)
     assert ray.is_initialized() and serve.status() is not None  # the joined cluster and its Serve outlive it
+
+
+def test_joining_a_cluster_that_runs_an_application_of_our_name_is_refused():
+    """--ray-address: our application is named 'specdeploy'. One already on the cluster would have been replaced
+    by serve.run, and deleted on exit. A local cluster is new: nothing of ours runs there."""
+    from ray.serve.schema import ServeStatus
+
+    from specdeploy.ray import serve_already_running
+
+    ours = ServeStatus(applications={"specdeploy": {}})
+    with pytest.raises(SpecdeployError, match="already runs on this cluster"):
+        serve_already_running(ours, local=False)
+    assert serve_already_running(ServeStatus(), local=False) is False
