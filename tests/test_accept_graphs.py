@@ -251,3 +251,25 @@ def test_sampled_graph_over_real_models_keeps_the_target_distribution(agreeing_b
     counts = np.append(observed[support], observed[rest].sum()) if len(rest) else observed[support]
     expected = (np.append(exact[support], exact[rest].sum()) if len(rest) else exact[support]).astype(np.float64)
     assert chisquare(counts, expected / expected.sum() * trials).pvalue > 1e-3
+
+
+def test_sampled_graph_top_p_support_and_draw_match_numpy_on_a_128k_vocabulary():
+    """top-p over Llama 3's vocabulary: the graph must keep the tokens process_logits keeps and draw the
+    same token for the same uniform (docs/hosts.md: differences only within rounding, at most 2%)."""
+    graph = ort.InferenceSession(accept.sampled_graph(OPSET, onnx.TensorProto.FLOAT).SerializeToString(),
+                                 providers=["CPUExecutionProvider"])
+    rng, vocab, rows = np.random.default_rng(3), 128256, 20
+    settings = dict(temperature=1.0, top_p=0.95)
+    support_differs = token_differs = 0
+    for _ in range(rows):
+        logits = rng.standard_normal((1, vocab)).astype(np.float32)
+        uniform = rng.random(1)
+        _, next_token, probs = graph.run(None, dict(
+            target_logits=logits, draft_tokens=np.zeros(0, np.int64), draft_probs=np.zeros((0, vocab), np.float32),
+            uniforms=uniform, temperature=np.array(1.0, np.float32), top_k=np.array(0, np.int64),
+            top_p=np.array(settings["top_p"], np.float32), min_p=np.array(0.0, np.float32)))
+        expected = process_logits(logits, SamplingParams(**settings))
+        support_differs += bool(np.any((probs > 0) != (expected > 0)))
+        token_differs += int(next_token) != draw(expected[0], float(uniform[0]))
+    assert support_differs <= 1, f"the top-p cut differs from NumPy's in {support_differs} of {rows} rows"
+    assert token_differs <= 1, f"the drawn token differs from NumPy's in {token_differs} of {rows} rows"

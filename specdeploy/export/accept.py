@@ -141,10 +141,15 @@ def _top_p(b: _Builder, probs: str, vocab: str) -> str:
     """Keep the smallest most-probable set whose mass reaches top_p: a token stays while the mass ranked before it is below."""
     on = b.op("Less", ["top_p", b.const(1.0, np.float32)])
     count = b.op("Unsqueeze", [b.op("Where", [on, vocab, b.const(1, np.int64)]), b.const([0], np.int64)])
-    # Descending, ties by lower index first (the ONNX TopK contract), as the stable argsort of _top_p_row.
+    # Descending, ties by lower index first (the ONNX TopK contract); sampling._nucleus ranks equal weights by
+    # logit, then index, which differs only where two logits round to the same probability.
     ranked, order = b.op("TopK", [probs, count], 2, axis=-1, largest=1, sorted=1)  # [n, vocab] each
-    before = b.op("Sub", [b.op("CumSum", [ranked, b.const(1, np.int64)]), ranked])  # as _top_p_row: cumsum - self
-    stays = b.op("Cast", [b.op("Less", [before, "top_p"])], to=1)  # [n, vocab] 1.0 / 0.0 in rank order
+    # The mass before each token against top_p of the total, summed in float64 as _nucleus sums them: a float32
+    # running sum over a 128k vocabulary drifts by 1e-5, enough to move the cut.
+    ranked64 = b.op("Cast", [ranked], to=11)
+    before = b.op("Sub", [b.op("CumSum", [ranked64, b.const(1, np.int64)]), ranked64])
+    limit = b.op("Mul", [b.op("Cast", ["top_p"], to=11), b.reduce("ReduceSum", ranked64, 1, 1)])
+    stays = b.op("Cast", [b.op("Less", [before, limit])], to=1)  # [n, vocab] 1.0 / 0.0 in rank order
     scattered = b.op("ScatterElements", [b.op("Mul", [probs, b.const(0.0, np.float32)]), order, stays], axis=1)
     keep = b.op("Cast", [scattered], to=9)  # [n, vocab] bool, in vocabulary order
     return _renormalized(b, probs, keep, on)
