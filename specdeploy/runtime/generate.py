@@ -133,14 +133,15 @@ class Generator:
         fp16 or quantized target: SpeculationPolicy) also times its passes for it (calibrate)."""
         vocab, k = self.target.spec.vocab_size, GenerationConfig.num_draft_tokens
         new_tokens = 2 * (k + 1)
-        length = max(2, min(WARM_UP_PROMPT_TOKENS, self.max_context - new_tokens - 1))
+        length = max(1, min(WARM_UP_PROMPT_TOKENS, self.max_context - new_tokens - 1))  # a context of 2 takes 1
         prompt = [(1 + 31 * i) % vocab for i in range(length)]  # any ids: the numbers are thrown away
         self.generate(prompt, max_new_tokens=2, speculative=False)
         if self.drafter is not None:
             self.generate(prompt, max_new_tokens=new_tokens, num_draft_tokens=k)
             self.generate(prompt, max_new_tokens=k + 1, num_draft_tokens=k, temperature=1.0)
         policy = self.scheduler.policy
-        if self.max_batch > 1 or (policy.picks_lone_k and self.drafter is not None):
+        k = min(k, self.max_context - length - 1)  # a short context times the passes it can run
+        if k >= 1 and (self.max_batch > 1 or (policy.picks_lone_k and self.drafter is not None)):
             self.calibrate(prompt, k)
         self.reset()
 
