@@ -368,6 +368,25 @@ def test_a_stop_string_before_an_incomplete_character_at_the_end_is_not_returned
     assert "b" not in shown and "b" not in text.text
 
 
+def test_a_stream_holds_back_exactly_the_longest_tail_that_begins_a_stop_string():
+    """Text that may yet complete a stop string is not shown: the longest tail of the text that is a proper
+    prefix of some stop string (TextStream._held_back, against that definition on random texts and stops)."""
+    import random
+
+    from specdeploy.runtime.text import TextStream
+
+    def definition(text, stops):
+        return max([size for stop in stops for size in range(1, min(len(stop) - 1, len(text)) + 1)
+                    if text.endswith(stop[:size])], default=0)
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        stops = tuple("".join(rng.choice("ab c") for _ in range(rng.randint(1, 10))) for _ in range(rng.randint(1, 4)))
+        stream = TextStream(None, stop=stops)
+        stream.text = "".join(rng.choice("ab c") for _ in range(rng.randint(0, 25)))
+        assert stream._held_back() == definition(stream.text, stops), (stream.text, stops)
+
+
 @pytest.mark.parametrize("options", [dict(stop=["a", 5]), dict(stop=[b"x"]), dict(max_new_tokens="5"),
                                      dict(max_new_tokens=2.5), dict(num_draft_tokens=2.0), dict(temperature="0.5"),
                                      dict(top_p=None), dict(repetition_penalty=None), dict(draft_confidence="x")])

@@ -1,6 +1,6 @@
 """The OpenAI request bodies: validated and turned into a prompt plus GenerationConfig keyword arguments.
 
-Parameters OpenAI defines and this server cannot honour (penalties, tools, best_of other than n...)
+Parameters OpenAI defines and this server cannot honour (logit_bias, echo, suffix, tools, best_of other than n...)
 are refused with a 400 naming them, never ignored; unknown fields are refused as OpenAI refuses them.
 Sampling extensions (`top_k`, `min_p`, `repetition_penalty`, `num_draft_tokens`, `speculative`,
 `draft_confidence`) pass through to the generator by name; a name the runtime's GenerationConfig
