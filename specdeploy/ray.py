@@ -230,9 +230,9 @@ def _typed(name: str, value, field):
     """A config file's value as its field's type (text from the command line; None stays None)."""
     kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", "")
     if kind.startswith("str") and value is not None and not isinstance(value, str):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):  # YAML's `api_key: 12345` is an int
-            raise SpecdeployError(f"specdeploy.ray:app_builder: {name}={value!r} is not text")
-        return str(value)
+        # YAML's `api_key: 012345` arrives as 5349: text made from it would not be what the file says
+        raise SpecdeployError(f"specdeploy.ray:app_builder: {name}={value!r} is not text: write it in quotes "
+                              f"in the config file")
     if not isinstance(value, str) or kind.startswith("str"):
         return value
     try:
