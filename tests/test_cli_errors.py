@@ -290,7 +290,8 @@ def test_bench_plot_without_matplotlib_fails_before_anything_loads(tmp_path, mon
     """The missing extra is named before the bundle loads (here a bundle that does not exist), not after the run."""
     import sys
 
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    for name in [name for name in sys.modules if name.split(".")[0] == "matplotlib"] + ["matplotlib"]:
+        monkeypatch.setitem(sys.modules, name, None)  # `import matplotlib` (and its modules) raise ImportError
     code, stdout, stderr = invoke("bench", str(tmp_path / "no-bundle"), "--plot", str(tmp_path / "k.png"))
     assert_one_line(code, stderr, "--plot needs matplotlib (pip install 'specdeploy[bench]')")
     assert stdout == "" and not (tmp_path / "k.png").exists()
