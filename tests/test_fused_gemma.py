@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 import pytest
 
-from specdeploy.bundle import load_manifest
+from specdeploy.bundle import file_entry, load_manifest
 from specdeploy.export import ExportConfig, export_bundle, fused
 from specdeploy.runtime.engine import OrtEngine
 from specdeploy.runtime.loader import load
@@ -109,12 +109,13 @@ def test_gemma3_window_is_the_transformers_window(gemma3):
     ids = np.random.default_rng(5).integers(2, VOCAB, size=3 * WINDOW)
     expected = reference(model, ids)
     for window in (WINDOW - 1, WINDOW + 1):
-        shifted = dataclasses.replace(manifest.target, onnx_path="shifted.onnx")
         model.config.sliding_window = window
         try:
             fused.build_fused(model, out.parent / "shifted.onnx", manifest.max_context)
         finally:
             model.config.sliding_window = WINDOW
+        files = tuple(file_entry(out.parent, out.parent / name) for name in ("shifted.onnx", "shifted.onnx.data"))
+        shifted = dataclasses.replace(manifest.target, onnx_path="shifted.onnx", files=files)
         engine = OrtEngine(out.parent / "shifted.onnx", shifted)
         diff = np.abs(engine.run(ids, engine.new_cache(64)) - expected).max(-1)  # [positions]
         first = min(window, WINDOW)  # the first query with more than that many positions behind it, itself included
