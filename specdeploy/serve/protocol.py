@@ -84,6 +84,7 @@ def parse_request(body, kind: str, num_draft_tokens: int, max_context: int) -> G
         if name in body and body[name] not in unused:
             raise ApiError(400, f"{name}={body[name]!r} is not supported by this server", param=name)
     _check_type(body, "model", str)
+    _check_type(body, "user", str)  # accepted, not used; OpenAI's is a string
     stream = _check_type(body, "stream", bool) or False
     stream_options = _check_type(body, "stream_options", dict) or {}
     if stream_options and not stream:
@@ -135,10 +136,13 @@ def _logprobs(body: dict, kind: str) -> int | None:
 
 
 def _options(body: dict, kind: str, num_draft_tokens: int, max_context: int) -> dict:
-    name = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _check_type(body, name, int)  # chat's newer name wins
-    if max_tokens is not None and max_tokens < 0:
-        raise ApiError(400, f"{name} must be >= 0 (got {max_tokens})", param=name)
+    limits = {}
+    for name in ("max_tokens", "max_completion_tokens") if kind == "chat" else ("max_tokens",):  # each checked
+        limits[name] = _check_type(body, name, int)
+        if limits[name] is not None and limits[name] < 0:
+            raise ApiError(400, f"{name} must be >= 0 (got {limits[name]})", param=name)
+    max_tokens = next((v for v in (limits.get("max_completion_tokens"), limits["max_tokens"]) if v is not None),
+                      None)  # chat's newer name wins
     if max_tokens is None:  # chat's default runs to the context's end, where the loop stops
         max_tokens = DEFAULT_MAX_TOKENS if kind == "completion" else max_context
     seed = _check_type(body, "seed", int)
