@@ -102,7 +102,7 @@ def test_genai_runs_the_demo_pair_both_ways(demo_bundle):
 def test_genai_samples_when_a_caller_asks_for_sampling_alone(demo_bundle):
     """The config's search defaults are greedy, with top_k 50 for a caller who turns sampling on (genai's
     model builder's default): top_k 1 made `do_sample=True` greedy. Sampling at T 1 over the demo pair's
-    8k vocabulary with different seeds gives different continuations."""
+    4k vocabulary with different seeds gives different continuations."""
     model = og.Model(str(demo_bundle / load_manifest(demo_bundle).genai.target_only))
     ids = prompt_ids(demo_bundle, PROMPTS[0])
     continuations = set()
