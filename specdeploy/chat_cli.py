@@ -72,8 +72,13 @@ def read_lines(stream=None, interactive: bool = False) -> Callable[[], str | Non
     """A function that returns the next message (None at end of input); a trailing backslash continues a line."""
     def read_one() -> str | None:
         if interactive:
+            prompt = PROMPT if not parts else "  "
             try:
-                return input(PROMPT if not parts else "  ")
+                if sys.stdout.isatty():
+                    return input(prompt)
+                sys.stderr.write(prompt)  # input() would write it into the redirected replies
+                sys.stderr.flush()
+                return input()
             except EOFError:
                 return None
         source = stream or getattr(sys.stdin, "buffer", sys.stdin)  # bytes: a bad one fails its message alone

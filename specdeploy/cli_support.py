@@ -86,6 +86,10 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+class _ClosedPipe(Exception):
+    """A BrokenPipeError on its way past click's main, which would exit 1 for it."""
+
+
 class ErrorMappingGroup(click.Group):
     """A click group whose every failure is one line (see the module docstring), and whose main is
     the one place that sets up the process (command_line_process).
@@ -107,6 +111,12 @@ class ErrorMappingGroup(click.Group):
         if command is not None and self._undo_setup is None:
             self._undo_setup = command_line_process(command.name)
         return name, command, rest
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError:  # raised here, before click's main turns it into exit 1 (see main's handler)
+            raise _ClosedPipe() from None
 
     def main(self, args=None, prog_name=None, **kwargs):
         args = list(sys.argv[1:] if args is None else args)
@@ -138,7 +148,7 @@ class ErrorMappingGroup(click.Group):
             if self.debug_requested:
                 raise
             fail("interrupted", EXIT_INTERRUPTED)
-        except BrokenPipeError:  # stdout closed early (| head): not an error of ours
+        except (BrokenPipeError, _ClosedPipe):  # stdout closed early (| head): not an error of ours
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             sys.exit(EXIT_ERROR)
         except Exception as exc:  # noqa: BLE001 - the one place every other failure becomes one line
@@ -161,8 +171,8 @@ class Utf8Text(click.ParamType):
 
     def convert(self, value, param, ctx):
         if isinstance(value, str) and any("\udc80" <= ch <= "\udcff" for ch in value):
-            try:
-                strict_utf8(os.fsencode(value), "the text")
+            try:  # argv's bytes under a non-UTF-8 locale: valid UTF-8 is taken as its text
+                value = strict_utf8(os.fsencode(value), "the text")
             except SpecdeployError as exc:
                 self.fail(str(exc), param, ctx)
         if isinstance(value, str) and any("\ud800" <= ch <= "\udfff" for ch in value):
@@ -177,8 +187,8 @@ def read_stdin_text() -> str:
 def read_text_file(path: str, option: str) -> str:
     """A file's text, byte for byte (no newline translation, no BOM removed): it must exist and be UTF-8."""
     file = Path(path).expanduser()
-    if not file.is_file():
-        raise SpecdeployError(f"{option} {path}: no such file" if not file.exists() else f"{option} {path}: not a file")
+    if not file.exists() or file.is_dir():  # a pipe (<(cmd), /dev/stdin) is read as a file
+        raise SpecdeployError(f"{option} {path}: no such file" if not file.exists() else f"{option} {path}: not a file (a folder)")
     try:
         data = file.read_bytes()
     except OSError as exc:
