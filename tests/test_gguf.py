@@ -187,7 +187,8 @@ def test_gguf_special_tokens_come_from_its_metadata(llama_bundle):
 
     out, manifest, lines = llama_bundle
     for spec in (manifest.target, manifest.draft, manifest.tokenizer):
-        assert spec.bos_token_id == 1 and spec.eos_token_ids == (2,) and spec.pad_token_id == 0
+        # <|im_end|>, then <|endoftext|>: llama.cpp ends at both
+        assert spec.bos_token_id == 1 and spec.eos_token_ids == (2, 0) and spec.pad_token_id == 0
     # transformers' conversion says BOS = EOS = <|im_start|> and prepends it; the GGUF says neither
     tokenizer = Tokenizer.from_file(str(out / "tokenizer" / "tokenizer.json"))
     assert tokenizer.encode("def f", add_special_tokens=True).ids == tokenizer.encode("def f", add_special_tokens=False).ids
@@ -211,7 +212,7 @@ def test_gguf_that_prepends_bos_keeps_it(tmp_path):
     work.mkdir()
     checkpoint = ckpt.load_checkpoint(str(path), "target", work_dir=work)
     checked = check_special_tokens(checkpoint, ckpt.load_tokenizer_json(checkpoint, work), work, lambda *a: None)
-    assert checked.checkpoint.bos_token_id == 1 and checked.checkpoint.eos_token_ids == (2,)
+    assert checked.checkpoint.bos_token_id == 1 and checked.checkpoint.eos_token_ids == (2, 0)
     tokenizer = Tokenizer.from_file(str(checked.tokenizer_dir / "tokenizer.json"))
     assert tokenizer.encode("x", add_special_tokens=True).ids[0] == 1
     assert not any("add_bos_token" in line for line in checked.repairs)
@@ -246,8 +247,8 @@ def test_gemma3_gguf_converts_with_its_metadata(tmp_path):
     checked = check_special_tokens(checkpoint, ckpt.load_tokenizer_json(checkpoint, work), work,
                                    lambda stage, detail: lines.append(detail))
     assert checked.checkpoint.bos_token_id == 2 and checked.checkpoint.pad_token_id == 0
-    assert checked.checkpoint.eos_token_ids == (1, 5)  # <eos>, then the template's <end_of_turn>
-    assert any(line.startswith("target: eos_token_ids + '<end_of_turn>' (5)") for line in lines)
+    assert checked.checkpoint.eos_token_ids == (1, 5)  # <eos>, then <end_of_turn>: the GGUF's own, as llama.cpp reads it
+    assert not any("'<end_of_turn>'" in line for line in lines)  # so no repair adds it
     assert list(checked.repairs) == lines
     tokenizer = Tokenizer.from_file(str(checked.tokenizer_dir / "tokenizer.json"))
     assert tokenizer.encode("x", add_special_tokens=True).ids[0] == 2
@@ -387,7 +388,7 @@ def test_qwen3_moe_gguf_is_read_as_transformers_reads_it(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     checkpoint = ckpt.load_checkpoint(str(path), "target", work_dir=work)
-    assert checkpoint.config.model_type == "qwen3_moe" and checkpoint.eos_token_ids == (2,)
+    assert checkpoint.config.model_type == "qwen3_moe" and checkpoint.eos_token_ids == (2, 0)
 
 
 def test_gguf_conversion_prints_no_progress_bar(tmp_path, capfd):

@@ -86,7 +86,10 @@ def read_tokens(path: Path, role: str) -> tuple[str, GgufTokens]:
     architecture = value("general.architecture")
     if not isinstance(architecture, str):
         raise SpecdeployError(f"--{role} {path}: the GGUF file has no general.architecture")
+    _check_whole_model(path, role, value, len(reader.tensors))
     add_bos = value("tokenizer.ggml.add_bos_token")
+    if add_bos is None:  # llama.cpp's default for the tokenizer's kind
+        add_bos = llama_cpp_add_bos(value("tokenizer.ggml.model"), value("tokenizer.ggml.pre"))
     template = value("tokenizer.chat_template")
     tokens, types = value("tokenizer.ggml.tokens"), value("tokenizer.ggml.token_type")
     control = () if tokens is None or types is None else tuple(
@@ -99,8 +102,46 @@ def read_tokens(path: Path, role: str) -> tuple[str, GgufTokens]:
         chat_template=template if isinstance(template, str) else None,
         control_tokens=control,
         end_token_ids=tuple(dict.fromkeys(i for i in (token_id("tokenizer.ggml.eot_token_id"),
-                                                      token_id("tokenizer.ggml.eom_token_id")) if i is not None)),
+                                                      token_id("tokenizer.ggml.eom_token_id"),
+                                                      *(i for i, t in enumerate(tokens or ()) if str(t) in EOG_TEXTS))
+                                          if i is not None)),
     )
+
+
+# The tokens llama.cpp ends generation at by their text, whatever the metadata's keys say (llama-vocab.cpp's
+# end-of-generation list, llama.cpp of llama-cpp-python 0.3.36): Llama 3's <|eot_id|> and <|eom_id|>, ChatML's
+# <|im_end|>, Gemma's <end_of_turn>, <|endoftext|>, ...
+EOG_TEXTS = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+                       "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+                       "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+                       "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~["})
+
+
+# BPE pre-tokenizers for which llama.cpp prepends BOS when the GGUF has no tokenizer.ggml.add_bos_token
+# (llama-vocab.cpp of llama-cpp-python 0.3.36); every other BPE prepends none.
+BOS_PREPENDING_BPE = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                                "jina-v5-nano", "tekken", "chameleon"})
+
+
+def llama_cpp_add_bos(model, pre) -> bool | None:
+    """Whether llama.cpp prepends BOS for a tokenizer of this kind (tokenizer.ggml.model, .pre) when the GGUF does
+    not say; None for a kind it does not know."""
+    if model == "gpt2":
+        return pre in BOS_PREPENDING_BPE
+    return {"llama": True, "bert": True, "t5": False, "rwkv": False}.get(model)
+
+
+def _check_whole_model(path: Path, role: str, value, num_tensors: int) -> None:
+    """A GGUF transformers would fill with random weights: a LoRA adapter (no model sizes: transformers builds a
+    default 7B config), a split file's one part, or a vocabulary-only file."""
+    if value("general.type") == "adapter" or value("adapter.type") is not None:
+        raise SpecdeployError(f"--{role} {path}: a LoRA adapter, not a model (merge it into its base model first)")
+    parts = value("split.count")
+    if parts is not None and int(parts) > 1:
+        raise SpecdeployError(f"--{role} {path}: one of {int(parts)} parts of a split GGUF; merge them first "
+                              "(llama.cpp's llama-gguf-split --merge)")
+    if num_tensors == 0:
+        raise SpecdeployError(f"--{role} {path}: a vocabulary-only GGUF, no weights in it")
 
 
 # llama.cpp's names that transformers' GGUF loader renames before it looks its architectures up.

@@ -332,7 +332,7 @@ def _build_bundle(config: ExportConfig, checkpoints: dict, max_context: int, wor
                               "float32 and it attends to its whole context); quantize with --quantize int8|int4")
     for role in ROLES:
         checkpoint = checkpoints[role]
-        report("load", f"{role}: {checkpoint.path.name}")
+        report("load", f"{role}: {Path(checkpoint.source or checkpoint.path).name}")  # a GGUF's, not its folder's
         load_model = functools.partial(convert.load_torch_model, checkpoint.path, role, config.trust_remote_code)
         model = load_model()
         num_parameters = shapes[role].num_parameters(model)

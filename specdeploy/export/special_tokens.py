@@ -277,7 +277,8 @@ def _agree_add_bos(stated: _Statements, prepended: list[str] | None, bos: int | 
     """add_bos_token: tokenizer_config.json's flag against what the post-processor does (what the runtime does)."""
     add_sources = [("tokenizer_config.json add_bos_token", stated.tokenizer_config.get("add_bos_token")),
                    ("tokenizer.json post-processor prepends BOS", bool(prepended))]
-    authority = None if stated.gguf is None else ("GGUF tokenizer.ggml.add_bos_token", stated.gguf.add_bos_token)
+    authority = None if stated.gguf is None else (
+        "GGUF tokenizer.ggml.add_bos_token (or llama.cpp's default for its tokenizer)", stated.gguf.add_bos_token)
     add_bos, repair = _agree("add_bos_token", add_sources, authority, (None, None), stated.where, repr)
     if add_bos and bos is None:
         raise SpecdeployError(f"{stated.where}: the tokenizer prepends BOS but no file names a BOS token")
