@@ -52,6 +52,16 @@ def _write_tensors(writer, model, arch) -> None:
         writer.add_tensor(f"{names.get_name(base)}.{suffix}", tensor.numpy().astype(np.float32))
 
 
+def write_llama_header(writer, vocab_size: int) -> None:
+    """A tiny Llama's hyperparameters and a gpt2 (byte-level BPE) tokenizer of vocab_size tokens."""
+    _write_shape(writer)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_dimension_count(HIDDEN // HEADS)
+    writer.add_vocab_size(vocab_size)
+    writer.add_tokenizer_model("gpt2")
+
+
 def _write_shape(writer) -> None:
     """The hyperparameters both tiny layouts share."""
     writer.add_context_length(256)
@@ -77,12 +87,7 @@ def write_llama_gguf(path: Path, *, add_bos: bool = False, eos: int = 2, seed: i
     model = tf.LlamaForCausalLM(config)
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name("tiny-llama")
-    _write_shape(writer)
-    writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_rope_dimension_count(HIDDEN // HEADS)
-    writer.add_vocab_size(len(tokens))
-    writer.add_tokenizer_model("gpt2")
+    write_llama_header(writer, len(tokens))
     writer.add_token_list(tokens)
     writer.add_token_types([gguf.TokenType.CONTROL if t in CHATML else gguf.TokenType.NORMAL for t in tokens])
     writer.add_token_merges(merges)

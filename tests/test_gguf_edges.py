@@ -15,7 +15,7 @@ from specdeploy.errors import SpecdeployError
 pytest.importorskip("gguf")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_gguf import HEADS, HIDDEN, KV_HEADS, LAYERS, _write_shape, _write_tensors, write_llama_gguf  # noqa: E402
+from test_gguf import HEADS, HIDDEN, KV_HEADS, LAYERS, _write_tensors, write_llama_gguf, write_llama_header  # noqa: E402
 
 
 def _copy_metadata(reader, writer, skip=()) -> None:
@@ -171,12 +171,7 @@ def _write_llama3_style_gguf(path: Path) -> Path:
     torch.manual_seed(7)
     model = tf.LlamaForCausalLM(config)
     writer = gguf.GGUFWriter(str(path), "llama")
-    _write_shape(writer)
-    writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_rope_dimension_count(HIDDEN // HEADS)
-    writer.add_vocab_size(len(tokens))
-    writer.add_tokenizer_model("gpt2")
+    write_llama_header(writer, len(tokens))
     writer.add_tokenizer_pre("llama-bpe")
     writer.add_token_list(tokens)
     writer.add_token_types([gguf.TokenType.CONTROL if t in LLAMA3 else gguf.TokenType.NORMAL for t in tokens])
@@ -202,40 +197,6 @@ def test_gguf_end_of_turn_and_message_tokens_without_their_keys_stop(tmp_path):
     checked = check_special_tokens(checkpoint, ckpt.load_tokenizer_json(checkpoint, work), work, lambda *a: None)
     assert checked.checkpoint.eos_token_ids[0] == 1
     assert {2, 3} <= set(checked.checkpoint.eos_token_ids)
-
-
-def _write_smollm_pre_gguf(path: Path) -> Path:
-    """A 'gpt2' BPE with tokenizer.ggml.pre 'smollm' (SmolLM2's): llama.cpp splits every \\p{N} character off before
-    BPE, so the merge 'Ġ ½' is never reached; transformers' GPT-2 pre-tokenizer keeps ' ½' together."""
-    import gguf
-    import torch
-    import transformers as tf
-    from tokenizers import pre_tokenizers
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tokens = specials + sorted(pre_tokenizers.ByteLevel.alphabet()) + ["ĠÂ", "ĠÂ½"]
-    config = tf.LlamaConfig(vocab_size=len(tokens), hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
-                            num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                            max_position_embeddings=256, tie_word_embeddings=False)
-    torch.manual_seed(9)
-    model = tf.LlamaForCausalLM(config)
-    writer = gguf.GGUFWriter(str(path), "llama")
-    _write_shape(writer)
-    writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_rope_dimension_count(HIDDEN // HEADS)
-    writer.add_vocab_size(len(tokens))
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.CONTROL if t in specials else gguf.TokenType.NORMAL for t in tokens])
-    writer.add_token_merges(["Ġ Â", "ĠÂ ½"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_add_bos_token(False)
-    _write_tensors(writer, model, gguf.MODEL_ARCH.LLAMA)
-    _finish(writer)
-    return path
 
 
 def test_gguf_export_progress_names_the_gguf_file(tmp_path):
