@@ -183,15 +183,14 @@ def open_session(model_path: Path, spec: ModelSpec, config: SessionConfig):
     if spec.kv_cache.layout != KV_LAYOUT:
         raise SpecdeployError(f"the {spec.role}'s KV cache layout '{spec.kv_cache.layout}' is not one this runtime "
                               f"binds ({KV_LAYOUT})")
-    providers_for(config)  # this onnxruntime runs the device (before the profiles below are built)
-    if config.device in ("cuda", "tensorrt") and spec.graph == "fused" and spec.dtype == "fp32":
+    providers = providers_for(config, spec)  # validates the device first
+    if config.device != "cpu" and spec.graph == "fused" and spec.dtype == "fp32":
         # ONNX Runtime's CUDA GroupQueryAttention runs fp16/bf16 only: an fp32 fused graph would
         # send every attention node, and the KV buffers with it, back to the CPU each pass.
         raise SpecdeployError(
             f"the {spec.role} is an fp32 fused graph, which ONNX Runtime's GPU kernels do not run: "
             "export with --dtype fp16 (or --graph optimum) for --device cuda/tensorrt"
         )
-    providers = providers_for(config, spec)  # validates the device
     options = session_options(config, spec)  # its own errors name the setting, not the model
     try:
         session = ort.InferenceSession(str(model_path), options, providers=providers)
