@@ -5,6 +5,7 @@ may generate the same number of new tokens. Both stop at an end-of-sequence toke
 lists it last in its token ids, genai leaves it out of the sequence (neither shows it in the text).
 """
 
+import functools
 import json
 import os
 import subprocess
@@ -22,8 +23,11 @@ PROMPTS = ("def f(x):\n    return", "import os\n\n\nclass ")
 MAX_NEW_TOKENS = 32
 
 
+@functools.cache
 def specdeploy_run(bundle, prompt: str, *flags: str, max_new_tokens: int = MAX_NEW_TOKENS) -> dict:
-    """`specdeploy run --temperature 0 --json`, the prompt on standard input (exact, trailing newlines included)."""
+    """`specdeploy run --temperature 0 --json`, the prompt on standard input (exact, trailing newlines included).
+    Greedy and deterministic, so each command runs once: the genai and C++ host tests compare with the same runs
+    (callers only read the result)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(
         [sys.executable, "-m", "specdeploy", "run", str(bundle), "--prompt", "-", "--temperature", "0",

@@ -267,8 +267,9 @@ def test_past_every_replicas_queue_the_proxy_answers_429(cluster):
     how many of the burst get through is not fixed, only that some do and the rest are refused.)"""
     config = ServeConfig(bundle=BUNDLE, max_batch=1, max_queue=1)
     serve.run(deployment(config, RayConfig(replicas=1, threads_per_replica=1)), name="full", route_prefix="/full")
-    body = {"prompt": PROMPT, "max_tokens": 2000, "temperature": 0, "ignore_eos": True}  # each holds the slot a while
-    with httpx.stream("POST", cluster + "/full/v1/completions", json={**body, "stream": True}, timeout=120) as first:
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    holding = {**body, "max_tokens": 2000, "stream": True}  # holds the slot while the burst arrives
+    with httpx.stream("POST", cluster + "/full/v1/completions", json=holding, timeout=120) as first:
         assert first.status_code == 200
         lines = first.iter_lines()
         assert next(lines).startswith("data: ")  # decoding: the replica's one batch slot is taken
