@@ -130,10 +130,9 @@ def run_chat(generator, config: ChatConfig, read: Callable[[], str | None]) -> N
             continue
         user = line[1:] if line.startswith("//") else line  # "//text" sends "/text"
         try:
-            _answer(generator, config, conversation, user, turn)
+            turn += _answer(generator, config, conversation, user, turn)  # replies count; a refused message does not
         except SpecdeployError as exc:  # about this message: the session goes on
             click.echo(f"error: {str(exc).replace(chr(10), ' ')}", err=True)
-        turn += 1
 
 
 def _command(line: str, conversation: Conversation) -> bool:
@@ -153,7 +152,8 @@ def _command(line: str, conversation: Conversation) -> bool:
     return True
 
 
-def _answer(generator, config: ChatConfig, conversation: Conversation, user: str, turn: int) -> None:
+def _answer(generator, config: ChatConfig, conversation: Conversation, user: str, turn: int) -> bool:
+    """Answer one message as reply number `turn`; True if the reply joined the history."""
     generation = config.generation
     messages, dropped = conversation.fit(user, generator.encode_chat, generator.max_context, generation.max_new_tokens)
     if dropped:
@@ -171,7 +171,8 @@ def _answer(generator, config: ChatConfig, conversation: Conversation, user: str
     reply = "".join(shown)  # what was shown is what the history keeps, an interrupted answer too
     if reply and not reply.endswith("\n"):
         click.echo()
-    if reply or not interrupted:
+    replied = bool(reply) or not interrupted
+    if replied:
         conversation.turns.append((user, reply))
     if interrupted:
         click.echo("(interrupted)", err=True)
@@ -180,3 +181,4 @@ def _answer(generator, config: ChatConfig, conversation: Conversation, user: str
         click.echo(format_stats(output.stats), err=True)
     if output is not None and output.stats.note:
         click.echo(f"note: {output.stats.note}", err=True)
+    return replied

@@ -251,9 +251,9 @@ def stream_text(pieces, shown: list[str]) -> None:
     it records what came out). Nothing is written before the first piece (a refused request prints none)."""
     try:
         for piece in pieces:
+            shown.append(piece)  # first: Ctrl-C lands most often just after a piece appears
             click.echo(piece, nl=False)
             sys.stdout.flush()
-            shown.append(piece)
     except KeyboardInterrupt:
         pieces.close()
         raise

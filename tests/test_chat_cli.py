@@ -194,3 +194,40 @@ def test_a_message_refused_for_its_length_keeps_the_conversation():
     with pytest.raises(SpecdeployError, match="the context holds 100"):
         conversation.fit("q" * 200, encode, max_context=100, reply_tokens=20)
     assert conversation.turns == turns  # the next (shorter) message still continues the conversation
+
+
+def test_reply_i_samples_with_seed_plus_i_when_a_message_before_it_was_refused(bundle):
+    """A message refused for its length gets no reply, so the next reply is still reply 0 (--seed + 0)."""
+    too_long = "x = 1 " * 300
+    options = ["--max-new-tokens", "12", "--temperature", "0.8", "--seed", "5"]
+    code, stdout, stderr = chat(bundle, *options, input=f"{too_long}\nhi\n")
+    assert code == 0, stderr
+    assert "the context holds 256" in stderr
+    code, alone, stderr = chat(bundle, *options, input="hi\n")
+    assert code == 0, stderr
+    generator = specdeploy.load(bundle)
+    reply = generator.generate(messages=[{"role": "user", "content": "hi"}], max_new_tokens=12, temperature=0.8,
+                               seed=5).text
+    assert alone == shown([reply])
+    assert stdout == shown([reply])  # the same first reply, as `--seed`'s help promises
+
+
+def test_ctrl_c_right_after_a_piece_is_written_keeps_that_piece_in_the_history(capsys, monkeypatch):
+    """Ctrl-C lands while the last piece is being flushed to the terminal (the moment a user sees it):
+    the piece is on the screen, so it is part of the reply the next turn sends back."""
+    import click
+
+    generator = ScriptedGenerator()
+    real_echo = click.echo
+
+    def echo(message=None, *args, **kwargs):
+        real_echo(message, *args, **kwargs)
+        if message == "tial":  # the signal arrives as the piece reaches the terminal
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(click, "echo", echo)
+    inputs = iter(["first", "second", None])
+    run_chat(generator, ChatConfig(generation=GenerationConfig(max_new_tokens=4)), lambda: next(inputs))
+    out = capsys.readouterr()
+    assert out.out.startswith("partial\n") and "(interrupted)" in out.err
+    assert generator.calls[1][1] == {"role": "assistant", "content": "partial"}  # what was shown, all of it
