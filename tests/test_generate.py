@@ -450,3 +450,24 @@ def test_a_falsy_badly_typed_stop_option_is_refused_as_a_truthy_one_is(agreeing_
         generator.generate("def f(x):", max_new_tokens=4, **{name: 5})
     with pytest.raises(SpecdeployError):
         generator.generate("def f(x):", max_new_tokens=4, **options)
+
+
+def test_the_earliest_of_several_stop_strings_completed_by_one_token_ends_the_text():
+    """Two stop strings completed by the same multi-character token: the text ends before the one that
+    comes first in the text, whatever their order in the list (as OpenAI's stop does)."""
+    from specdeploy.runtime.text import TextStream
+
+    pieces = {0: "xx", 1: "abcd", 2: "zz"}
+
+    class Codec:
+        byte_tokens = frozenset()
+
+        def decode(self, ids):
+            return "".join(pieces[i] for i in ids)
+
+    for stops in (("cd", "ab"), ("ab", "cd")):
+        stream = TextStream(Codec(), stop=stops)
+        shown = stream.push(0) + stream.push(1)
+        assert stream.stopped
+        shown += stream.finish()
+        assert shown == "xx" and stream.text == "xx", stops

@@ -66,3 +66,23 @@ def test_int8_gpt2_export_quantizes_every_matrix(checkpoints, tmp_path):
     assert fp32_matrices == []
     data_bytes = sum(f.size for f in target.files if f.path.endswith(".data"))
     assert data_bytes < 0.5 * 4 * target.num_parameters  # int8 weights: about a quarter of fp32's bytes
+
+
+@pytest.mark.parametrize("pass_name", ["prefill", "verify"])
+def test_fp32_parity_fails_on_a_finite_logit_difference_past_the_tolerance(pass_name):
+    """The fp32 check is max |onnx - reference| <= 1e-3: a graph whose logits are all 0.01 off (finite,
+    argmax unchanged) must fail it, in either pass, and the figure must be that difference; a graph
+    within rounding must pass."""
+    reference = np.random.default_rng(0).standard_normal((5, 40)).astype(np.float32)
+    prefill, verify = parity._Agreement(), parity._Agreement()
+    off = {"prefill": prefill, "verify": verify}[pass_name]
+    close = verify if off is prefill else prefill
+    off.add(reference + np.float32(0.01), reference)
+    close.add(reference + np.float32(1e-6), reference)
+    assert off.max_abs_diff == pytest.approx(0.01, rel=1e-3)
+    assert off.greedy_agreement == 1.0  # only the logit figure can tell
+    report = parity._report(_fp32_target(), prefill, verify, prefill_tokens=5, verify_tokens=5)
+    assert report.check == "max_abs_diff" and not report.passed
+    within = parity._Agreement()
+    within.add(reference + np.float32(1e-5), reference)
+    assert parity._report(_fp32_target(), within, within, prefill_tokens=5, verify_tokens=5).passed

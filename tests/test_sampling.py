@@ -478,3 +478,24 @@ def test_draw_cuts_a_large_vocabulary_at_the_exact_token():
     for u in np.random.default_rng(0).random(200):
         if abs(u * vocab - round(u * vocab)) > 1e-3:  # not at a boundary, where rounding may go either way
             assert draw(weights, float(u)) == int(u * vocab), u
+
+
+def test_openai_penalties_follow_their_formula():
+    """OpenAI's definition: logit - frequency_penalty * count - presence_penalty * (count > 0), the count
+    taken over the generated tokens; computed here by hand, not through the module's own helpers."""
+    logits = np.array([1.0, 2.0, 3.0, 4.0, 5.0], np.float32)
+    generated = [2, 2, 2, 3]  # token 2 three times, token 3 once, tokens 0, 1, 4 never
+    params = SamplingParams(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.25)
+    expected = np.array([1.0, 2.0, 3.0 - 0.5 - 0.75, 4.0 - 0.5 - 0.25, 5.0], np.float32)
+    np.testing.assert_allclose(sampling.penalize_counts(logits, generated, params), expected, rtol=1e-6)
+    # The generate loop's own path (Sampler: counts over the context after the prompt, then one row).
+    sampler = sampling.Sampler(params, len(logits), prompt_length=2)
+    sampler.sync([4, 4, *generated])  # the prompt's two 4s are not counted
+    np.testing.assert_allclose(sampler.counted_rows(logits[None], [])[0], expected, rtol=1e-6)
+    # Each alone: presence once per token seen, frequency per occurrence.
+    presence = SamplingParams(temperature=1.0, presence_penalty=1.5)
+    np.testing.assert_allclose(sampling.penalize_counts(logits, generated, presence),
+                               [1.0, 2.0, 1.5, 2.5, 5.0], rtol=1e-6)
+    frequency = SamplingParams(temperature=1.0, frequency_penalty=0.7)
+    np.testing.assert_allclose(sampling.penalize_counts(logits, generated, frequency),
+                               [1.0, 2.0, 3.0 - 2.1, 4.0 - 0.7, 5.0], rtol=1e-6)
