@@ -44,8 +44,12 @@ demo: $(VENV)/.installed
 demo-bundle: $(VENV)/.installed
 	$(BIN)/python scripts/ship_demo_bundle.py
 
+# Test files run in TEST_WORKERS processes (pytest-xdist), each file whole in one of them (its fixtures
+# built once). Much of the suite waits on subprocesses, servers and Ray, so two processes take about 0.6x
+# the time of one on two cores. TEST_WORKERS=0 runs everything in this process.
+TEST_WORKERS ?= 2
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
 bench: $(VENV)/.installed
 	$(BIN)/specdeploy bench

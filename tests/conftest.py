@@ -6,6 +6,7 @@ standard library, the models are random configs with seeded weights.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -329,10 +330,12 @@ def node():
         pytest.skip("the Node host needs node and npm (Node.js 18 or later) on PATH")
     digest = hashlib.sha256((NODE_HOST_DIR / "package-lock.json").read_bytes()).hexdigest()
     stamp = NODE_HOST_DIR / "node_modules" / ".installed-lock-sha256"
-    if not stamp.is_file() or stamp.read_text() != digest:
-        # --ignore-scripts: onnxruntime-node's install script downloads optional GPU binaries; its CPU library ships in the package.
-        result = subprocess.run([npm, "ci", "--ignore-scripts", "--no-audit", "--no-fund"], cwd=NODE_HOST_DIR,
-                                capture_output=True, text=True)
-        assert result.returncode == 0, result.stderr
-        stamp.write_text(digest)
+    with open(NODE_HOST_DIR / "package-lock.json", "rb") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one installer at a time: test processes running side by side share the folder
+        if not stamp.is_file() or stamp.read_text() != digest:
+            # --ignore-scripts: onnxruntime-node's install script downloads optional GPU binaries; its CPU library ships in the package.
+            result = subprocess.run([npm, "ci", "--ignore-scripts", "--no-audit", "--no-fund"], cwd=NODE_HOST_DIR,
+                                    capture_output=True, text=True)
+            assert result.returncode == 0, result.stderr
+            stamp.write_text(digest)
     return node
