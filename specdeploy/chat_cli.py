@@ -44,7 +44,7 @@ class Conversation:
         self.turns: list[tuple[str, str]] = list(turns or [])
 
     def messages(self, user: str) -> list[dict]:
-        messages = [{"role": "system", "content": self.system}] if self.system else []
+        messages = [{"role": "system", "content": self.system}] if self.system is not None else []
         for question, answer in self.turns:
             messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
         return messages + [{"role": "user", "content": user}]
@@ -81,6 +81,9 @@ def read_lines(stream=None, interactive: bool = False) -> Callable[[], str | Non
                 return input()
             except EOFError:
                 return None
+            except UnicodeDecodeError as exc:  # a strict locale's terminal: that message fails, not the session
+                raise SpecdeployError(f"this message is not valid UTF-8: byte 0x{exc.object[exc.start]:02x} at "
+                                      f"offset {exc.start}") from None
         source = stream or getattr(sys.stdin, "buffer", sys.stdin)  # bytes: a bad one fails its message alone
         line = source.readline()
         if isinstance(line, bytes):
@@ -133,6 +136,8 @@ def run_chat(generator, config: ChatConfig, read: Callable[[], str | None]) -> N
             turn += _answer(generator, config, conversation, user, turn)  # replies count; a refused message does not
         except SpecdeployError as exc:  # about this message: the session goes on
             click.echo(f"error: {str(exc).replace(chr(10), ' ')}", err=True)
+        except KeyboardInterrupt:  # before the answer's first piece (fitting the history, rendering): no reply
+            click.echo("\n(interrupted)", err=True)
 
 
 def _command(line: str, conversation: Conversation) -> bool:
@@ -142,7 +147,8 @@ def _command(line: str, conversation: Conversation) -> bool:
         return False
     if name == "/reset":
         conversation.turns.clear()
-        click.echo("(conversation cleared" + ("; system message kept)" if conversation.system else ")"), err=True)
+        click.echo("(conversation cleared" + ("; system message kept)" if conversation.system is not None else ")"),
+                   err=True)
     elif name == "/system":
         conversation.system = argument.strip() or None
         click.echo("(system message set)" if conversation.system else "(system message cleared)", err=True)

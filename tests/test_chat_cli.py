@@ -231,3 +231,52 @@ def test_ctrl_c_right_after_a_piece_is_written_keeps_that_piece_in_the_history(c
     out = capsys.readouterr()
     assert out.out.startswith("partial\n") and "(interrupted)" in out.err
     assert generator.calls[1][1] == {"role": "assistant", "content": "partial"}  # what was shown, all of it
+
+
+def test_an_empty_system_option_is_an_empty_system_message_as_in_run():
+    """`--system ""` sends a system message with no text (a template's default system prompt then stays
+    out, as `run --chat x --system ""` has it); /system alone clears it, and no system message is sent."""
+    generator = ScriptedGenerator()
+    inputs = iter(["first", "second", "/system", "third", None])
+    run_chat(generator, ChatConfig(generation=GenerationConfig(max_new_tokens=4), system=""), lambda: next(inputs))
+    assert generator.calls[0][0] == {"role": "system", "content": ""}
+    assert generator.calls[1][0] == {"role": "system", "content": ""}
+    assert generator.calls[2][0]["role"] == "user"
+
+
+def test_ctrl_c_while_the_history_is_fitted_stops_that_message_not_the_session(capsys):
+    class SlowToEncode(ScriptedGenerator):
+        def encode_chat(self, messages):
+            if not self.calls:  # the first message: Ctrl-C before its answer starts
+                self.calls.append(None)
+                raise KeyboardInterrupt
+            return super().encode_chat(messages)
+
+    generator = SlowToEncode()
+    inputs = iter(["first", "second", None])
+    run_chat(generator, ChatConfig(generation=GenerationConfig(max_new_tokens=4)), lambda: next(inputs))
+    out = capsys.readouterr()
+    assert "(interrupted)" in out.err
+    assert generator.calls[1] == [{"role": "user", "content": "second"}]  # "first" got no reply, kept no turn
+
+
+def test_a_message_a_strict_terminal_cannot_decode_fails_alone(monkeypatch, capsys):
+    """Under a strict UTF-8 locale input() raises UnicodeDecodeError on a bad byte: that message gets one
+    error line and the session reads the next."""
+    from specdeploy.chat_cli import read_lines
+
+    lines = iter([UnicodeDecodeError("utf-8", b"caf\xe9", 3, 4, "invalid continuation byte"), "hello", EOFError()])
+
+    def fake_input(prompt=""):
+        item = next(lines)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    monkeypatch.setattr("builtins.input", fake_input)
+    generator = ScriptedGenerator()
+    generator.calls.append(None)  # the scripted interruption is spent: the reply finishes
+    run_chat(generator, ChatConfig(generation=GenerationConfig(max_new_tokens=4)), read_lines(interactive=True))
+    out = capsys.readouterr()
+    assert "error: this message is not valid UTF-8: byte 0xe9 at offset 3" in out.err
+    assert generator.calls[1] == [{"role": "user", "content": "hello"}] and out.out == "partial\n"
