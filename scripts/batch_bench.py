@@ -7,7 +7,7 @@ For each batch size B and setting: B code prompts (specdeploy/data/code_prompts.
 decoded by `generate_many` on a generator with max_batch B under each speculation policy
 (auto, always, never), and the same prompts one after another with `generate` (speculative,
 then target-only) on a max_batch 1 generator. Aggregate tok/s = all new tokens / wall time,
-prefill included; EOS does not end a sequence (ignore_eos), so every system emits B x tokens.
+prefill included (every timed run starts from empty caches); EOS does not end a sequence (ignore_eos), so every system emits B x tokens.
 Rounds repeat the whole grid in the same order; the table gives each cell's median and its
 ratio to the sequential speculative figure of the same B and setting.
 
@@ -73,11 +73,18 @@ def main() -> None:
             batch = [prompts[i % len(prompts)] for i in range(size)]
             for name, values in settings:
                 common = dict(max_new_tokens=args.tokens, ignore_eos=True, **values)
+                # Every timed run prefills its prompts: a generator keeps its slots' prompts cached, so each
+                # is reset first (a batched generator would otherwise find all B prompts cached from round 2).
                 for label, speculative in (("sequential speculative", True), ("sequential target-only", False)):
-                    start = time.perf_counter()
-                    tokens = sum(len(single.generate(p, speculative=speculative, **common).token_ids) for p in batch)
-                    results.setdefault((size, name, label), []).append(tokens / (time.perf_counter() - start))
+                    tokens, elapsed = 0, 0.0
+                    for prompt in batch:
+                        single.reset()
+                        start = time.perf_counter()
+                        tokens += len(single.generate(prompt, speculative=speculative, **common).token_ids)
+                        elapsed += time.perf_counter() - start
+                    results.setdefault((size, name, label), []).append(tokens / elapsed)
                 for policy, generator in batched.get(size, {}).items():
+                    generator.reset()
                     start = time.perf_counter()
                     outputs = generator.generate_many(batch, **common)
                     tokens = sum(len(o.token_ids) for o in outputs)

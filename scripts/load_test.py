@@ -98,6 +98,22 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("one --name per --url at most")
     if args.min_requests < 1 or args.requests_per_stream < 1 or args.max_tokens < 1:
         parser.error("--min-requests, --requests-per-stream and --max-tokens must be at least 1")
+    if args.num_prompts is not None and args.num_prompts < 1:
+        parser.error("--num-prompts must be at least 1")
+    for name, allowed in (("kinds", ("code", "chat")), ("modes", ("greedy", "sampled"))):
+        unknown = set(getattr(args, name).split(",")) - set(allowed)
+        if unknown:
+            parser.error(f"--{name}: unknown {', '.join(sorted(unknown))} (choose from {', '.join(allowed)})")
+    for name in ("concurrency", "sequential_concurrency", "max_batch"):
+        value = getattr(args, name)
+        if value is None or (name == "max_batch" and value == "none"):
+            continue
+        try:
+            setattr(args, name, [int(v) for v in value.split(",")])
+        except ValueError:
+            parser.error(f"--{name.replace('_', '-')} takes comma-separated integers (got {value!r})")
+        if min(getattr(args, name)) < 1:
+            parser.error(f"--{name.replace('_', '-')}: every value must be at least 1")
     return args
 
 
@@ -106,11 +122,13 @@ def start_server(bundle: str, max_queue: int, max_batch: int, extra: tuple[str, 
     command = [sys.executable, "-m", "specdeploy", "serve", bundle, "--port", "0", "--max-queue", str(max_queue),
                "--max-batch", str(max_batch), *extra]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
-    url = None
+    url, said = None, []
     while url is None:
         line = process.stderr.readline()
         if not line:
-            raise SystemExit(f"error: the server exited ({process.wait()}) before listening")
+            last = " | ".join(said[-3:])
+            raise SystemExit(f"error: the server exited ({process.wait()}) before listening" + (f": {last}" if last else ""))
+        said.append(line.strip())
         if line.startswith(tuple("0123456789")) and " serving " in line and "http://" in line:  # our log line
             url = "http://" + line.rsplit("http://", 1)[1].split()[0]
     # Keep reading the server's log (its access log) so a full pipe never blocks it.
@@ -330,8 +348,8 @@ def markdown(cells: list[dict], runs: dict, args, interrupted: bool = False) -> 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    levels = [int(v) for v in args.concurrency.split(",")]
-    sequential_levels = [int(v) for v in (args.sequential_concurrency or args.concurrency).split(",")]
+    levels = args.concurrency
+    sequential_levels = args.sequential_concurrency or args.concurrency
     kinds = prompt_sets(args)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     processes, servers = [], []  # servers: (name, max_batch (None: a --url server), url)
@@ -345,12 +363,15 @@ def main(argv=None) -> None:
 
         # Its own pools, parked between passes: a spinning pool in this process would take the CPU from
         # the servers in the cells right after each reference generation.
-        generator = specdeploy.load(args.bundle, session=SessionConfig(shared_threads=False, allow_spinning=False))
+        try:
+            generator = specdeploy.load(args.bundle, session=SessionConfig(shared_threads=False, allow_spinning=False))
+        except specdeploy.SpecdeployError as exc:
+            raise SystemExit(f"error: {exc}") from None
         if "chat" in kinds and generator.chat_template is None:
             raise SystemExit(f"error: {args.bundle} has no chat template: drop 'chat' from --kinds")
     try:
         if args.bundle and args.max_batch != "none":
-            for value in (int(v) for v in args.max_batch.split(",")):
+            for value in args.max_batch:
                 process, url = start_server(args.bundle, max(levels) * args.requests_per_stream + 8, value)
                 processes.append(process)
                 servers.append(("sequential (1)" if value == 1 else f"batched ({value})", value, url))
@@ -383,7 +404,9 @@ def main(argv=None) -> None:
                             cells.append(cell)
                             print(f"{kind} {mode} streams={level} {name}: {cell['tokens_per_s']:.1f} tok/s, "
                                   f"failed {cell['failed']}, altered {cell['altered']}", file=sys.stderr, flush=True)
-    except (KeyboardInterrupt, SystemExit):
+    except (KeyboardInterrupt, SystemExit) as exc:
+        if isinstance(exc, SystemExit) and str(exc.code).startswith("error:"):
+            raise  # a server that did not start: its error, not an interruption (the finally stops the others)
         interrupted = True
         print("interrupted: writing the cells so far", file=sys.stderr)
     finally:

@@ -8,6 +8,7 @@ Each setting is BITS:BLOCK_SIZE:ACCURACY_LEVEL, applied by specdeploy's own quan
 quantized table) to the fused fp32 graph. Agreement is teacher-forced over export's parity text
 (the argmax at each of 261 positions against PyTorch fp32, as export's check takes it). Decode is
 64 one-token steps after a 64-token prefill, 2 threads; the settings run in interleaved rounds.
+The graphs go to WORK/quant-sweep/ (replaced each run; nothing else in WORK is touched).
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ def main() -> None:
     convert.quiet_export_logs()
     checkpoint = ckpt.load_checkpoint(str(args.checkpoint), "target")
     model = convert.load_torch_model(args.checkpoint, "target", False)
-    shutil.rmtree(args.work, ignore_errors=True)
-    (args.work / "fp32").mkdir(parents=True)
-    fused.build_fused(model, args.work / "fp32" / "model.onnx", MAX_CONTEXT)
+    work = args.work / "quant-sweep"  # this script's own folder, replaced each run; the rest of WORK is left alone
+    shutil.rmtree(work, ignore_errors=True)
+    (work / "fp32").mkdir(parents=True)
+    fused.build_fused(model, work / "fp32" / "model.onnx", MAX_CONTEXT)
     ids = parity.parity_tokens(args.checkpoint / "tokenizer.json", model.config.vocab_size, 261)
     with torch.no_grad():
         reference = model(input_ids=torch.from_numpy(ids)[None]).logits[0].numpy()  # [261, vocab]
@@ -49,12 +51,12 @@ def main() -> None:
     for setting in ["32:0:0", *args.settings]:
         bits, block, level = (int(v) for v in setting.split(":"))
         name = "fp32" if bits == 32 else f"int{bits}, block {block}, accuracy_level {level}"
-        folder = args.work / setting.replace(":", "-")
-        shutil.copytree(args.work / "fp32", folder)
+        folder = work / setting.replace(":", "-")
+        shutil.copytree(work / "fp32", folder)
         if bits != 32:
             quantize.quantize_weights(folder / "model.onnx", bits, block, level)
-        spec = _model_spec("target", checkpoint, folder / "model.onnx", args.work,
-                           ExportConfig(str(args.checkpoint), str(args.checkpoint), str(args.work / "unused")),
+        spec = _model_spec("target", checkpoint, folder / "model.onnx", work,
+                           ExportConfig(str(args.checkpoint), str(args.checkpoint), str(work / "unused")),
                            MAX_CONTEXT, 1, "fused", "none" if bits == 32 else f"int{bits}")
         engine = OrtEngine(folder / "model.onnx", spec, SessionConfig(device="cpu", intra_op_threads=2, allow_spinning=True))
         logits = engine.run(ids, engine.new_cache(300))  # [261, vocab]

@@ -189,8 +189,11 @@ def time_ours(bundle: Path, ids: list[int], tokens: int, drafter: str | None = N
     genai's min_length, llama-bench -n). drafter None: the target alone; model / hybrid: speculative with the
     bundle's draft, k = 4."""
     import specdeploy
+    from specdeploy.runtime import SessionConfig
 
-    generator = specdeploy.load(bundle, drafter=drafter or "hybrid")
+    # the default shared pool, of 2 threads as every peer here (genai's config, llama-bench -t 2)
+    generator = specdeploy.load(bundle, drafter=drafter or "hybrid",
+                                session=SessionConfig(intra_op_threads=2, shared_threads=True))
     output = generator.generate(ids, max_new_tokens=tokens, temperature=0, speculative=drafter is not None,
                                 ignore_eos=True)
     return output.stats.tokens_per_s

@@ -175,3 +175,156 @@ def test_load_test_a_stream_cut_short_is_a_failed_request(done):
 
     record = asyncio.run(request())
     assert record["ok"] is done and record["text"] == "ab"
+
+
+# ------------------------------------------------------------------------------------------- load_test
+
+
+def test_load_test_a_server_that_fails_to_start_says_why(monkeypatch, capsys):
+    """start_server's `error: the server exited ...` (a bad bundle, a bad --max-batch) must reach the user, not
+    turn into "interrupted: writing the cells so far" and an empty table."""
+    load_test = script("load_test")
+
+    def failing_start(*_args, **_kwargs):
+        raise SystemExit("error: the server exited (2) before listening")
+
+    monkeypatch.setattr(load_test, "start_server", failing_start)
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit) as exc:
+            load_test.main(["bundle", "--no-reference", "--max-tokens", "8"])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    said = capsys.readouterr().err + str(exc.value.code)
+    assert "error: the server exited (2) before listening" in said, said
+
+
+@pytest.mark.parametrize("argv", [
+    ["/nonexistent-bundle", "--max-tokens", "8"],  # SpecdeployError traceback from the reference's load
+    ["--url", "http://127.0.0.1:9", "--kinds", "text"],  # KeyError
+    ["--url", "http://127.0.0.1:9", "--modes", "greedy,sample"],  # a typo runs as a sampled mode named "sample"
+    ["--url", "http://127.0.0.1:9", "--concurrency", "two"],  # ValueError
+    ["--url", "http://127.0.0.1:9", "--concurrency", "0"],  # cells of 0 requests, reported as fine
+    ["--url", "http://127.0.0.1:9", "--num-prompts", "0"],  # ZeroDivisionError
+])
+def test_load_test_bad_arguments_are_one_error_line(argv, capsys):
+    load_test = script("load_test")
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit) as exc:
+            load_test.main(argv + ["--max-tokens", "8", "--repeat", "1"] if "--max-tokens" not in argv else argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    said = capsys.readouterr().err + str(exc.value.code)
+    assert exc.value.code == 2 or str(exc.value.code).startswith("error:"), said
+    assert "Traceback" not in said and "interrupted" not in said, said
+
+
+# ------------------------------------------------------------------------------------------ batch_bench
+
+
+def test_batch_bench_every_timed_run_prefills_its_prompts(monkeypatch):
+    """The docstring's figures include the prefill; a generator keeps its slots' prompts cached, so from the second
+    round (or setting) on, the batched generators (one slot per prompt) skip every prefill while the sequential one
+    (one slot, the prompts in turn) prefills each again: the batched / sequential ratio is inflated."""
+    batch_bench = script("batch_bench")
+    import specdeploy
+    from specdeploy.defaults import SHIPPED_BUNDLE
+
+    prefills: list[tuple[str, float]] = []
+
+    def load(*args, **kwargs):
+        generator = specdeploy.load(*args, **kwargs)
+        generate, generate_many = generator.generate, generator.generate_many
+
+        def one(*a, **k):
+            out = generate(*a, **k)
+            prefills.append(("sequential", out.stats.prefill_ms))
+            return out
+
+        def many(*a, **k):
+            outs = generate_many(*a, **k)
+            prefills.extend(("batched", o.stats.prefill_ms) for o in outs)
+            return outs
+
+        generator.generate, generator.generate_many = one, many
+        return generator
+
+    monkeypatch.setattr(batch_bench, "specdeploy", types.SimpleNamespace(load=load))
+    monkeypatch.setattr(sys, "argv", ["batch_bench.py", str(SHIPPED_BUNDLE), "--batch", "2", "--tokens", "4",
+                                      "--rounds", "2"])
+    batch_bench.main()
+    cached = [(kind, ms) for kind, ms in prefills if ms < 1.0]  # an uncached prefill of a code prompt: tens of ms
+    assert not cached, (cached, prefills)
+
+
+# ------------------------------------------------------------------------------------------ bench_hosts
+
+
+def test_bench_hosts_genai_decode_rate_does_not_count_the_prefills_token(monkeypatch):
+    """As in bench_peers: genai's first token comes out of append_tokens (the prefill, outside the timer), so
+    counting it over the generate_next_token loop gives N tokens over N - 1 passes."""
+    bench_hosts = script("bench_hosts")
+    og = _fake_onnxruntime_genai()
+
+    class Config:
+        def __init__(self, folder):
+            pass
+
+        def overlay(self, text):
+            pass
+
+    og.Config, og.Model = Config, lambda config: object()
+    monkeypatch.setitem(sys.modules, "onnxruntime_genai", og)
+    result = bench_hosts.genai(Path("target"), [[1, 2, 3]], 4, None)
+    assert result["new_tokens"] == 4
+    assert result["tokens_per_s"] < 1.1 / STEP_S, (result["tokens_per_s"], 1 / STEP_S)
+
+
+# ------------------------------------------------------------------------------------------ real_models
+
+
+def test_real_models_time_ours_runs_on_two_threads_as_every_peer(monkeypatch):
+    """The docstring and the table say 2 threads for every system (genai's config set to 2, llama-bench -t 2);
+    ours loads with ONNX Runtime's default (one thread per physical core: 1 on the docs' VMs, 16 on a bigger
+    host), so the ratios compare different thread counts."""
+    real_models = script("real_models")
+    seen = {}
+
+    class FakeGenerator:
+        def generate(self, ids, max_new_tokens, **_):
+            stats = types.SimpleNamespace(new_tokens=max_new_tokens, tokens_per_s=1.0)
+            return types.SimpleNamespace(stats=stats, token_ids=[1] * max_new_tokens)
+
+    def load(*args, **kwargs):
+        seen.update(kwargs)
+        return FakeGenerator()
+
+    fake = types.ModuleType("specdeploy")
+    fake.load = load
+    monkeypatch.setitem(sys.modules, "specdeploy", fake)
+    real_models.time_ours(Path("bundle"), [1, 2, 3], 8)
+    assert getattr(seen.get("session"), "intra_op_threads", None) == 2, seen
+
+
+# ------------------------------------------------------------------------------------------ quant_sweep
+
+
+def test_quant_sweep_keeps_what_the_work_folder_already_holds(tmp_path, monkeypatch):
+    """docs/performance.md runs `real_models.py prepare --work WORK` and `quant_sweep.py HF_FOLDER WORK ...` with the
+    same WORK; quant_sweep removed the whole folder (wheels, GGUF files, bundles) before writing its settings."""
+    quant_sweep = script("quant_sweep")
+    work = tmp_path / "work"
+    (work / "bundles").mkdir(parents=True)
+    (work / "bundles" / "keep.txt").write_text("an export of an hour")
+
+    def stop(*_args, **_kwargs):
+        raise RuntimeError("stop before any conversion")
+
+    monkeypatch.setattr(quant_sweep.ckpt, "load_checkpoint", lambda *a, **k: None)
+    monkeypatch.setattr(quant_sweep.convert, "load_torch_model", lambda *a, **k: None)
+    monkeypatch.setattr(quant_sweep.fused, "build_fused", stop)
+    monkeypatch.setattr(sys, "argv", ["quant_sweep.py", str(tmp_path / "hf"), str(work), "8:32:4"])
+    with pytest.raises((RuntimeError, SystemExit)):
+        quant_sweep.main()
+    assert (work / "bundles" / "keep.txt").read_text() == "an export of an hour"
