@@ -476,3 +476,65 @@ def test_a_long_prompts_draft_prefill_spreads_over_iterations(long_bundle):
     expected = alone.generate(long_prompt, max_new_tokens=8).token_ids
     assert first.new_tokens == second.new_tokens == expected
     assert short.new_tokens == alone.generate("def f(x):", max_new_tokens=8).token_ids
+
+
+SHARED = "def f(x):\n    return x + 1\n\nclass A:\n    def __init__(self):\n        self.v = 0\n"
+
+
+@pytest.fixture(scope="module")
+def fresh_int8(int8_bundle):
+    generator = specdeploy.load(int8_bundle)
+
+    def run(prompt, **settings):
+        generator.reset()  # a fresh generator's output: no earlier request's positions in its cache
+        return generator.generate(prompt, **settings)
+
+    return run
+
+
+def _joined_beside(bundle, first_prompt, first_settings, second_prompt, second_settings):
+    """second_prompt joins while first_prompt's sequence decodes in the other slot; returns second's output."""
+    generator = specdeploy.load(bundle, max_batch=2, policy="always")
+    scheduler = generator.scheduler
+    first = generator._sequence(first_prompt, generator._config(dict(first_settings)), streaming=False)
+    scheduler.submit(first)
+    while len(first.new_tokens) < 22:
+        scheduler.step()
+    second = generator._sequence(second_prompt, generator._config(dict(second_settings)), streaming=False)
+    scheduler.submit(second)
+    while scheduler.active:
+        scheduler.step()
+    assert first.slot is not second.slot
+    return second.output()
+
+
+def _logprobs(output):
+    return [(entry.token_id, entry.logprob) for entry in output.logprobs]
+
+
+def test_a_rounded_target_gives_a_prompt_one_prefill_token_past_a_neighbours_cache_its_logprobs_alone(int8_bundle, fresh_int8):
+    """The neighbour's cache holds all but the last of the prompt's prefill positions: that last one
+    runs as a pass of its own, and alone inside the prompt's chunk: a rounded target's passes compute
+    each position with the same bits whatever their length (an fp32 target's one-token passes round
+    differently in the last bits: docs/runtime.md)."""
+    codec = specdeploy.load(int8_bundle, warm_up=False).codec
+    shared = codec.encode(SHARED)
+    settings = dict(max_new_tokens=20, logprobs=0, speculative=False)
+    expected = fresh_int8(shared + [9, 11], **settings)
+    output = _joined_beside(int8_bundle, shared + [7], dict(max_new_tokens=30), shared + [9, 11], settings)
+    assert output.token_ids == expected.token_ids
+    assert _logprobs(output) == _logprobs(expected)
+
+
+def test_a_rounded_target_gives_a_prompt_over_a_neighbours_target_only_tokens_its_logprobs_alone(int8_bundle, fresh_int8):
+    """The neighbour decoded target-only: positions copied from its cache hold what a prefill of them
+    alone computes (a rounded target's steps are passes of two tokens)."""
+    codec = specdeploy.load(int8_bundle, warm_up=False).codec
+    shared = codec.encode(SHARED)
+    neighbour = dict(max_new_tokens=30, speculative=False)
+    prompt = shared + fresh_int8(shared, **neighbour).token_ids[:20] + [5]
+    settings = dict(max_new_tokens=20, logprobs=0, speculative=False)
+    expected = fresh_int8(prompt, **settings)
+    output = _joined_beside(int8_bundle, shared, neighbour, prompt, settings)
+    assert output.token_ids == expected.token_ids
+    assert _logprobs(output) == _logprobs(expected)

@@ -72,7 +72,7 @@ class Scheduler:
         self.waiting.append(sequence)
 
     def cancel(self, sequence: Sequence, reason: str = "cancelled") -> None:
-        """End a sequence now (before its next round); its slot frees at the end of the next step."""
+        """End a sequence now (before its next round); its slot frees at once."""
         if sequence in self.waiting:
             self.waiting.remove(sequence)
         sequence.finish(reason)
