@@ -31,7 +31,7 @@ PROMPT = "> "
 
 @dataclass(frozen=True)
 class ChatConfig:
-    generation: GenerationConfig  # every reply's settings; turn i samples with seed + i
+    generation: GenerationConfig  # every reply's settings; reply i samples with seed + i
     system: str | None = None  # the first system message
     stats: bool = False  # a stats line (stderr) after each reply
 
@@ -42,6 +42,7 @@ class Conversation:
     def __init__(self, system: str | None = None, turns: list[tuple[str, str]] | None = None):
         self.system = system
         self.turns: list[tuple[str, str]] = list(turns or [])
+        self.replies = 0  # replies given this session (/reset keeps counting): reply i samples with seed + i
 
     def messages(self, user: str) -> list[dict]:
         messages = [{"role": "system", "content": self.system}] if self.system is not None else []
@@ -81,9 +82,9 @@ def read_lines(stream=None, interactive: bool = False) -> Callable[[], str | Non
                 return input()
             except EOFError:
                 return None
-            except UnicodeDecodeError as exc:  # a strict locale's terminal: that message fails, not the session
-                raise SpecdeployError(f"this message is not valid UTF-8: byte 0x{exc.object[exc.start]:02x} at "
-                                      f"offset {exc.start}") from None
+            except UnicodeDecodeError as exc:  # the terminal's strict encoding: that message fails, not the session
+                raise SpecdeployError(f"this message is not valid {exc.encoding} (the terminal's encoding): byte "
+                                      f"0x{exc.object[exc.start]:02x} at offset {exc.start}") from None
         source = stream or getattr(sys.stdin, "buffer", sys.stdin)  # bytes: a bad one fails its message alone
         line = source.readline()
         if isinstance(line, bytes):
@@ -113,7 +114,6 @@ def read_lines(stream=None, interactive: bool = False) -> Callable[[], str | Non
 def run_chat(generator, config: ChatConfig, read: Callable[[], str | None]) -> None:
     """The loop: read a message or a command, answer it, until /exit or the end of input."""
     conversation = Conversation(config.system)
-    turn = 0
     while True:
         try:
             line = read()
@@ -133,10 +133,10 @@ def run_chat(generator, config: ChatConfig, read: Callable[[], str | None]) -> N
             continue
         user = line[1:] if line.startswith("//") else line  # "//text" sends "/text"
         try:
-            turn += _answer(generator, config, conversation, user, turn)  # replies count; a refused message does not
+            _answer(generator, config, conversation, user)
         except SpecdeployError as exc:  # about this message: the session goes on
             click.echo(f"error: {str(exc).replace(chr(10), ' ')}", err=True)
-        except KeyboardInterrupt:  # before the answer's first piece (fitting the history, rendering): no reply
+        except KeyboardInterrupt:  # outside the reply's stream (the history's fitting, a stats line): the session goes on
             click.echo("\n(interrupted)", err=True)
 
 
@@ -158,15 +158,16 @@ def _command(line: str, conversation: Conversation) -> bool:
     return True
 
 
-def _answer(generator, config: ChatConfig, conversation: Conversation, user: str, turn: int) -> bool:
-    """Answer one message as reply number `turn`; True if the reply joined the history."""
+def _answer(generator, config: ChatConfig, conversation: Conversation, user: str) -> None:
+    """Answer one message. The reply joins the history, and counts for the next reply's seed, as soon as
+    it is decided (before anything else is written), so a Ctrl-C after it cannot lose it."""
     generation = config.generation
     messages, dropped = conversation.fit(user, generator.encode_chat, generator.max_context, generation.max_new_tokens)
     if dropped:
         click.echo(f"note: dropped the oldest {dropped} turn{'s' if dropped > 1 else ''} to fit the "
                    f"{generator.max_context}-token context", err=True)
     if generation.seed is not None:
-        generation = replace(generation, seed=(generation.seed + turn) % SEED_LIMIT)
+        generation = replace(generation, seed=(generation.seed + conversation.replies) % SEED_LIMIT)
     shown: list[str] = []
     interrupted = False
     pieces = generator.stream(messages=messages, **asdict(generation))
@@ -175,11 +176,11 @@ def _answer(generator, config: ChatConfig, conversation: Conversation, user: str
     except KeyboardInterrupt:
         interrupted = True
     reply = "".join(shown)  # what was shown is what the history keeps, an interrupted answer too
+    if reply or not interrupted:
+        conversation.turns.append((user, reply))
+        conversation.replies += 1
     if reply and not reply.endswith("\n"):
         click.echo()
-    replied = bool(reply) or not interrupted
-    if replied:
-        conversation.turns.append((user, reply))
     if interrupted:
         click.echo("(interrupted)", err=True)
     output = pieces.output
@@ -187,4 +188,3 @@ def _answer(generator, config: ChatConfig, conversation: Conversation, user: str
         click.echo(format_stats(output.stats), err=True)
     if output is not None and output.stats.note:
         click.echo(f"note: {output.stats.note}", err=True)
-    return replied

@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 import specdeploy
-from specdeploy.chat_cli import ChatConfig, Conversation, run_chat
+from specdeploy.chat_cli import ChatConfig, Conversation, read_lines, run_chat
 from specdeploy.cli import main
 from specdeploy.defaults import DEMO_DIR
 from specdeploy.runtime.generate import GenerationConfig, GenerationOutput, GenerationStats
@@ -263,7 +263,6 @@ def test_ctrl_c_while_the_history_is_fitted_stops_that_message_not_the_session(c
 def test_a_message_a_strict_terminal_cannot_decode_fails_alone(monkeypatch, capsys):
     """Under a strict UTF-8 locale input() raises UnicodeDecodeError on a bad byte: that message gets one
     error line and the session reads the next."""
-    from specdeploy.chat_cli import read_lines
 
     lines = iter([UnicodeDecodeError("utf-8", b"caf\xe9", 3, 4, "invalid continuation byte"), "hello", EOFError()])
 
@@ -278,5 +277,73 @@ def test_a_message_a_strict_terminal_cannot_decode_fails_alone(monkeypatch, caps
     generator.calls.append(None)  # the scripted interruption is spent: the reply finishes
     run_chat(generator, ChatConfig(generation=GenerationConfig(max_new_tokens=4)), read_lines(interactive=True))
     out = capsys.readouterr()
-    assert "error: this message is not valid UTF-8: byte 0xe9 at offset 3" in out.err
+    assert "error: this message is not valid utf-8 (the terminal's encoding): byte 0xe9 at offset 3" in out.err
     assert generator.calls[1] == [{"role": "user", "content": "hello"}] and out.out == "partial\n"
+
+
+class SeedRecorder(ScriptedGenerator):
+    """Every reply finishes ("partial"); the seed each reply was asked to sample with is kept."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls.append(None)  # the scripted interruption is spent: every reply finishes
+        self.seeds = []
+
+    def stream(self, messages, **options):
+        self.seeds.append(options.get("seed"))
+        return super().stream(messages, **options)
+
+
+def echo_raising_on(monkeypatch, when):
+    """click.echo, with Ctrl-C landing right after the first call `when` accepts."""
+    import click
+
+    real_echo = click.echo
+    fired = []
+
+    def echo(message=None, *args, **kwargs):
+        real_echo(message, *args, **kwargs)
+        if not fired and when(message, kwargs):
+            fired.append(message)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(click, "echo", echo)
+    return fired
+
+
+def test_ctrl_c_as_a_finished_replys_newline_is_written_keeps_the_reply_in_the_history(capsys, monkeypatch):
+    """The whole reply is on the screen when Ctrl-C lands as its closing newline is written: the next
+    message sends it back as the assistant's turn (what was shown is what the history keeps)."""
+    fired = echo_raising_on(monkeypatch, lambda message, kwargs: message is None and not kwargs.get("err"))
+    generator = SeedRecorder()
+    inputs = iter(["first", "second", None])
+    run_chat(generator, ChatConfig(generation=GenerationConfig(max_new_tokens=4)), lambda: next(inputs))
+    assert fired and capsys.readouterr().out.startswith("partial\n")
+    assert generator.calls[2][:2] == [{"role": "user", "content": "first"}, {"role": "assistant", "content": "partial"}]
+
+
+def test_ctrl_c_as_the_stats_line_is_written_still_counts_the_reply_for_the_next_seed(capsys, monkeypatch):
+    """Reply i samples with --seed + i counting the replies in the history: a reply that joined the history
+    counts even when Ctrl-C lands while its stats line is written, so the next one samples with seed + 1."""
+    fired = echo_raising_on(monkeypatch, lambda message, kwargs: isinstance(message, str) and "tok/s" in message)
+    generator = SeedRecorder()
+    inputs = iter(["first", "second", None])
+    run_chat(generator, ChatConfig(generation=GenerationConfig(max_new_tokens=4, seed=5), stats=True),
+             lambda: next(inputs))
+    assert fired
+    assert generator.calls[2][1] == {"role": "assistant", "content": "partial"}  # the first reply is history
+    assert generator.seeds == [5, 6]
+
+
+def test_a_valid_utf8_message_the_terminal_encoding_cannot_decode_is_not_called_invalid_utf8(monkeypatch, capsys):
+    """Under a terminal encoding other than UTF-8 (PYTHONIOENCODING=ascii:strict, say) input() fails on
+    'café', which is valid UTF-8: the error names the encoding that failed, not UTF-8."""
+    lines = iter([UnicodeDecodeError("ascii", "café".encode(), 3, 4, "ordinal not in range(128)"), EOFError()])
+
+    def fake_input(prompt=""):
+        raise next(lines)
+
+    monkeypatch.setattr("builtins.input", fake_input)
+    run_chat(SeedRecorder(), ChatConfig(generation=GenerationConfig(max_new_tokens=4)), read_lines(interactive=True))
+    err = capsys.readouterr().err
+    assert "error:" in err and "ascii" in err and "not valid UTF-8" not in err, err
