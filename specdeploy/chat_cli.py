@@ -42,7 +42,7 @@ class Conversation:
     def __init__(self, system: str | None = None, turns: list[tuple[str, str]] | None = None):
         self.system = system
         self.turns: list[tuple[str, str]] = list(turns or [])
-        self.replies = 0  # replies given this session (/reset keeps counting): reply i samples with seed + i
+        self.replies = 0  # replies since the chat started (/reset keeps counting): reply i samples with seed + i
 
     def messages(self, user: str) -> list[dict]:
         messages = [{"role": "system", "content": self.system}] if self.system is not None else []
