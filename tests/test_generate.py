@@ -471,3 +471,12 @@ def test_the_earliest_of_several_stop_strings_completed_by_one_token_ends_the_te
         assert stream.stopped
         shown += stream.finish()
         assert shown == "xx" and stream.text == "xx", stops
+
+
+def test_tokens_per_round_counts_the_tokens_the_run_produced():
+    """A round cut short by an EOS or a stop kept draft tokens the output never shows: tokens per round is
+    new_tokens / rounds, the definition bench and serve use too."""
+    from specdeploy.runtime.config import GenerationStats
+
+    stats = GenerationStats(new_tokens=5, rounds=2, accepted=6, drafted=8)
+    assert stats.mean_accepted_tokens == 2.5 and stats.to_dict()["mean_accepted_tokens"] == 2.5

@@ -133,8 +133,10 @@ class GenerationStats:
 
     @property
     def mean_accepted_tokens(self) -> float:
-        """Tokens per target pass, the corrected/bonus token included: (accepted + rounds) / rounds."""
-        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
+        """Tokens the run produced per round (target pass after the prefill): new_tokens / rounds. It equals
+        (accepted + rounds) / rounds unless an EOS, a stop or the budget cut the last round's tokens short,
+        which are not counted (bench's "tokens per round" is this, over all its runs)."""
+        return self.new_tokens / self.rounds if self.rounds else 0.0
 
     @property
     def tokens_per_s(self) -> float:

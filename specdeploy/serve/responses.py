@@ -69,7 +69,7 @@ def request_extension(finished: list[Finished], choices: list[dict]) -> dict:
         "drafted_tokens": drafted,
         "accepted_tokens": accepted,
         "acceptance_rate": accepted / drafted if drafted else 0.0,
-        "tokens_per_round": (accepted + rounds) / rounds if rounds else 0.0,
+        "tokens_per_round": sum(s.new_tokens for s in stats) / rounds if rounds else 0.0,  # as mean_accepted_tokens
         "accepted_by_position": [sum(column) for column in zip(*(s.accepted_by_position for s in stats))],
         "drafted_by_position": [sum(column) for column in zip(*(s.drafted_by_position for s in stats))],
         "queue_ms": min(part["queue_ms"] for part in parts),
