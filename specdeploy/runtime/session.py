@@ -84,11 +84,15 @@ def trt_options(config: SessionConfig, spec: ModelSpec | None) -> dict:
     return options
 
 
+def check_device(device: str) -> None:
+    if device not in DEVICES:
+        raise SpecdeployError(f"unknown device '{device}' (choose from {', '.join(DEVICES)})")
+
+
 def providers_for(config: SessionConfig, spec: ModelSpec | None = None) -> list:
     import onnxruntime as ort
 
-    if config.device not in DEVICES:
-        raise SpecdeployError(f"unknown device '{config.device}' (choose from {', '.join(DEVICES)})")
+    check_device(config.device)
     available = set(ort.get_available_providers())
     if config.device == "cpu":
         return ["CPUExecutionProvider"]

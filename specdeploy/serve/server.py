@@ -20,7 +20,7 @@ import uvicorn
 from ..bundle import load_manifest
 from ..errors import SpecdeployError
 from ..runtime.loader import DRAFTERS
-from ..runtime.session import DEVICES, SessionConfig, providers_for
+from ..runtime.session import SessionConfig, check_device, providers_for
 from .app import create_app
 from .config import ServeConfig
 from .protocol import ApiError, parse_request
@@ -32,8 +32,7 @@ DRAIN_GRACE_S = 2.0  # after the drain deadline: time to send the answers the wo
 def check_config(config: ServeConfig) -> None:
     """Refuse a bad configuration before anything listens (the model itself loads once the server is up)."""
     manifest = load_manifest(config.bundle)
-    if config.device not in DEVICES:
-        raise SpecdeployError(f"unknown device '{config.device}' (choose from {', '.join(DEVICES)})")
+    check_device(config.device)  # here too for Ray, whose replicas' machines find their own providers
     if config.drafter not in DRAFTERS:
         raise SpecdeployError(f"unknown drafter '{config.drafter}' (choose from {', '.join(DRAFTERS)})")
     try:  # the options a request that sets none starts from, through the requests' own validation
