@@ -417,3 +417,7 @@ def serve(bundle, host, port, max_queue, max_batch, num_draft_tokens, drafter, d
 
 from .distill.cli import distill as _distill  # noqa: E402  (imports no torch until it runs)
 main.add_command(_distill)
+
+
+if __name__ == "__main__":  # python -m specdeploy.cli, as python -m specdeploy
+    main()
