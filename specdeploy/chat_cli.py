@@ -15,6 +15,7 @@ error about one message leaves the session running.
 
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import asdict, dataclass, replace
 from typing import Callable
@@ -142,7 +143,8 @@ def run_chat(generator, config: ChatConfig, read: Callable[[], str | None]) -> N
 
 def _command(line: str, conversation: Conversation) -> bool:
     """Apply a /command; False ends the session."""
-    name, _, argument = line.partition(" ")
+    name, *rest = re.split(r"[ \n]", line, maxsplit=1)  # "/system\" continues onto its argument
+    argument = rest[0] if rest else ""
     if name in ("/exit", "/quit"):
         return False
     if name == "/reset":

@@ -69,6 +69,16 @@ def test_continued_lines_slash_escape_and_end_of_input(bundle):
     assert stdout == shown([first, second])
 
 
+def test_a_command_continued_on_the_next_line_takes_it_as_its_argument(bundle):
+    generator = specdeploy.load(bundle)
+    for command in ("/system\\\nBe\\\nbrief.", "/system Be\\\nbrief."):
+        code, stdout, stderr = chat(bundle, "--max-new-tokens", "8", input=command + "\nhi\n")
+        assert code == 0, stderr
+        assert "unknown command" not in stderr and "(system message set)" in stderr
+        messages = [{"role": "system", "content": "Be\nbrief."}, {"role": "user", "content": "hi"}]
+        assert stdout == shown([generator.generate(messages=messages, max_new_tokens=8).text])
+
+
 def test_a_full_context_drops_the_oldest_turns_and_says_so(bundle):
     message = "\\\n".join(["x = 1"] * 25) + "\n"  # one message of 25 lines, about 100 tokens of the bundle's 256
     code, stdout, stderr = chat(bundle, "--max-new-tokens", "40", input=message * 4)
