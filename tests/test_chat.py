@@ -367,3 +367,43 @@ def test_streamed_text_equals_the_decoded_text_for_byte_fallback_runs(tmp_path):
         stream = TextStream(codec)
         streamed = "".join(stream.push(token) for token in ids) + stream.finish()
         assert streamed == stream.text == codec.decode(ids), ids
+
+
+@pytest.mark.parametrize("special", [True, False])
+def test_the_end_of_turn_is_the_turn_marker_special_or_merely_added(tmp_path, special):
+    """Some tokenizers add their turn markers without the special flag: the reply must still end there.
+    A blank added token after a reply (a template with no marker) is not an end of turn."""
+    from types import SimpleNamespace
+
+    from tokenizers import AddedToken, Tokenizer
+
+    from specdeploy.runtime.chat import ChatTemplate
+    from specdeploy.runtime.generate import Generator
+    from specdeploy.runtime.text import TextCodec
+
+    tokenizer = Tokenizer.from_file(str(build_plain_tokenizer(tmp_path)))
+    tokenizer.add_tokens([AddedToken("<|end|>", special=special), AddedToken("\n\n", special=False)])
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    codec = TextCodec(tmp_path, SimpleNamespace(bos_token_id=None))
+    end, blank = tokenizer.token_to_id("<|end|>"), tokenizer.token_to_id("\n\n")
+
+    def end_of_turn(template: str) -> tuple[int, ...]:
+        holder = SimpleNamespace(chat_template=ChatTemplate(template, {}), codec=codec, _end_of_turn_ids=None)
+        return Generator.end_of_turn_ids.fget(holder)
+
+    assert end_of_turn("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n\n<|end|>\n{% endfor %}") == (end,)
+    assert end_of_turn("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n\n{% endfor %}") == ()
+    assert blank not in codec.special_token_ids() | codec.marker_token_ids()
+
+
+def build_plain_tokenizer(folder: Path) -> Path:
+    """A byte-level BPE trained on a little text, with no added tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(["def f(x):\n    return x\n"] * 20, trainer)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return folder / "tokenizer.json"

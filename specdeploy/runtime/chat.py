@@ -10,7 +10,8 @@ tokens, since the template writes them itself.
 
 A reply ends at the template's end of turn: the first special token the template writes after an
 assistant message's content (`<|im_end|>` for ChatML, `<end_of_turn>` for Gemma, `<|eot_id|>` for
-Llama 3), found by rendering a probe conversation once.
+Llama 3), or where it writes none, its first added token that is not blank (a turn marker added
+without the special flag), found by rendering a probe conversation once.
 """
 
 from __future__ import annotations

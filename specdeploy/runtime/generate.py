@@ -219,14 +219,16 @@ class Generator:
 
     @property
     def end_of_turn_ids(self) -> tuple[int, ...]:
-        """The chat template's end-of-turn token (() without a template, or when it writes no special token
-        after a reply): generate(messages=...) stops there as at EOS."""
+        """The chat template's end-of-turn token: generate(messages=...) stops there as at EOS. The first
+        special token the template writes after a reply, else its first added token that is not blank (a
+        turn marker the tokenizer added without flagging it special); () without a template or either."""
         if self._end_of_turn_ids is None:
             ids: tuple[int, ...] = ()
             tail = self.chat_template.end_of_turn_text() if self.chat_template is not None else ""
             if tail:
-                special = self.codec.special_token_ids()
-                ids = tuple(t for t in self.codec.encode(tail, add_special_tokens=False) if t in special)[:1]
+                written = self.codec.encode(tail, add_special_tokens=False)
+                for kind in (self.codec.special_token_ids(), self.codec.marker_token_ids()):
+                    ids = ids or tuple(t for t in written if t in kind)[:1]
             self._end_of_turn_ids = ids
         return self._end_of_turn_ids
 
