@@ -182,6 +182,16 @@ def test_rendering_equals_transformers_apply_chat_template(tmp_path, name, templ
     assert load_chat_template(tmp_path).render(messages) == hf_render(tmp_path, messages)
 
 
+def test_a_models_named_special_tokens_reach_the_template_as_in_transformers(tmp_path):
+    template = "{{ bos_token }}{{ image_token }}|{{ boi_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    write_tokenizer(tmp_path, template)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["extra_special_tokens"] = {"image_token": "<|im_start|>", "boi_token": "<|im_end|>"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    rendered = load_chat_template(tmp_path).render(CONVERSATIONS["user"])
+    assert rendered == hf_render(tmp_path, CONVERSATIONS["user"]) == "<s><|im_start|>|<|im_end|>insort_left"
+
+
 def test_template_sources_and_end_of_turn(tmp_path):
     write_tokenizer(tmp_path, None)
     assert load_chat_template(tmp_path) is None

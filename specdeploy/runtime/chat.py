@@ -146,6 +146,11 @@ def load_chat_template(tokenizer_dir: Path) -> ChatTemplate | None:
     extra = config.get("additional_special_tokens") or token_map.get("additional_special_tokens")
     if isinstance(extra, list) and extra:
         special_tokens["additional_special_tokens"] = [_token_text(token) for token in extra]
+    named = config.get("extra_special_tokens")  # a model's own names (Gemma 3's image_token, boi_token, ...)
+    for key, token in (named.items() if isinstance(named, dict) else ()):
+        value = _token_text(token)
+        if isinstance(key, str) and key.isidentifier() and isinstance(value, str) and value:
+            special_tokens.setdefault(key, value)
     return ChatTemplate(source, special_tokens)
 
 
