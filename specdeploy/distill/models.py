@@ -168,7 +168,8 @@ class ModelDraft(nn.Module):
         return softcap(F.linear(hidden, self.head), self.softcap_value)
 
     def to_hf(self, target: Target):
-        """The LM with a full [vocab, hidden] head: the trained rows at their ids, the target's rows elsewhere."""
+        """The LM with a full [vocab, hidden] head: the trained rows at their ids, elsewhere the target's rows (a
+        draft of the target's width) or the draft's own initial ones (a narrower draft)."""
         with torch.no_grad():
             full = target.head_weight.detach().clone() if self.head.shape[1] == target.hidden_size else \
                 self.lm.get_output_embeddings().weight.detach().clone()
