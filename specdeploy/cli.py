@@ -399,7 +399,6 @@ def serve(bundle, host, port, max_queue, max_batch, num_draft_tokens, drafter, d
         from .serve import ServeConfig, serve as run_server
     except ImportError as exc:
         raise SpecdeployError(f"serving needs the serve extra (pip install 'specdeploy[serve]'): {exc}") from None
-
     config = ServeConfig(bundle=resolve_bundle(bundle), host=host, port=port, max_queue=max_queue, max_batch=max_batch,
                          num_draft_tokens=num_draft_tokens, drafter=drafter, device=device, api_key=api_key,
                          max_body_bytes=max_body_bytes, drain_timeout_s=drain_timeout, model_name=model_name)
@@ -417,7 +416,5 @@ def serve(bundle, host, port, max_queue, max_batch, num_draft_tokens, drafter, d
 
 from .distill.cli import distill as _distill  # noqa: E402  (imports no torch until it runs)
 main.add_command(_distill)
-
-
 if __name__ == "__main__":  # python -m specdeploy.cli, as python -m specdeploy
     main()
