@@ -108,13 +108,14 @@ def write_llama_gguf(path: Path, *, add_bos: bool = False, eos: int = 2, seed: i
     return path
 
 
-def write_gemma3_gguf(path: Path) -> Path:
-    """A Gemma 3 layout: <eos> is the GGUF's EOS, and the template ends a turn with <end_of_turn>."""
+def write_gemma3_gguf(path: Path, vocab: tuple[list[str], list[float], list[int]] | None = None) -> Path:
+    """A Gemma 3 layout: <eos> is the GGUF's EOS, and the template ends a turn with <end_of_turn>. Its vocabulary:
+    `vocab` (tokens, scores, types), else a byte-level BPE's tokens scored by merge order."""
     import gguf
     import torch
     import transformers as tf
 
-    tokens, merges = _bpe(GEMMA, 300)
+    tokens, merges = _bpe(GEMMA, 300) if vocab is None else (vocab[0], None)
     head_dim = 16
     config = tf.Gemma3TextConfig(vocab_size=len(tokens), hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
                                  num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
@@ -131,9 +132,12 @@ def write_gemma3_gguf(path: Path) -> Path:
     writer.add_sliding_window(32)
     writer.add_tokenizer_model("llama")  # Gemma's tokenizers are SentencePiece: transformers builds a Unigram
     writer.add_token_list(tokens)
-    writer.add_token_scores([-float(i) for i in range(len(tokens))])
-    writer.add_token_types([gguf.TokenType.CONTROL if t in GEMMA else gguf.TokenType.NORMAL for t in tokens])
-    writer.add_token_merges(merges)
+    writer.add_token_scores([-float(i) for i in range(len(tokens))] if vocab is None else vocab[1])
+    writer.add_token_types([gguf.TokenType.CONTROL if t in GEMMA else gguf.TokenType.NORMAL for t in tokens]
+                           if vocab is None else vocab[2])
+    if merges is not None:
+        writer.add_token_merges(merges)
+    writer.add_add_space_prefix(False)
     writer.add_bos_token_id(2)
     writer.add_eos_token_id(1)
     writer.add_pad_token_id(0)

@@ -5,7 +5,8 @@ the export's work folder; the rest of the export reads that folder like any othe
 transformers' converted tokenizer and config do not carry the GGUF's special tokens faithfully
 (its tokenizer takes BOS for EOS; its config holds the model class's defaults), so the special
 tokens are read from the GGUF metadata itself and passed on as the authority the special-token
-check repairs the folder from (special_tokens.py).
+check repairs the folder from (special_tokens.py). Where its tokenizer splits text otherwise than
+llama.cpp (SentencePiece vocabularies, Llama 3's split), gguf_vocab.py rebuilds those parts.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from ..errors import SpecdeployError
 from .convert import release_freed_memory
+from .gguf_vocab import GgufVocab, read_vocab, rebuild_tokenizer
 
 MAGIC = b"GGUF"
 
@@ -56,8 +58,8 @@ def _first_line(exc: Exception) -> str:
     return text.splitlines()[0][:300] if text else type(exc).__name__
 
 
-def read_tokens(path: Path, role: str) -> tuple[str, GgufTokens]:
-    """The architecture and the special-token metadata, read with gguf's GGUFReader."""
+def read_tokens(path: Path, role: str) -> tuple[str, GgufTokens, GgufVocab]:
+    """The architecture, the special-token metadata and the vocabulary, read with gguf's GGUFReader."""
     try:
         from gguf import GGUFReader, TokenType
     except ImportError:
@@ -105,7 +107,7 @@ def read_tokens(path: Path, role: str) -> tuple[str, GgufTokens]:
                                                       token_id("tokenizer.ggml.eom_token_id"),
                                                       *(i for i, t in enumerate(tokens or ()) if str(t) in EOG_TEXTS))
                                           if i is not None)),
-    )
+    ), read_vocab(value)
 
 
 # The tokens llama.cpp ends generation at by their text, whatever the metadata's keys say (llama-vocab.cpp's
@@ -174,7 +176,8 @@ def gguf_to_folder(path: Path, role: str, work_dir: Path) -> tuple[Path, GgufTok
     """Dequantize the GGUF into a Hugging Face folder under work_dir (once per file); returns it and the metadata.
 
     The folder's config.json and generation_config.json take their special tokens from the GGUF
-    metadata; the tokenizer files are transformers' conversion, left for the special-token check.
+    metadata; the tokenizer files are transformers' conversion, rebuilt where it tokenizes otherwise than
+    llama.cpp (gguf_vocab.py) and left for the special-token check.
 
     Every read of a GGUF parses all its metadata, every token of the vocabulary included, so this
     module reads the file once (the special tokens and control tokens together), the model's config
@@ -187,7 +190,7 @@ def gguf_to_folder(path: Path, role: str, work_dir: Path) -> tuple[Path, GgufTok
     if (folder / "config.json").is_file() and saved_tokens.is_file():  # the same file as target and draft
         return folder, GgufTokens(**{k: tuple(v) if isinstance(v, list) else v
                                      for k, v in json.loads(saved_tokens.read_text(encoding="utf-8")).items()})
-    architecture, tokens = read_tokens(path, role)
+    architecture, tokens, vocab = read_tokens(path, role)
     release_freed_memory()
     if not _supported(architecture):
         raise SpecdeployError(
@@ -219,6 +222,7 @@ def gguf_to_folder(path: Path, role: str, work_dir: Path) -> tuple[Path, GgufTok
     _keep_control_tokens(tokens.control_tokens, tokenizer)
     tokenizer.save_pretrained(partial)
     del tokenizer
+    rebuild_tokenizer(partial / "tokenizer.json", vocab)  # where transformers' reading is not llama.cpp's
     release_freed_memory()
     if tokens.chat_template is not None and not (partial / "chat_template.jinja").is_file():
         _set_template(partial / "tokenizer_config.json", tokens.chat_template)

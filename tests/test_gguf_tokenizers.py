@@ -1,0 +1,133 @@
+"""A GGUF's text tokenizes as llama.cpp tokenizes it: a SentencePiece vocabulary merges by its scores and
+matches its user-defined tokens whole; a byte-level BPE splits text as its tokenizer.ggml.pre names.
+Tiny GGUF files written here; the oracle for SentencePiece is llama.cpp's algorithm, written out below."""
+
+from __future__ import annotations
+
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("gguf")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from test_gguf import GEMMA, HEADS, HIDDEN, KV_HEADS, LAYERS, _write_tensors, write_gemma3_gguf, write_llama_header  # noqa: E402
+
+NORMAL, CONTROL, USER_DEFINED, BYTE = 1, 3, 4, 6
+USER = ["    ", "\n\n"]  # user-defined: matched whole before any merging (Gemma's runs of spaces and newlines)
+TEXTS = ["def insort_left(a, x, lo=0, hi=None):", "    return heapq.heappush(heap, item)\n\n\n",
+         "Prüfung: naïve café — 中文 🎉", "a  b    c\td", "<start_of_turn>user\nhi<end_of_turn>\n", "x=1;y=22;z=333"]
+
+
+def _sentencepiece_vocab() -> tuple[list[str], list[float], list[int]]:
+    """A SentencePiece-style BPE (spaces as ▁, scores by merge order) trained on a slice of the standard library,
+    after Gemma's control tokens, 256 byte tokens and two user-defined tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    corpus = [(stdlib / name).read_text() for name in ("textwrap.py", "bisect.py", "heapq.py")]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never")
+    tokenizer.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=600, show_progress=False))
+    tokens = GEMMA + [f"<0x{b:02X}>" for b in range(256)] + USER
+    learned = [item for item in sorted(tokenizer.get_vocab().items(), key=lambda item: item[1]) if item[0] not in tokens]
+    types = [CONTROL] * len(GEMMA) + [BYTE] * 256 + [USER_DEFINED] * len(USER)
+    scores = [0.0] * len(tokens)
+    tokens += [token for token, _ in learned]
+    types += [NORMAL] * len(learned)
+    scores += [-float(rank) for rank in range(len(learned))]  # the later a merge, the lower its token's score
+    return tokens, scores, types
+
+
+def llama_cpp_spm(text: str, tokens: list[str], scores: list[float], types: list[int]) -> list[int]:
+    """llama.cpp's SentencePiece tokenization (llama-vocab.cpp, add_space_prefix off): control and user-defined
+    tokens matched whole first; each piece between them merged pairwise, the adjacent pair whose merged token
+    scores highest first (leftmost on ties); a character no token holds falls back to its UTF-8 bytes."""
+    index = {token: i for i, token in enumerate(tokens)}
+    whole = sorted((t for t, kind in zip(tokens, types) if kind in (CONTROL, USER_DEFINED)), key=len, reverse=True)
+    ids: list[int] = []
+    while text:
+        starts = [(text.find(token), -len(token), token) for token in whole if token in text]
+        at, _, token = min(starts) if starts else (len(text), 0, None)
+        ids += _merge(text[:at].replace(" ", "▁"), index, scores)
+        if token is None:
+            break
+        ids.append(index[token])
+        text = text[at + len(token):]
+    return ids
+
+
+def _merge(piece: str, index: dict[str, int], scores: list[float]) -> list[int]:
+    symbols = list(piece)
+    while True:
+        pairs = [(scores[index[a + b]], -at) for at, (a, b) in enumerate(zip(symbols, symbols[1:])) if a + b in index]
+        if not pairs:
+            break
+        at = -max(pairs)[1]
+        symbols[at : at + 2] = [symbols[at] + symbols[at + 1]]
+    return [i for s in symbols for i in ([index[s]] if s in index else [index[f"<0x{b:02X}>"] for b in s.encode()])]
+
+
+def _converted(path: Path, tmp_path: Path):
+    from tokenizers import Tokenizer
+
+    from specdeploy.export.gguf import gguf_to_folder
+
+    work = tmp_path / "work"
+    work.mkdir()
+    folder, _ = gguf_to_folder(path, "target", work)
+    return Tokenizer.from_file(str(folder / "tokenizer.json"))
+
+
+def test_a_sentencepiece_gguf_tokenizes_as_llama_cpp(tmp_path):
+    """transformers reads a Gemma GGUF's scores as a Unigram model's, which segments otherwise."""
+    tokens, scores, types = vocab = _sentencepiece_vocab()
+    tokenizer = _converted(write_gemma3_gguf(tmp_path / "spm.gguf", vocab), tmp_path)
+    for text in TEXTS:
+        assert tokenizer.encode(text, add_special_tokens=False).ids == llama_cpp_spm(text, tokens, scores, types), text
+        assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False).ids, skip_special_tokens=False) == text
+    assert tokenizer.encode("a    b", add_special_tokens=False).ids[1] == tokens.index("    ")
+
+
+def _write_bpe_gguf(path: Path, pre: str, tokens: list[str], merges: list[str]) -> Path:
+    import gguf
+    import torch
+    import transformers as tf
+
+    config = tf.LlamaConfig(vocab_size=len(tokens), hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+                            num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                            max_position_embeddings=256, tie_word_embeddings=False)
+    torch.manual_seed(7)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    write_llama_header(writer, len(tokens))
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types([CONTROL if t.startswith("<|") else NORMAL for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+    writer.add_add_bos_token(False)
+    _write_tensors(writer, tf.LlamaForCausalLM(config), gguf.MODEL_ARCH.LLAMA)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+# (pre, text, the pieces llama.cpp gives): Llama 3 splits digits in threes and takes a piece that is a token whole
+# without merging it (ignore_merges); SmolLM2 splits every digit; GPT-2's split ("default") does neither.
+SPLITS = [("llama-bpe", "1234", ["123", "4"]), ("llama-bpe", "ab", ["ab"]), ("llama-bpe", "Ġab", ["Ġ", "a", "b"]),
+          ("smollm", "1234", ["1", "2", "3", "4"]), ("default", "1234", ["1234"]), ("default", "ab", ["a", "b"])]
+
+
+@pytest.mark.parametrize("pre", sorted({pre for pre, _, _ in SPLITS}))
+def test_a_byte_level_gguf_splits_text_as_its_pre_tokenizer_names(tmp_path, pre):
+    from tokenizers import pre_tokenizers
+
+    tokens = ["<|begin_of_text|>", "<|end_of_text|>"] + sorted(pre_tokenizers.ByteLevel.alphabet()) + ["12", "123", "1234", "ab"]
+    tokenizer = _converted(_write_bpe_gguf(tmp_path / f"{pre}.gguf", pre, tokens, ["1 2", "12 3", "123 4"]), tmp_path)
+    for text, pieces in ((text.replace("Ġ", " "), pieces) for p, text, pieces in SPLITS if p == pre):
+        assert [tokens[i] for i in tokenizer.encode(text, add_special_tokens=False).ids] == pieces, text
