@@ -158,10 +158,10 @@ def quality(args) -> None:
         if kind == "chat" and generators[next(iter(generators))].chat_template is None:
             continue
         for prompt in prompts:
-            if kind == "chat":  # transformers' own rendering: equal tokens below mean equal templates too
-                ids = hf_tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                       tokenize=True)
-                ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+            if kind == "chat":  # transformers' own rendering, tokenized as the bundle tokenizes (as llama.cpp does)
+                text = hf_tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                        tokenize=False)
+                ids = generators[next(iter(generators))].codec.encode(text, add_special_tokens=False)
             else:
                 ids = prompt_ids(first, prompt, chat=False)
             with torch.no_grad():

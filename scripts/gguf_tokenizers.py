@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""Do GGUF vocabularies tokenize as llama.cpp tokenizes them, once export has converted them?
+
+    python scripts/gguf_tokenizers.py vectors LLAMA_CPP/models [NAME ...]
+    python scripts/gguf_tokenizers.py server TOKENIZER.json http://127.0.0.1:PORT [--corpus FILE ...]
+
+`vectors`: llama.cpp's own tokenizer test vectors (models/ggml-vocab-NAME.gguf with its .inp texts and
+the .out ids made from each model's original tokenizer). Each vocabulary is converted as export converts
+it: transformers' reading (AutoTokenizer with gguf_file), then specdeploy.export.gguf_vocab's rebuild.
+Both are counted, so the table shows what the rebuild changes. Files of an architecture transformers
+cannot read are listed as such.
+
+`server`: a bundle's tokenizer.json against a running `llama-server -m MODEL.gguf` (its /tokenize,
+special tokens parsed, no BOS added), on probe texts (code, prose, accents, CJK, emoji, whitespace runs,
+digits, contractions) and 400-character chunks of the given files (default: a few standard-library
+modules). Prints each text that differs and the count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import sysconfig
+import tempfile
+import urllib.request
+from pathlib import Path
+
+PROBES = [
+    "x = 12345 + 3.14", "In 2024, 1,000,000 people", "I'm sure they've done it; we'll see. He'd GO. YOU'RE", "  leading spaces",
+    "tabs\tand\nnewlines\n\n\n  indented", "def fib(n):\n    return n if n < 2 else fib(n-1) + fib(n-2)\n",
+    "héllo wörld — naïve café", "中文测试，日本語のテキスト", "emoji 🎉🚀 end", "   ", "a\u00a0b", "don't DON'T Don't",
+    "price: $9.99!!! ...", "x1y22z333w4444", "https://example.com/a?b=c&d=e", "ÀÉÎÕÜ ßẞ", "0123456789", " 42",
+    "\n\n\n\n", "a  b   c    d", "αβγ δεζ", "Привет, мир! 2025 год", "snake_case_name CamelCaseName",
+    "'quoted' \"double\"", "i've I'VE i'Ve", "Cửa Việt", "ied 4 ½ months", "\t\t\tx\r\n",
+]
+MODULES = ("textwrap.py", "bisect.py", "heapq.py", "json/decoder.py", "argparse.py")
+
+
+def vectors(models: Path, names: list[str]) -> None:
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    logging.disable(logging.WARNING)
+    from gguf import GGUFReader
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    from specdeploy.export.gguf_vocab import read_vocab, rebuild_tokenizer
+
+    names = names or sorted(p.name[len("ggml-vocab-"):-len(".gguf.inp")] for p in models.glob("ggml-vocab-*.gguf.inp"))
+    print("| vocabulary | tokenizer.ggml.model, .pre | transformers | rebuilt |\n|---|---|---:|---:|")
+    for name in names:
+        gguf = models / f"ggml-vocab-{name}.gguf"
+        texts = (models / f"{gguf.name}.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+        expected = [[int(i) for i in line.split()] for line in
+                    (models / f"{gguf.name}.out").read_text(encoding="utf-8").split("\n")[: len(texts)]]
+        reader = GGUFReader(str(gguf))
+
+        def value(key):
+            field = reader.get_field(key)
+            return None if field is None else field.contents()
+
+        vocab = read_vocab(value)
+        with tempfile.TemporaryDirectory() as folder:
+            try:
+                AutoTokenizer.from_pretrained(str(models), gguf_file=gguf.name).save_pretrained(folder)
+            except Exception as exc:  # noqa: BLE001 - transformers refuses architectures it does not read
+                print(f"| {name} | {vocab.model}, {vocab.pre} | not read: {str(exc).splitlines()[0][:60]} | |")
+                continue
+            counts = []
+            for rebuild in (False, True):
+                if rebuild and not rebuild_tokenizer(Path(folder) / "tokenizer.json", vocab):
+                    counts.append("(not rebuilt)")
+                    break
+                tokenizer = Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
+                equal = sum(tokenizer.encode(t, add_special_tokens=False).ids == e for t, e in zip(texts, expected))
+                counts.append(f"{equal}/{len(texts)}")
+        print(f"| {name} | {vocab.model}, {vocab.pre} | {counts[0]} | {counts[1]} |", flush=True)
+
+
+def server(tokenizer_json: Path, url: str, corpus: list[Path]) -> int:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_json))
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts = list(PROBES)
+    for path in corpus or [stdlib / name for name in MODULES]:
+        text = path.read_text(encoding="utf-8")
+        texts += [text[at : at + 400] for at in range(0, min(len(text), 40_000), 400)]
+    different = 0
+    for text in texts:
+        ours = tokenizer.encode(text, add_special_tokens=False).ids
+        request = urllib.request.Request(f"{url.rstrip('/')}/tokenize", headers={"Content-Type": "application/json"},
+                                         data=json.dumps({"content": text, "parse_special": True}).encode())
+        theirs = json.loads(urllib.request.urlopen(request, timeout=60).read())["tokens"]
+        if ours != theirs:
+            different += 1
+            at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+            print(f"differs: {text[:60]!r}: from token {at}, ours {ours[at : at + 4]}, llama.cpp {theirs[at : at + 4]}")
+    print(f"{len(texts) - different}/{len(texts)} texts tokenize alike ({tokenizer_json}, llama-server at {url})")
+    return 1 if different else 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    command = commands.add_parser("vectors", help="llama.cpp's tokenizer test vectors")
+    command.add_argument("models", type=Path, help="llama.cpp's models/ folder")
+    command.add_argument("names", nargs="*", help="vocabularies (default: every one with test vectors)")
+    command = commands.add_parser("server", help="a tokenizer.json against llama-server's /tokenize")
+    command.add_argument("tokenizer", type=Path)
+    command.add_argument("url")
+    command.add_argument("--corpus", type=Path, nargs="*", default=[])
+    args = parser.parse_args()
+    if args.command == "vectors":
+        vectors(args.models, args.names)
+        return 0
+    return server(args.tokenizer, args.url, args.corpus)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
