@@ -166,7 +166,12 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict:
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 now = time.perf_counter()
-                chunk = json.loads(line[len("data: "):])
+                try:
+                    chunk = json.loads(line[len("data: "):])
+                except ValueError:  # this request failed, not the run
+                    return {**record, "status": "a data line that is not JSON", "error": line[:200]}
+                if not isinstance(chunk, dict):
+                    return {**record, "status": "a data line that is not a JSON object", "error": line[:200]}
                 if "error" in chunk:
                     return {**record, "status": "stream error", "error": str(chunk["error"])[:200]}
                 choice = chunk["choices"][0] if chunk.get("choices") else {}
@@ -243,9 +248,10 @@ def summarize(records: list[dict], wall_s: float, args, references: dict | None)
         "tokens_per_s": tokens / wall_s, "generated_tokens": tokens,
         "ttft_p50_s": percentile([r["first_token_s"] for r in ok], 50),
         "ttft_p99_s": percentile([r["first_token_s"] for r in ok], 99),
-        "itl_p50_ms": 1000 * (percentile(itl, 50) or 0), "itl_p99_ms": 1000 * (percentile(itl, 99) or 0),
-        "chunk_gap_p50_ms": 1000 * (percentile(gaps, 50) or 0),
-        "tokens_per_chunk": sum(r["tokens"] for r in ok) / max(1, sum(len(r["chunk_gaps_s"]) + 1 for r in ok)),
+        # None where no request succeeded: no latency was measured (0 would read as an instant one)
+        "itl_p50_ms": ms_of(percentile(itl, 50)), "itl_p99_ms": ms_of(percentile(itl, 99)),
+        "chunk_gap_p50_ms": ms_of(percentile(gaps, 50)),
+        "tokens_per_chunk": sum(r["tokens"] for r in ok) / sum(len(r["chunk_gaps_s"]) + 1 for r in ok) if ok else None,
         "usage_per_chunk": all(r["usage_per_chunk"] for r in ok) if ok else None,
         "latency_p50_s": percentile([r["latency_s"] for r in ok], 50),
         "acceptance_rate": sum(e["accepted_tokens"] for e in extensions) / drafted if drafted else None,
@@ -295,6 +301,14 @@ def ms(value) -> str:
     return "" if value is None else f"{1000 * value:.0f}"
 
 
+def ms_of(seconds: float | None) -> float | None:
+    return None if seconds is None else 1000 * seconds
+
+
+def fixed(value: float | None, digits: int) -> str:
+    return "" if value is None else f"{value:.{digits}f}"
+
+
 def median(values) -> float | None:
     values = [v for v in values if v is not None]
     return float(np.median(values)) if values else None
@@ -332,8 +346,8 @@ def markdown(cells: list[dict], runs: dict, args, interrupted: bool = False) -> 
         figure = {key: median(c[key] for c in group) for key in ("tokens_per_s", "ttft_p50_s", "ttft_p99_s",
                                                                  "itl_p50_ms", "itl_p99_ms", "tokens_per_chunk")}
         lines.append(f"| {kind} | {mode} | {level} | {server} | {figure['tokens_per_s']:.1f} | {ratio} | "
-                     f"{ms(figure['ttft_p50_s'])} | {ms(figure['ttft_p99_s'])} | {figure['itl_p50_ms']:.1f} | "
-                     f"{figure['itl_p99_ms']:.1f} | {figure['tokens_per_chunk']:.2f} | "
+                     f"{ms(figure['ttft_p50_s'])} | {ms(figure['ttft_p99_s'])} | {fixed(figure['itl_p50_ms'], 1)} | "
+                     f"{fixed(figure['itl_p99_ms'], 1)} | {fixed(figure['tokens_per_chunk'], 2)} | "
                      f"{sum(c['failed'] for c in group)} | {altered} |")
     if runs:
         lines += ["", "| prompts | mode | `run` end-to-end tok/s (one-stream prompts) | served, 1 stream | x run |",

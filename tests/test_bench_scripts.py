@@ -72,6 +72,28 @@ def test_load_test_markdown_survives_a_sequential_cell_whose_requests_all_failed
               "repeat": 0, **load_test.summarize(failed, 1.0, args, None)}]
     table = load_test.markdown(cells, {}, args)
     assert "| sequential (1) |" in table
+    row = next(line for line in table.splitlines() if "| sequential (1) |" in line).split("|")
+    assert [cell.strip() for cell in row[7:12]] == ["", "", "", "", ""]  # TTFT, ITL, tokens/chunk: none measured, not 0
+
+
+def test_load_test_a_data_line_that_is_not_json_fails_its_request_not_the_run():
+    import asyncio
+
+    import httpx
+
+    load_test = script("load_test")
+    chunk = {"choices": [{"index": 0, "text": "ab", "finish_reason": None}]}
+    for bad in ("data: <html>busy</html>", "data: [1, 2]"):
+        body = f"data: {json.dumps(chunk)}\n\n{bad}\n\ndata: [DONE]\n\n"
+
+        async def request() -> dict:
+            transport = httpx.MockTransport(lambda _: httpx.Response(200, text=body,
+                                                                     headers={"content-type": "text/event-stream"}))
+            async with httpx.AsyncClient(transport=transport) as client:
+                return await load_test.one_request(client, "http://server", {"_prompt": 0, "prompt": "x"})
+
+        record = asyncio.run(request())
+        assert record["ok"] is False and "not" in record["status"] and bad[6:] in record["error"]
 
 
 # ------------------------------------------------------------------------------------------ real_models
