@@ -52,6 +52,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+class GuidellmError(RuntimeError):
+    """guidellm failed against one server: the others' rows are still reported."""
+
+
 def guidellm_version(executable: str) -> str:
     result = subprocess.run([executable, "--version"], capture_output=True, text=True)
     return (result.stdout or result.stderr).strip().splitlines()[-1].replace("guidellm version:", "guidellm").strip()
@@ -69,14 +73,14 @@ def run_guidellm(args, url: str, levels: list[int], out: Path) -> list[dict]:
                "--output", f"kind=json,path={out}", "--disable-console"]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
-        raise SystemExit(f"error: guidellm failed ({result.returncode}): {result.stderr.strip()[-500:]}")
+        raise GuidellmError(f"exit status {result.returncode}: {result.stderr.strip()[-500:]}")
     rows = []
     for benchmark in json.loads(out.read_text())["benchmarks"]:
         metrics = benchmark["metrics"]
 
         def stat(name: str, key: str = "mean") -> float | None:
-            successful = metrics[name]["successful"]
-            return successful["percentiles"][key] if key.startswith("p") else successful[key]
+            successful = (metrics.get(name) or {}).get("successful") or {}
+            return (successful.get("percentiles") or {}).get(key) if key.startswith("p") else successful.get(key)
 
         totals = metrics["request_totals"]
         rows.append({"streams": benchmark["config"]["strategy"]["streams"],
@@ -95,29 +99,39 @@ def markdown(rows: list[dict], version: str, args) -> str:
              f"(ignore_eos), T {args.temperature}, {args.seconds} s per row", "",
              "| server | streams | output tok/s | p50 TTFT ms | p99 TTFT ms | p50 ITL ms | p99 ITL ms | done | errored "
              "| cut at the end |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    def fixed(value, digits: int) -> str:  # guidellm gives no figure where no request succeeded
+        return "" if value is None else f"{value:.{digits}f}"
+
     for r in rows:
-        lines.append(f"| {r['server']} | {r['streams']} | {r['output_tokens_per_s']:.1f} | {r['ttft_p50_ms']:.0f} | "
-                     f"{r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} | {r['successful']} | "
-                     f"{r['errored']} | {r['incomplete']} |")
+        lines.append(f"| {r['server']} | {r['streams']} | {fixed(r['output_tokens_per_s'], 1)} | "
+                     f"{fixed(r['ttft_p50_ms'], 0)} | {fixed(r['ttft_p99_ms'], 0)} | {fixed(r['itl_p50_ms'], 1)} | "
+                     f"{fixed(r['itl_p99_ms'], 1)} | {r['successful']} | {r['errored']} | {r['incomplete']} |")
     return "\n".join(lines)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
+    """0, or 1 when guidellm failed against a server (after the other servers' rows are written)."""
     args = parse_args(argv)
     version = guidellm_version(args.guidellm)
     process, targets = None, [tuple(t.split("=", 1)) for t in args.target]
     levels = [int(v) for v in args.streams.split(",")]
-    rows = []
+    rows, failures = [], {}
     try:
         if args.bundle:
             process, url = start_server(args.bundle, max(levels) * 4 + 8, 8)
             targets.insert(0, ("specdeploy", url))
         with tempfile.TemporaryDirectory() as folder:
             for name, url in targets:  # one guidellm process per server: each start costs tens of seconds here
-                for row in run_guidellm(args, url, levels, Path(folder) / "out.json"):
+                try:
+                    measured = run_guidellm(args, url, levels, Path(folder) / "out.json")
+                except GuidellmError as exc:
+                    failures[name] = str(exc)
+                    print(f"error: guidellm failed against {name} ({url}): {exc}", file=sys.stderr, flush=True)
+                    continue
+                for row in measured:
                     rows.append({"server": name, **row})
-                    print(f"{name} streams={row['streams']}: {row['output_tokens_per_s']:.1f} tok/s", file=sys.stderr,
-                          flush=True)
+                    print(f"{name} streams={row['streams']}: {row['output_tokens_per_s'] or 0:.1f} tok/s",
+                          file=sys.stderr, flush=True)
     finally:
         if process is not None:
             process.terminate()
@@ -125,11 +139,13 @@ def main(argv=None) -> None:
     rank = {name: i for i, (name, _) in enumerate(targets)}
     rows.sort(key=lambda r: (rank[r["server"]], r["streams"]))
     print(markdown(rows, version, args))
-    report = {"guidellm": version, "targets": targets, "temperature": args.temperature, "rows": rows}
+    report = {"guidellm": version, "targets": targets, "temperature": args.temperature, "rows": rows,
+              "failed": failures}
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2))
     print(json.dumps(report))
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

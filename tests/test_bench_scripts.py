@@ -96,6 +96,28 @@ def test_load_test_a_data_line_that_is_not_json_fails_its_request_not_the_run():
         assert record["ok"] is False and "not" in record["status"] and bad[6:] in record["error"]
 
 
+def test_serve_peers_keeps_the_rows_of_servers_measured_before_guidellm_failed(tmp_path, monkeypatch, capsys):
+    serve_peers = script("serve_peers")
+    row = {"streams": 1, "output_tokens_per_s": 50.0, "ttft_p50_ms": 100.0, "ttft_p99_ms": 120.0, "itl_p50_ms": 10.0,
+           "itl_p99_ms": 12.0, "output_tokens_mean": 128, "successful": 3, "errored": 0, "incomplete": 0}
+
+    def fake_run(args, url, levels, out):
+        if url.endswith(":2"):
+            raise serve_peers.GuidellmError("exit status 1: connection refused")
+        return [dict(row)]
+
+    monkeypatch.setattr(serve_peers, "run_guidellm", fake_run)
+    monkeypatch.setattr(serve_peers, "guidellm_version", lambda executable: "guidellm 0.0")
+    out = tmp_path / "peers.json"
+    code = serve_peers.main(["--guidellm", "guidellm", "--tokenizer", "tok", "--target", "first=http://h:1",
+                             "--target", "second=http://h:2", "--streams", "1", "--json-out", str(out)])
+    captured = capsys.readouterr()
+    assert code == 1 and "error: guidellm failed against second" in captured.err
+    report = json.loads(out.read_text())
+    assert [r["server"] for r in report["rows"]] == ["first"] and "second" in report["failed"]
+    assert "| first | 1 | 50.0 |" in captured.out
+
+
 # ------------------------------------------------------------------------------------------ real_models
 
 
@@ -301,6 +323,28 @@ def test_bench_hosts_genai_decode_rate_does_not_count_the_prefills_token(monkeyp
     result = bench_hosts.genai(Path("target"), [[1, 2, 3]], 4, None)
     assert result["new_tokens"] == 4
     assert result["tokens_per_s"] < 1.1 / STEP_S, (result["tokens_per_s"], 1 / STEP_S)
+
+
+def test_serve_peers_keeps_the_rows_of_servers_measured_before_guidellm_failed(tmp_path, monkeypatch, capsys):
+    serve_peers = script("serve_peers")
+    row = {"streams": 1, "output_tokens_per_s": 50.0, "ttft_p50_ms": 100.0, "ttft_p99_ms": 120.0, "itl_p50_ms": 10.0,
+           "itl_p99_ms": 12.0, "output_tokens_mean": 128, "successful": 3, "errored": 0, "incomplete": 0}
+
+    def fake_run(args, url, levels, out):
+        if url.endswith(":2"):
+            raise serve_peers.GuidellmError("exit status 1: connection refused")
+        return [dict(row)]
+
+    monkeypatch.setattr(serve_peers, "run_guidellm", fake_run)
+    monkeypatch.setattr(serve_peers, "guidellm_version", lambda executable: "guidellm 0.0")
+    out = tmp_path / "peers.json"
+    code = serve_peers.main(["--guidellm", "guidellm", "--tokenizer", "tok", "--target", "first=http://h:1",
+                             "--target", "second=http://h:2", "--streams", "1", "--json-out", str(out)])
+    captured = capsys.readouterr()
+    assert code == 1 and "error: guidellm failed against second" in captured.err
+    report = json.loads(out.read_text())
+    assert [r["server"] for r in report["rows"]] == ["first"] and "second" in report["failed"]
+    assert "| first | 1 | 50.0 |" in captured.out
 
 
 # ------------------------------------------------------------------------------------------ real_models
