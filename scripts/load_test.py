@@ -18,8 +18,10 @@ number of prompts and that prompt's index as its seed. Reported per cell:
   max_tokens; altered: a greedy output (or a seeded sampled one) that differs from the runtime's own
   `specdeploy.load(bundle).generate(...)` for the same prompt and seed.
 
-The reference generations run in this process, right before each prompt kind and mode's cells, and
-their wall time gives `specdeploy run`'s end-to-end tokens/s on the prompts of the one-stream cell.
+The reference generations run right before each prompt kind and mode's cells, in a child process
+that loads the bundle as `specdeploy run` does (its default session, a spinning thread pool that ends
+with the child, so it takes no CPU from the servers), and after one warm-up generation their wall
+time gives `specdeploy run`'s end-to-end tokens/s on the prompts of the one-stream cell.
 
 Run (from the repo root)::
 
@@ -86,7 +88,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prompts", default=None, help="JSON list or JSONL of code prompts (default: the built-in ones).")
     parser.add_argument("--num-prompts", type=int, default=None, help="Use the first N prompts of each kind "
                         "(fewer reference generations on a slow model).")
-    parser.add_argument("--no-reference", action="store_true", help="Skip the in-process reference generations.")
+    parser.add_argument("--no-reference", action="store_true", help="Skip the reference generations (and run's tok/s).")
     parser.add_argument("--repeat", type=int, default=1, help="Run every mode's cells this many times (the "
                         "reference's timing too); tables give medians.")
     parser.add_argument("--json-out", default=None)
@@ -280,21 +282,58 @@ def request_bodies(kind: str, prompts: list, count: int, mode: str, args, plain:
     return bodies
 
 
-def reference_outputs(generator, kind: str, prompts: list, mode: str, args, timed: int) -> dict:
+def reference_outputs(kind: str, prompts: list, mode: str, args, timed: int) -> dict:
     """The runtime's own text for each prompt (seeded by its index), and run's end-to-end tokens/s over the
-    first `timed` prompts (those of the one-stream cell), each timed from the call to the output."""
+    first `timed` prompts (those of the one-stream cell), each timed from the call to the output; made in a
+    child process (reference_child) with `specdeploy run`'s default session."""
+    job = {"bundle": args.bundle, "kind": kind, "prompts": prompts, "timed": timed,
+           "options": dict(max_new_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
+                           temperature=0.0 if mode == "greedy" else args.temperature,
+                           speculative=args.speculative == "on", num_draft_tokens=args.num_draft_tokens)}
+    result = subprocess.run([sys.executable, __file__, REFERENCE_CHILD], input=json.dumps(job), capture_output=True,
+                            text=True)
+    lines = result.stdout.strip().splitlines()
+    if result.returncode or not lines:
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        raise SystemExit(errors[-1] if errors else f"error: the reference generations failed: {result.stderr[-500:]}")
+    reference = json.loads(lines[-1])
+    return {"texts": {int(i): text for i, text in reference["texts"].items()},
+            "run_tokens_per_s": reference["run_tokens_per_s"]}
+
+
+REFERENCE_CHILD = "--reference-child"
+
+
+def reference_child() -> int:
+    """The child of reference_outputs: a job on stdin (the bundle, prompts and options; no prompts: only check
+    that the bundle loads, with a chat template where chat prompts are asked for), one JSON line on stdout."""
+    import specdeploy
+
+    job = json.loads(sys.stdin.read())
+    try:
+        generator = specdeploy.load(job["bundle"])
+    except specdeploy.SpecdeployError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if job["kind"] == "chat" and generator.chat_template is None:
+        print(f"error: {job['bundle']} has no chat template: drop 'chat' from --kinds", file=sys.stderr)
+        return 2
+
+    def generate(prompt, **options):
+        return generator.generate(messages=prompt, **options) if job["kind"] == "chat" else generator.generate(prompt, **options)
+
+    if job["prompts"]:
+        generate(job["prompts"][0], **{**job["options"], "max_new_tokens": 8})  # warm-up, as the servers get one
     texts, tokens, wall = {}, 0, 0.0
-    for index, prompt in enumerate(prompts):
-        options = dict(max_new_tokens=args.max_tokens, ignore_eos=args.ignore_eos, seed=index,
-                       temperature=0.0 if mode == "greedy" else args.temperature,
-                       speculative=args.speculative == "on", num_draft_tokens=args.num_draft_tokens)
+    for index, prompt in enumerate(job["prompts"]):
         start = time.perf_counter()
-        output = generator.generate(messages=prompt, **options) if kind == "chat" else generator.generate(prompt, **options)
-        if index < timed:
+        output = generate(prompt, **job["options"], seed=index)
+        if index < job["timed"]:
             wall += time.perf_counter() - start
             tokens += output.stats.new_tokens
         texts[index] = output.text
-    return {"texts": texts, "run_tokens_per_s": tokens / wall if wall else None}
+    print(json.dumps({"texts": texts, "run_tokens_per_s": tokens / wall if wall else None}))
+    return 0
 
 
 def ms(value) -> str:
@@ -370,19 +409,9 @@ def main(argv=None) -> None:
     cells, runs, turn, interrupted = [], {}, 0, False
     # SIGTERM (and Ctrl-C) stop the run between requests: the servers stop, the cells so far are written.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    generator = None
-    if args.bundle and not args.no_reference:
-        import specdeploy
-        from specdeploy.runtime import SessionConfig
-
-        # Its own pools, parked between passes: a spinning pool in this process would take the CPU from
-        # the servers in the cells right after each reference generation.
-        try:
-            generator = specdeploy.load(args.bundle, session=SessionConfig(shared_threads=False, allow_spinning=False))
-        except specdeploy.SpecdeployError as exc:
-            raise SystemExit(f"error: {exc}") from None
-        if "chat" in kinds and generator.chat_template is None:
-            raise SystemExit(f"error: {args.bundle} has no chat template: drop 'chat' from --kinds")
+    referencing = bool(args.bundle and not args.no_reference)
+    if referencing:  # the bundle loads (with a chat template where asked for) before any server starts
+        reference_outputs("chat" if "chat" in kinds else "code", [], "greedy", args, 0)
     try:
         if args.bundle and args.max_batch != "none":
             for value in args.max_batch:
@@ -398,9 +427,9 @@ def main(argv=None) -> None:
             for repeat in range(args.repeat):
                 for mode in args.modes.split(","):
                     references = None
-                    if generator is not None:
+                    if referencing:
                         timed = min(len(prompts), max(args.min_requests, args.requests_per_stream))
-                        reference = reference_outputs(generator, kind, prompts, mode, args, timed)
+                        reference = reference_outputs(kind, prompts, mode, args, timed)
                         references = reference["texts"]
                         runs.setdefault((kind, mode), []).append(reference["run_tokens_per_s"])
                     for level in levels:
@@ -448,4 +477,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == [REFERENCE_CHILD]:
+        sys.exit(reference_child())
     main()

@@ -76,6 +76,27 @@ def test_load_test_markdown_survives_a_sequential_cell_whose_requests_all_failed
     assert [cell.strip() for cell in row[7:12]] == ["", "", "", "", ""]  # TTFT, ITL, tokens/chunk: none measured, not 0
 
 
+def test_load_test_references_come_from_a_child_loading_the_bundle_as_run_does(tmp_path):
+    """The reference texts (what every served output is compared with) and run's tok/s come from a child process
+    with specdeploy.load's default session, so no thread pool of it outlives the generations."""
+    import specdeploy
+    from specdeploy.defaults import DEMO_DIR
+
+    load_test = script("load_test")
+    bundle = str(DEMO_DIR / "demo-bundle")
+    args = load_test.parse_args([bundle, "--max-tokens", "12", "--ignore-eos"])
+    prompts = ["def add(a, b):", "class Stack:"]
+    reference = load_test.reference_outputs("code", prompts, "sampled", args, 1)
+    generator = specdeploy.load(bundle)
+    assert reference["texts"] == {i: generator.generate(p, max_new_tokens=12, ignore_eos=True, seed=i,
+                                                        temperature=args.temperature).text for i, p in enumerate(prompts)}
+    assert reference["run_tokens_per_s"] > 0
+    args = load_test.parse_args([str(tmp_path), "--max-tokens", "12"])
+    with pytest.raises(SystemExit) as raised:
+        load_test.reference_outputs("code", [], "greedy", args, 0)
+    assert str(raised.value.code).startswith("error: ")
+
+
 def test_load_test_a_data_line_that_is_not_json_fails_its_request_not_the_run():
     import asyncio
 
