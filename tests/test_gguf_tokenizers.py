@@ -1,19 +1,22 @@
-"""A GGUF's text tokenizes as llama.cpp tokenizes it: a SentencePiece vocabulary merges by its scores and
-matches its user-defined tokens whole; a byte-level BPE splits text as its tokenizer.ggml.pre names.
-Tiny GGUF files written here; the oracle for SentencePiece is llama.cpp's algorithm, written out below."""
+"""A GGUF's text tokenizes, and its generated ids read, as llama.cpp tokenizes and reads them: a SentencePiece
+vocabulary merges by its scores and matches its user-defined tokens whole; a byte-level BPE splits text as its
+tokenizer.ggml.pre names; a reply keeps its leading space. Tiny GGUF files written here; the oracle for
+SentencePiece is llama.cpp's algorithm, written out below."""
 
 from __future__ import annotations
 
 import sys
 import sysconfig
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 pytest.importorskip("gguf")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_gguf import GEMMA, HEADS, HIDDEN, KV_HEADS, LAYERS, _write_tensors, write_gemma3_gguf, write_llama_header  # noqa: E402
+from test_gguf import (GEMMA, HEADS, HIDDEN, KV_HEADS, LAYERS, _write_shape, _write_tensors, write_gemma3_gguf,  # noqa: E402
+                       write_llama_header)
 
 NORMAL, CONTROL, USER_DEFINED, BYTE = 1, 3, 4, 6
 USER = ["    ", "\n\n"]  # user-defined: matched whole before any merging (Gemma's runs of spaces and newlines)
@@ -131,3 +134,140 @@ def test_a_byte_level_gguf_splits_text_as_its_pre_tokenizer_names(tmp_path, pre)
     tokenizer = _converted(_write_bpe_gguf(tmp_path / f"{pre}.gguf", pre, tokens, ["1 2", "12 3", "123 4"]), tmp_path)
     for text, pieces in ((text.replace("Ġ", " "), pieces) for p, text, pieces in SPLITS if p == pre):
         assert [tokens[i] for i in tokenizer.encode(text, add_special_tokens=False).ids] == pieces, text
+
+
+# ------------------------------------------------- the text of generated ids, and metadata llama.cpp refuses
+
+
+def _folder(path: Path, tmp_path: Path) -> Path:
+    from specdeploy.export.gguf import gguf_to_folder
+
+    work = tmp_path / "work"
+    work.mkdir()
+    folder, _ = gguf_to_folder(path, "target", work)
+    return folder
+
+
+def _streamed(folder: Path, ids: list[int], bos: int | None) -> str:
+    """The text the runtime shows for generated ids: TextStream over the bundle's TextCodec."""
+    from specdeploy.runtime.text import TextCodec, TextStream
+
+    stream = TextStream(TextCodec(folder, SimpleNamespace(bos_token_id=bos)))
+    return "".join(stream.push(token) for token in ids) + stream.finish()
+
+
+def _write_spm_llama_gguf(path: Path, tokens: list[str], scores: list[float], types: list[int]) -> Path:
+    """A Llama 2 layout: a SentencePiece vocabulary (tokenizer.ggml.model "llama"), no add_space_prefix key, so
+    llama.cpp's default for SentencePiece holds: a space before the text."""
+    import gguf
+    import torch
+    import transformers as tf
+
+    config = tf.LlamaConfig(vocab_size=len(tokens), hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+                            num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                            max_position_embeddings=256, tie_word_embeddings=False)
+    torch.manual_seed(5)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    _write_shape(writer)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_dimension_count(HIDDEN // HEADS)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_add_bos_token(True)
+    _write_tensors(writer, tf.LlamaForCausalLM(config), gguf.MODEL_ARCH.LLAMA)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_sentencepiece_gguf_continuation_keeps_its_leading_space(tmp_path):
+    """Llama 2 / Mistral / Phi-3 GGUFs (add_space_prefix): llama-server's text for generated ids is each token's
+    piece, '▁' as a space, so a reply that starts with '▁Paris' reads ' Paris'. The exported decoder ends with
+    Strip(' ', 1, 0), and the runtime decodes only the generated ids: the reply reads 'Paris', and prompt + reply
+    runs the words together ('The capital of France isParis')."""
+    words = ["▁The", "▁capital", "▁is", "▁Paris"]
+    pieces = sorted({c for w in words for c in w} | {"."})
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces + words
+    types = [CONTROL] * 3 + [BYTE] * 256 + [NORMAL] * (len(pieces) + len(words))
+    scores = [0.0] * (3 + 256) + [-1.0] * len(pieces) + [-2.0] * len(words)
+    folder = _folder(_write_spm_llama_gguf(tmp_path / "spm.gguf", tokens, scores, types), tmp_path)
+    reply = [tokens.index("▁Paris"), tokens.index(".")]
+    assert _streamed(folder, reply, bos=1) == " Paris."  # llama.cpp: ' Paris' + '.'
+
+
+def test_a_llama3_gguf_continuation_keeps_its_leading_space(tmp_path):
+    """Llama 3 GGUFs (gpt2 with tokenizer.ggml.pre llama-bpe): the rebuild keeps transformers' decoder, which ends
+    with Strip(' ', 1, 0); llama.cpp (and Meta's own tokenizer.json, a plain ByteLevel decoder) give 'Ġab' as ' ab'.
+    The runtime's reply drops that space."""
+    from tokenizers import pre_tokenizers
+
+    tokens = (["<|begin_of_text|>", "<|end_of_text|>"] + sorted(pre_tokenizers.ByteLevel.alphabet())
+              + ["12", "123", "1234", "ab", "Ġab"])
+    folder = _folder(_write_bpe_gguf(tmp_path / "llama3.gguf", "llama-bpe", tokens, ["1 2", "12 3", "123 4", "a b", "Ġ ab"]),
+                     tmp_path)
+    reply = [tokens.index("Ġab"), tokens.index("Ġab")]
+    assert _streamed(folder, reply, bos=0) == " ab ab"  # llama.cpp: ' ab' + ' ab'
+
+
+def test_a_sentencepiece_gguf_whose_scores_all_tie_is_refused(tmp_path):
+    """convert_hf_to_gguf's LlamaHfVocab writes -1000.0 for every token of a Llama with only a tokenizer.json: the
+    merge order is gone, llama.cpp then merges the leftmost pair first ('abc' as 'ab', 'c'), which no BPE
+    tokenizer.json expresses. The export says so and names the way out."""
+    from specdeploy.errors import SpecdeployError
+    from specdeploy.export.gguf import gguf_to_folder
+
+    tokens = GEMMA + [f"<0x{b:02X}>" for b in range(256)] + ["b", "c", "a", "▁", "bc", "ab"]
+    types = [CONTROL] * len(GEMMA) + [BYTE] * 256 + [NORMAL] * 6
+    scores = [0.0] * (len(GEMMA) + 256) + [-1000.0] * 6
+    work = tmp_path / "work"
+    work.mkdir()
+    with pytest.raises(SpecdeployError, match="one score.*Hugging Face folder"):
+        gguf_to_folder(write_gemma3_gguf(tmp_path / "tie.gguf", (tokens, scores, types)), "target", work)
+
+
+@pytest.mark.parametrize("short", ["scores", "types"])
+def test_a_gguf_with_fewer_scores_or_types_than_tokens_is_refused(tmp_path, short):
+    """llama.cpp refuses such a file ("Index out of array bounds for scores/toktypes"). The export either crashed in
+    the rebuild (IndexError from gguf_vocab._sentencepiece, types) or silently kept transformers' reading, which
+    tokenizes otherwise than llama.cpp (scores)."""
+    from specdeploy.errors import SpecdeployError
+    from specdeploy.export.gguf import gguf_to_folder
+
+    tokens = GEMMA + [f"<0x{b:02X}>" for b in range(256)] + ["b", "c", "a", "▁", "bc", "ab"]
+    types = [CONTROL] * len(GEMMA) + [BYTE] * 256 + [NORMAL] * 6
+    scores = [0.0] * (len(GEMMA) + 256) + [-1.0, -2.0, -3.0, -4.0, -5.0, -6.0]
+    if short == "scores":
+        scores = scores[:-3]
+    else:
+        types = types[:-3]
+    path = write_gemma3_gguf(tmp_path / "short.gguf", (tokens, scores, types))
+    work = tmp_path / "work"
+    work.mkdir()
+    with pytest.raises(SpecdeployError, match=short[:-1]):
+        gguf_to_folder(path, "target", work)
+
+
+def test_unknown_typed_tokens_typed_in_text_are_matched_whole(tmp_path):
+    """llama.cpp partitions text on every CONTROL, USER_DEFINED and UNKNOWN-typed token before merging (with special
+    tokens parsed, as llama-server's /tokenize and prompts parse them). Phi-3's GGUFs type their [PAD32011]..
+    padding tokens UNKNOWN: llama.cpp reads '[PAD32011] x' as '[PAD32011]', '▁x' (checked on
+    ggml-vocab-phi-3.gguf); the export neither adds them as special tokens nor matches them whole."""
+    from tokenizers import Tokenizer
+
+    unknown = "[PAD300]"
+    chars = sorted(set(unknown) | {"▁", "x"})
+    tokens = GEMMA + [f"<0x{b:02X}>" for b in range(256)] + chars + [unknown]
+    types = [CONTROL] * len(GEMMA) + [BYTE] * 256 + [NORMAL] * len(chars) + [2]  # gguf.TokenType.UNKNOWN
+    scores = [0.0] * (len(GEMMA) + 256) + [-1.0] * len(chars) + [0.0]
+    folder = _folder(write_gemma3_gguf(tmp_path / "unknown.gguf", (tokens, scores, types)), tmp_path)
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    assert [tokens[i] for i in tokenizer.encode(f"{unknown} x", add_special_tokens=False).ids] == [unknown, "▁", "x"]

@@ -37,7 +37,7 @@ class GgufTokens:
     pad_token_id: int | None
     add_bos_token: bool | None
     chat_template: str | None
-    control_tokens: tuple[str, ...] = ()  # the tokens typed CONTROL (<start_of_turn>, <end_of_turn>, ...)
+    control_tokens: tuple[str, ...] = ()  # typed CONTROL (<start_of_turn>, <end_of_turn>, ...) or UNKNOWN
     # End of turn and end of message (Llama 3's <|eot_id|>, <|eom_id|>): llama.cpp ends generation at
     # them as at EOS, and so does the bundle (generation_config.json lists them after the EOS).
     end_token_ids: tuple[int, ...] = ()
@@ -94,8 +94,8 @@ def read_tokens(path: Path, role: str) -> tuple[str, GgufTokens, GgufVocab]:
         add_bos = llama_cpp_add_bos(value("tokenizer.ggml.model"), value("tokenizer.ggml.pre"))
     template = value("tokenizer.chat_template")
     tokens, types = value("tokenizer.ggml.tokens"), value("tokenizer.ggml.token_type")
-    control = () if tokens is None or types is None else tuple(
-        str(t) for t, kind in zip(tokens, types) if kind == TokenType.CONTROL)
+    control = () if tokens is None or types is None else tuple(  # llama.cpp matches UNKNOWN-typed ones whole too
+        str(t) for t, kind in zip(tokens, types) if kind in (TokenType.CONTROL, TokenType.UNKNOWN))
     return architecture, GgufTokens(
         bos_token_id=token_id("tokenizer.ggml.bos_token_id"),
         eos_token_id=token_id("tokenizer.ggml.eos_token_id"),

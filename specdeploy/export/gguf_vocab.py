@@ -49,10 +49,15 @@ class GgufVocab:
 
 
 def read_vocab(value) -> GgufVocab:
-    """The vocabulary from a GGUF reader's metadata (`value(key)` -> contents or None)."""
+    """The vocabulary from a GGUF reader's metadata (`value(key)` -> contents or None). Fewer scores or types
+    than tokens is refused, as llama.cpp refuses it; more are ignored, as there."""
     tokens = tuple(str(t) for t in value("tokenizer.ggml.tokens") or ())
     types = tuple(int(t) for t in value("tokenizer.ggml.token_type") or ())
     scores = tuple(float(s) for s in value("tokenizer.ggml.scores") or ())
+    for key, values in (("tokenizer.ggml.scores", scores), ("tokenizer.ggml.token_type", types)):
+        if values and len(values) < len(tokens):
+            raise SpecdeployError(f"the GGUF's {key} has {len(values)} entries for {len(tokens)} tokens")
+    types, scores = types[: len(tokens)], scores[: len(tokens)]
     space = value("tokenizer.ggml.add_space_prefix")
     unk = value("tokenizer.ggml.unknown_token_id")
     return GgufVocab(model=value("tokenizer.ggml.model"), pre=value("tokenizer.ggml.pre"), tokens=tokens,
@@ -65,7 +70,7 @@ def rebuild_tokenizer(tokenizer_json: Path, vocab: GgufVocab) -> bool:
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(tokenizer_json))
-    if vocab.model == "llama" and vocab.tokens and len(vocab.scores) == len(vocab.tokens):
+    if vocab.model == "llama" and vocab.tokens and vocab.scores:
         _sentencepiece(tokenizer, vocab)
     elif vocab.model == "gpt2" and (vocab.pre in LLAMA3_PRE or vocab.pre in DIGIT_GPT2_PRE):
         _split(tokenizer, vocab.pre)
@@ -94,6 +99,12 @@ def _sentencepiece(tokenizer, vocab: GgufVocab) -> None:
                  if token[:cut] in index and token[cut:] in index]
         merges += [(vocab.scores[i], index[left], index[right], left, right)
                    for left, right in pairs]
+    if len(merges) > 1 and len({merge[0] for merge in merges}) == 1:
+        raise SpecdeployError("the GGUF's SentencePiece vocabulary gives every token one score, so its merge order is "
+                              "lost (llama.cpp then merges the leftmost pair first, which no tokenizer.json can "
+                              "express): export from the checkpoint's Hugging Face folder instead")
+    # A few tokens may share a score (Llama 2's 15 at -1e9): llama.cpp merges the leftmost of tied pairs first, here
+    # the one of the lower ids.
     merges.sort(key=lambda merge: (-merge[0], merge[1], merge[2]))
     unk = vocab.tokens[vocab.unk_token_id] if vocab.unk_token_id is not None and vocab.unk_token_id < len(vocab.tokens) else None
     tokenizer.model = models.BPE(index, [(left, right) for *_, left, right in merges], unk_token=unk, fuse_unk=True,
@@ -101,15 +112,19 @@ def _sentencepiece(tokenizer, vocab: GgufVocab) -> None:
     steps = [normalizers.Prepend("▁")] if vocab.add_space_prefix else []
     tokenizer.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "▁")])
     tokenizer.pre_tokenizer = None
-    tail = [decoders.Strip(" ", 1, 0)] if vocab.add_space_prefix else []
-    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), *tail])
+    # Each token's piece, '▁' as a space, and no space stripped from the start: the runtime decodes only the
+    # generated ids, so a reply's first '▁Paris' must read ' Paris', as llama-server gives it.
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
     tokenizer.add_tokens([AddedToken(token, special=False, normalized=False)
                           for token, kind in zip(vocab.tokens, vocab.types) if kind == USER_DEFINED])
 
 
 def _split(tokenizer, pre: str) -> None:
-    """The byte-level BPE's split before merging, as llama.cpp's for this pre-tokenizer name."""
-    from tokenizers import Regex, pre_tokenizers
+    """The byte-level BPE's split before merging, as llama.cpp's for this pre-tokenizer name, and a plain byte-level
+    decoder (transformers' strips the first space of what it decodes: a reply's first 'Ġab' must read ' ab')."""
+    from tokenizers import Regex, decoders, pre_tokenizers
+
+    tokenizer.decoder = decoders.ByteLevel()
 
     if pre in LLAMA3_PRE:
         tokenizer.model.ignore_merges = True  # a piece that is a token whole is that token (llama.cpp's too)
