@@ -137,3 +137,37 @@ def test_end_of_turn_token_joins_the_stop_set_and_the_bundle(checkpoints, tmp_pa
     for prompt in ([5, 9, 13], [40, 41], [200]):
         tokens = generator.generate(prompt, max_new_tokens=16, speculative=False).token_ids
         assert not {0, 1} & set(tokens[:-1])  # either stop token ends generation
+
+
+def test_a_decoder_that_drops_the_first_space_is_written_without_that_step(checkpoints, tmp_path):
+    """Llama 2's, Mistral's and Phi-3's decoders strip the space a text starts with; the runtime decodes only a
+    reply's ids, so a reply starting with a spaced word lost its space ('isParis' after the prompt)."""
+    from tokenizers import Tokenizer
+
+    source = checkpoints("llama")["target"]
+    folder = _copy(source, tmp_path / "ckpt")
+    data = json.loads((folder / "tokenizer.json").read_text())
+    data["decoder"] = {"type": "Sequence", "decoders": [data["decoder"], {"type": "Strip", "content": " ", "start": 1,
+                                                                         "stop": 0}]}
+    (folder / "tokenizer.json").write_text(json.dumps(data))
+    spaced = next(i for t, i in Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab().items()
+                  if t.startswith("Ġ") and t[1:].isalpha())
+    assert not Tokenizer.from_file(str(folder / "tokenizer.json")).decode([spaced]).startswith(" ")
+    checked = _check(folder, tmp_path)
+    assert any("drops the space" in line for line in checked.repairs)
+    assert Tokenizer.from_file(str(checked.tokenizer_dir / "tokenizer.json")).decode([spaced]).startswith(" ")
+    assert checked.checkpoint.eos_token_ids == (1,)  # nothing else changed
+
+
+def test_metaspace_decoders_keep_their_first_space_and_others_are_left_alone():
+    from specdeploy.export.leading_space import unstripped
+
+    metaspace = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": False}
+    assert unstripped(metaspace)["prepend_scheme"] == "never" and metaspace["prepend_scheme"] == "first"
+    assert unstripped({"type": "Metaspace", "replacement": "▁", "add_prefix_space": True})["add_prefix_space"] is False
+    assert unstripped({"type": "Sequence", "decoders": [{"type": "ByteFallback"}, metaspace]})["decoders"][1][
+        "prepend_scheme"] == "never"
+    for plain in ({"type": "ByteLevel"}, {"type": "Metaspace", "prepend_scheme": "never"}, None,
+                  {"type": "Sequence", "decoders": [{"type": "Replace"}, {"type": "Strip", "content": " ", "start": 0,
+                                                                          "stop": 1}]}):
+        assert unstripped(plain) is None

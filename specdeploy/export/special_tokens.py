@@ -11,6 +11,7 @@ disagreement silently changes what a prompt encodes to or where generation stops
 - Any other disagreement is refused with one line naming the fields and their values.
 - Every end-of-turn token the chat template emits after an assistant message joins the stop set.
 - Every tokenizer id must have a row in the model's head (more rows than tokens is padding).
+- A decoder that drops the space its text starts with is written without that step (leading_space.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import SpecdeployError
+from .leading_space import unstripped
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 FIELDS = ("bos", "eos", "pad")
@@ -339,6 +341,10 @@ def check_special_tokens(checkpoint, tokenizer_dir: Path, work_dir: Path,
             raise SpecdeployError(f"{stated.where}: special token id {token} has no row in the model's head "
                                   f"({head_rows} rows)")
 
+    decoder = unstripped(stated.tokenizer.json.get("decoder"))
+    if decoder is not None:
+        stated.repairs.append(f"{stated.role}: the tokenizer's decoder drops the space a text starts with; "
+                              "written without that step, so that a reply keeps its first space")
     for line in stated.repairs + stop_additions:
         report("load", line)
     checked = dataclasses.replace(checkpoint, bos_token_id=agreed["bos"], eos_token_ids=tuple(stop),
@@ -351,11 +357,11 @@ def check_special_tokens(checkpoint, tokenizer_dir: Path, work_dir: Path,
         if (tokenizer_dir / name).is_file():
             shutil.copy2(tokenizer_dir / name, folder / name)
     texts = {field: stated.tokenizer.by_id.get(agreed[field]) if agreed[field] is not None else None for field in FIELDS}
-    _write_tokenizer(folder, texts, agreed, add_bos)
+    _write_tokenizer(folder, texts, agreed, add_bos, decoder)
     return Checked(checked, folder, tuple(stated.repairs + stop_additions))
 
 
-def _write_tokenizer(folder: Path, texts: dict, ids: dict, add_bos: bool | None) -> None:
+def _write_tokenizer(folder: Path, texts: dict, ids: dict, add_bos: bool | None, decoder: dict | None) -> None:
     """The agreed special tokens written into every tokenizer file that states them."""
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
         path = folder / name
@@ -374,4 +380,6 @@ def _write_tokenizer(folder: Path, texts: dict, ids: dict, add_bos: bool | None)
         path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     tokenizer_json = _read_json(folder / "tokenizer.json")
     _set_prepended_bos(tokenizer_json, texts["bos"] if add_bos else None, ids["bos"])
+    if decoder is not None:
+        tokenizer_json["decoder"] = decoder
     (folder / "tokenizer.json").write_text(json.dumps(tokenizer_json, ensure_ascii=False), encoding="utf-8")
