@@ -97,23 +97,27 @@ def test_load_test_references_come_from_a_child_loading_the_bundle_as_run_does(t
     assert str(raised.value.code).startswith("error: ")
 
 
-def test_load_test_a_data_line_that_is_not_json_fails_its_request_not_the_run():
+def _streamed_request(body: str) -> dict:
+    """load_test's one_request against a server that answers with this event-stream body."""
     import asyncio
 
     import httpx
 
     load_test = script("load_test")
+
+    async def request() -> dict:
+        transport = httpx.MockTransport(lambda _: httpx.Response(200, text=body,
+                                                                 headers={"content-type": "text/event-stream"}))
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await load_test.one_request(client, "http://server", {"_prompt": 0, "prompt": "x"})
+
+    return asyncio.run(request())
+
+
+def test_load_test_a_data_line_that_is_not_json_fails_its_request_not_the_run():
     chunk = {"choices": [{"index": 0, "text": "ab", "finish_reason": None}]}
     for bad in ("data: <html>busy</html>", "data: [1, 2]"):
-        body = f"data: {json.dumps(chunk)}\n\n{bad}\n\ndata: [DONE]\n\n"
-
-        async def request() -> dict:
-            transport = httpx.MockTransport(lambda _: httpx.Response(200, text=body,
-                                                                     headers={"content-type": "text/event-stream"}))
-            async with httpx.AsyncClient(transport=transport) as client:
-                return await load_test.one_request(client, "http://server", {"_prompt": 0, "prompt": "x"})
-
-        record = asyncio.run(request())
+        record = _streamed_request(f"data: {json.dumps(chunk)}\n\n{bad}\n\ndata: [DONE]\n\n")
         assert record["ok"] is False and "not" in record["status"] and bad[6:] in record["error"]
 
 
@@ -224,21 +228,8 @@ def test_bench_peers_genai_decode_rate_does_not_count_the_prefills_token():
 def test_load_test_a_stream_cut_short_is_a_failed_request(done):
     """A stream that ends cleanly without [DONE] (a server that dropped it mid-reply) is a failure, not a
     shorter success that raises the cell's rate."""
-    import asyncio
-
-    import httpx
-
-    load_test = script("load_test")
     chunk = {"choices": [{"index": 0, "text": "ab", "finish_reason": None}]}
-    body = f"data: {json.dumps(chunk)}\n\n" + ("data: [DONE]\n\n" if done else "")
-
-    async def request() -> dict:
-        transport = httpx.MockTransport(lambda _: httpx.Response(200, text=body,
-                                                                 headers={"content-type": "text/event-stream"}))
-        async with httpx.AsyncClient(transport=transport) as client:
-            return await load_test.one_request(client, "http://server", {"_prompt": 0, "prompt": "x"})
-
-    record = asyncio.run(request())
+    record = _streamed_request(f"data: {json.dumps(chunk)}\n\n" + ("data: [DONE]\n\n" if done else ""))
     assert record["ok"] is done and record["text"] == "ab"
 
 
@@ -344,28 +335,6 @@ def test_bench_hosts_genai_decode_rate_does_not_count_the_prefills_token(monkeyp
     result = bench_hosts.genai(Path("target"), [[1, 2, 3]], 4, None)
     assert result["new_tokens"] == 4
     assert result["tokens_per_s"] < 1.1 / STEP_S, (result["tokens_per_s"], 1 / STEP_S)
-
-
-def test_serve_peers_keeps_the_rows_of_servers_measured_before_guidellm_failed(tmp_path, monkeypatch, capsys):
-    serve_peers = script("serve_peers")
-    row = {"streams": 1, "output_tokens_per_s": 50.0, "ttft_p50_ms": 100.0, "ttft_p99_ms": 120.0, "itl_p50_ms": 10.0,
-           "itl_p99_ms": 12.0, "output_tokens_mean": 128, "successful": 3, "errored": 0, "incomplete": 0}
-
-    def fake_run(args, url, levels, out):
-        if url.endswith(":2"):
-            raise serve_peers.GuidellmError("exit status 1: connection refused")
-        return [dict(row)]
-
-    monkeypatch.setattr(serve_peers, "run_guidellm", fake_run)
-    monkeypatch.setattr(serve_peers, "guidellm_version", lambda executable: "guidellm 0.0")
-    out = tmp_path / "peers.json"
-    code = serve_peers.main(["--guidellm", "guidellm", "--tokenizer", "tok", "--target", "first=http://h:1",
-                             "--target", "second=http://h:2", "--streams", "1", "--json-out", str(out)])
-    captured = capsys.readouterr()
-    assert code == 1 and "error: guidellm failed against second" in captured.err
-    report = json.loads(out.read_text())
-    assert [r["server"] for r in report["rows"]] == ["first"] and "second" in report["failed"]
-    assert "| first | 1 | 50.0 |" in captured.out
 
 
 # ------------------------------------------------------------------------------------------ real_models

@@ -15,8 +15,7 @@ import pytest
 pytest.importorskip("gguf")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_gguf import (GEMMA, HEADS, HIDDEN, KV_HEADS, LAYERS, _write_shape, _write_tensors, write_gemma3_gguf,  # noqa: E402
-                       write_llama_header)
+from test_gguf import GEMMA, HEADS, HIDDEN, KV_HEADS, LAYERS, _write_shape, _write_tensors, write_gemma3_gguf  # noqa: E402
 
 NORMAL, CONTROL, USER_DEFINED, BYTE = 1, 3, 4, 6
 USER = ["    ", "\n\n"]  # user-defined: matched whole before any merging (Gemma's runs of spaces and newlines)
@@ -94,30 +93,44 @@ def test_a_sentencepiece_gguf_tokenizes_as_llama_cpp(tmp_path):
     assert tokenizer.encode("a    b", add_special_tokens=False).ids[1] == tokens.index("    ")
 
 
-def _write_bpe_gguf(path: Path, pre: str, tokens: list[str], merges: list[str]) -> Path:
+def _tiny_llama_gguf(path: Path, vocab_size: int, seed: int, write_tokenizer) -> Path:
+    """A tiny Llama whose tokenizer metadata write_tokenizer(writer) writes."""
     import gguf
     import torch
     import transformers as tf
 
-    config = tf.LlamaConfig(vocab_size=len(tokens), hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+    config = tf.LlamaConfig(vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
                             num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
                             max_position_embeddings=256, tie_word_embeddings=False)
-    torch.manual_seed(7)
+    torch.manual_seed(seed)
     writer = gguf.GGUFWriter(str(path), "llama")
-    write_llama_header(writer, len(tokens))
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types([CONTROL if t.startswith("<|") else NORMAL for t in tokens])
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(0)
-    writer.add_eos_token_id(1)
-    writer.add_add_bos_token(False)
+    _write_shape(writer)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_dimension_count(HIDDEN // HEADS)
+    writer.add_vocab_size(vocab_size)
+    write_tokenizer(writer)
     _write_tensors(writer, tf.LlamaForCausalLM(config), gguf.MODEL_ARCH.LLAMA)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _write_bpe_gguf(path: Path, pre: str, tokens: list[str], merges: list[str]) -> Path:
+    """A byte-level BPE (tokenizer.ggml.model "gpt2") split as `pre` names."""
+    def write_tokenizer(writer) -> None:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(pre)
+        writer.add_token_list(tokens)
+        writer.add_token_types([CONTROL if t.startswith("<|") else NORMAL for t in tokens])
+        writer.add_token_merges(merges)
+        writer.add_bos_token_id(0)
+        writer.add_eos_token_id(1)
+        writer.add_add_bos_token(False)
+
+    return _tiny_llama_gguf(path, len(tokens), 7, write_tokenizer)
 
 
 # (pre, text, the pieces llama.cpp gives): Llama 3 splits digits in threes and takes a piece that is a token whole
@@ -159,34 +172,17 @@ def _streamed(folder: Path, ids: list[int], bos: int | None) -> str:
 def _write_spm_llama_gguf(path: Path, tokens: list[str], scores: list[float], types: list[int]) -> Path:
     """A Llama 2 layout: a SentencePiece vocabulary (tokenizer.ggml.model "llama"), no add_space_prefix key, so
     llama.cpp's default for SentencePiece holds: a space before the text."""
-    import gguf
-    import torch
-    import transformers as tf
+    def write_tokenizer(writer) -> None:
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(tokens)
+        writer.add_token_scores(scores)
+        writer.add_token_types(types)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+        writer.add_unk_token_id(0)
+        writer.add_add_bos_token(True)
 
-    config = tf.LlamaConfig(vocab_size=len(tokens), hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
-                            num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                            max_position_embeddings=256, tie_word_embeddings=False)
-    torch.manual_seed(5)
-    writer = gguf.GGUFWriter(str(path), "llama")
-    _write_shape(writer)
-    writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_rope_dimension_count(HIDDEN // HEADS)
-    writer.add_vocab_size(len(tokens))
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(tokens)
-    writer.add_token_scores(scores)
-    writer.add_token_types(types)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_unk_token_id(0)
-    writer.add_add_bos_token(True)
-    _write_tensors(writer, tf.LlamaForCausalLM(config), gguf.MODEL_ARCH.LLAMA)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return _tiny_llama_gguf(path, len(tokens), 5, write_tokenizer)
 
 
 def test_a_sentencepiece_gguf_continuation_keeps_its_leading_space(tmp_path):
