@@ -167,6 +167,10 @@ def test_metaspace_decoders_keep_their_first_space_and_others_are_left_alone():
     assert unstripped({"type": "Metaspace", "replacement": "▁", "add_prefix_space": True})["add_prefix_space"] is False
     assert unstripped({"type": "Sequence", "decoders": [{"type": "ByteFallback"}, metaspace]})["decoders"][1][
         "prepend_scheme"] == "never"
+    both_ends = {"type": "Sequence", "decoders": [{"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 1}]}
+    assert unstripped(both_ends)["decoders"] == [{"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 0, "stop": 1}]
+    assert unstripped({"type": "Sequence", "decoders": [{"type": "Strip", "content": " ", "start": 1, "stop": 0}]}) == {
+        "type": "Sequence", "decoders": []}
     for plain in ({"type": "ByteLevel"}, {"type": "Metaspace", "prepend_scheme": "never"}, None,
                   {"type": "Sequence", "decoders": [{"type": "Replace"}, {"type": "Strip", "content": " ", "start": 0,
                                                                           "stop": 1}]}):

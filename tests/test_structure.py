@@ -109,3 +109,18 @@ def test_the_size_check_counts_functions_and_modules():
 @pytest.mark.parametrize("path", sorted(ROOT.rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT.parent)))
 def test_no_function_or_module_over_the_limits(path):
     assert oversized(path.read_text(encoding="utf-8"), str(path.relative_to(ROOT.parent))) == []
+
+
+def test_no_test_is_shadowed_by_a_later_one_of_the_same_name():
+    """A test module that defines a test twice runs only the later one: the first never runs."""
+    from collections import Counter
+
+    shadowed = []
+    for path in sorted(Path(__file__).resolve().parent.glob("test_*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        scopes = [tree.body] + [node.body for node in tree.body if isinstance(node, ast.ClassDef)]
+        for body in scopes:
+            names = Counter(node.name for node in body
+                            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test"))
+            shadowed += [f"{path.name}: {name}" for name, count in names.items() if count > 1]
+    assert not shadowed

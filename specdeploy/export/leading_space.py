@@ -20,13 +20,12 @@ def unstripped(decoder) -> dict | None:
     kind = decoder.get("type")
     if kind == "Sequence":
         steps = decoder.get("decoders") or []
-        kept = [step for step in steps if not _strips(step)]
-        changed = [unstripped(step) or step for step in kept]
-        if len(kept) == len(steps) and all(a is b for a, b in zip(changed, kept)):
+        changed = [unstripped(step) or step for step in steps]
+        if all(a is b for a, b in zip(changed, steps)):
             return None
-        return {**decoder, "decoders": changed}
-    if _strips(decoder):
-        return {"type": "Sequence", "decoders": []}
+        return {**decoder, "decoders": [step for step in changed if step != _NOTHING]}
+    if _strips(decoder):  # a Strip that also trims the end keeps that part
+        return {**decoder, "start": 0} if (decoder.get("stop") or 0) > 0 else dict(_NOTHING)
     if kind == "Metaspace" and (decoder.get("prepend_scheme") in ("first", "always")
                                 or ("prepend_scheme" not in decoder and decoder.get("add_prefix_space"))):
         fixed = copy.deepcopy(decoder)
@@ -35,6 +34,9 @@ def unstripped(decoder) -> dict | None:
             fixed["add_prefix_space"] = False
         return fixed
     return None
+
+
+_NOTHING = {"type": "Sequence", "decoders": []}
 
 
 def _strips(step) -> bool:
