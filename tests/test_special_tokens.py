@@ -151,7 +151,7 @@ def test_a_decoder_that_drops_the_first_space_is_written_without_that_step(check
                                                                          "stop": 0}]}
     (folder / "tokenizer.json").write_text(json.dumps(data))
     spaced = next(i for t, i in Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab().items()
-                  if t.startswith("Ġ") and t[1:].isalpha())
+                  if t.startswith("Ġ") and t[1:].isascii() and t[1:].isalpha())  # 'Ġ' itself is a letter
     assert not Tokenizer.from_file(str(folder / "tokenizer.json")).decode([spaced]).startswith(" ")
     checked = _check(folder, tmp_path)
     assert any("drops the space" in line for line in checked.repairs)
