@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from load_test import start_server  # noqa: E402
+from load_test import fixed, start_server  # noqa: E402  (fixed: guidellm gives no figure where nothing succeeded)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -99,9 +99,6 @@ def markdown(rows: list[dict], version: str, args) -> str:
              f"(ignore_eos), T {args.temperature}, {args.seconds} s per row", "",
              "| server | streams | output tok/s | p50 TTFT ms | p99 TTFT ms | p50 ITL ms | p99 ITL ms | done | errored "
              "| cut at the end |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    def fixed(value, digits: int) -> str:  # guidellm gives no figure where no request succeeded
-        return "" if value is None else f"{value:.{digits}f}"
-
     for r in rows:
         lines.append(f"| {r['server']} | {r['streams']} | {fixed(r['output_tokens_per_s'], 1)} | "
                      f"{fixed(r['ttft_p50_ms'], 0)} | {fixed(r['ttft_p99_ms'], 0)} | {fixed(r['itl_p50_ms'], 1)} | "

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ..errors import SpecdeployError
 from .convert import release_freed_memory
-from .gguf_vocab import GgufVocab, read_vocab, rebuild_tokenizer
+from .gguf_vocab import CONTROL, UNKNOWN, GgufVocab, read_vocab, rebuild_tokenizer
 
 MAGIC = b"GGUF"
 
@@ -61,7 +61,7 @@ def _first_line(exc: Exception) -> str:
 def read_tokens(path: Path, role: str) -> tuple[str, GgufTokens, GgufVocab]:
     """The architecture, the special-token metadata and the vocabulary, read with gguf's GGUFReader."""
     try:
-        from gguf import GGUFReader, TokenType
+        from gguf import GGUFReader
     except ImportError:
         raise SpecdeployError(f"--{role} {path}: reading GGUF needs the gguf package (pip install 'specdeploy[export]')") from None
     with open(path, "rb") as handle:
@@ -93,9 +93,9 @@ def read_tokens(path: Path, role: str) -> tuple[str, GgufTokens, GgufVocab]:
     if add_bos is None:  # llama.cpp's default for the tokenizer's kind
         add_bos = llama_cpp_add_bos(value("tokenizer.ggml.model"), value("tokenizer.ggml.pre"))
     template = value("tokenizer.chat_template")
-    tokens, types = value("tokenizer.ggml.tokens"), value("tokenizer.ggml.token_type")
-    control = () if tokens is None or types is None else tuple(  # llama.cpp matches UNKNOWN-typed ones whole too
-        str(t) for t, kind in zip(tokens, types) if kind in (TokenType.CONTROL, TokenType.UNKNOWN))
+    vocab = read_vocab(value)  # the tokens and their types, read once
+    control = tuple(token for token, kind in zip(vocab.tokens, vocab.types)  # llama.cpp matches UNKNOWN ones whole too
+                    if kind in (CONTROL, UNKNOWN))
     return architecture, GgufTokens(
         bos_token_id=token_id("tokenizer.ggml.bos_token_id"),
         eos_token_id=token_id("tokenizer.ggml.eos_token_id"),
@@ -105,9 +105,9 @@ def read_tokens(path: Path, role: str) -> tuple[str, GgufTokens, GgufVocab]:
         control_tokens=control,
         end_token_ids=tuple(dict.fromkeys(i for i in (token_id("tokenizer.ggml.eot_token_id"),
                                                       token_id("tokenizer.ggml.eom_token_id"),
-                                                      *(i for i, t in enumerate(tokens or ()) if str(t) in EOG_TEXTS))
+                                                      *(i for i, t in enumerate(vocab.tokens) if t in EOG_TEXTS))
                                           if i is not None)),
-    ), read_vocab(value)
+    ), vocab
 
 
 # The tokens llama.cpp ends generation at by their text, whatever the metadata's keys say (llama-vocab.cpp's

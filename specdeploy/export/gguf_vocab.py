@@ -19,14 +19,13 @@ and against llama-server on the real models.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SpecdeployError
 
 # gguf.TokenType's values (constants here so that the reading needs no import of gguf)
-NORMAL, CONTROL, USER_DEFINED = 1, 3, 4
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED = 1, 2, 3, 4
 # Llama 3's split (llama-vocab.cpp, LLAMA_VOCAB_PRE_TYPE_LLAMA3), as Meta's tokenizer.json writes it.
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -76,10 +75,6 @@ def rebuild_tokenizer(tokenizer_json: Path, vocab: GgufVocab) -> bool:
         _split(tokenizer, vocab.pre)
     else:
         return False
-    data = json.loads(tokenizer.to_str())
-    if data["model"]["type"] == "BPE" and len(data["model"]["vocab"]) != len(vocab.tokens) and vocab.model == "llama":
-        raise SpecdeployError(f"the GGUF's vocabulary repeats a token: {len(vocab.tokens)} tokens, "
-                              f"{len(data['model']['vocab'])} distinct")
     tokenizer.save(str(tokenizer_json))
     return True
 
@@ -91,6 +86,8 @@ def _sentencepiece(tokenizer, vocab: GgufVocab) -> None:
     from tokenizers import AddedToken, decoders, models, normalizers
 
     index = {token: i for i, token in enumerate(vocab.tokens)}
+    if len(index) != len(vocab.tokens):  # an id without its own text would decode to nothing
+        raise SpecdeployError(f"the GGUF's vocabulary repeats a token: {len(vocab.tokens)} tokens, {len(index)} distinct")
     merges = []
     for i, token in enumerate(vocab.tokens):
         if vocab.types[i] != NORMAL or len(token) < 2:
