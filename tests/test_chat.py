@@ -403,7 +403,7 @@ def test_the_end_of_turn_is_the_turn_marker_special_or_merely_added(tmp_path, sp
 
     assert end_of_turn("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n\n<|end|>\n{% endfor %}") == (end,)
     assert end_of_turn("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n\n{% endfor %}") == ()
-    assert blank not in codec.special_token_ids() | codec.marker_token_ids()
+    assert blank not in codec.added_token_ids() | codec.added_token_ids(special=False)
 
 
 def build_plain_tokenizer(folder: Path) -> Path:

@@ -339,7 +339,7 @@ def test_a_stop_token_s_text_is_the_same_in_generate_and_stream(agreeing_bundle)
     string (that never matches) must agree on whether the stop token's text is part of the text."""
     generator = specdeploy.load(agreeing_bundle, warm_up=False)
     stop_token = generator.generate(PROMPTS[0], max_new_tokens=30).token_ids[5]
-    assert stop_token not in generator.codec.special_token_ids()  # an ordinary token, with text of its own
+    assert stop_token not in generator.codec.added_token_ids()  # an ordinary token, with text of its own
     plain = generator.generate(PROMPTS[0], max_new_tokens=30, stop_token_ids=[stop_token])
     assert plain.stats.finish_reason == "eos"
     streamed = "".join(generator.stream(PROMPTS[0], max_new_tokens=30, stop_token_ids=[stop_token]))

@@ -119,7 +119,7 @@ def check_chat_layout(layout: dict, expected, generator, top: int) -> None:
     """A chat `logprobs` object: the same values, each token's bytes the tokenizer's."""
     content = layout["content"]
     assert [c["logprob"] for c in content] == pytest.approx([e.logprob for e in expected.logprobs], abs=1e-4)
-    special = generator.codec.special_token_ids()
+    special = generator.codec.added_token_ids()
     text_bytes = b"".join(bytes(c["bytes"]) for c, e in zip(content, expected.logprobs) if e.token_id not in special)
     assert text_bytes.decode("utf-8", errors="replace") == expected.text  # the bytes are the text's
     for item, entry in zip(content, expected.logprobs):

@@ -227,7 +227,7 @@ class Generator:
             tail = self.chat_template.end_of_turn_text() if self.chat_template is not None else ""
             if tail:
                 written = self.codec.encode(tail, add_special_tokens=False)
-                for kind in (self.codec.special_token_ids(), self.codec.marker_token_ids()):
+                for kind in (self.codec.added_token_ids(), self.codec.added_token_ids(special=False)):
                     ids = ids or tuple(t for t in written if t in kind)[:1]
             self._end_of_turn_ids = ids
         return self._end_of_turn_ids

@@ -59,15 +59,12 @@ class TextCodec:
             return frozenset()
         return frozenset(ids)
 
-    def special_token_ids(self) -> frozenset[int]:
-        """The ids of the tokenizer's special added tokens (BOS, EOS, a chat template's turn markers)."""
-        return frozenset(i for i, token in self.tokenizer.get_added_tokens_decoder().items() if token.special)
-
-    def marker_token_ids(self) -> frozenset[int]:
-        """The ids of added tokens that are not special and not blank: markup some tokenizers add as plain
-        added tokens (a chat template's turn markers among them), matched whole like special tokens."""
+    def added_token_ids(self, special: bool = True) -> frozenset[int]:
+        """The ids of the tokenizer's special added tokens (BOS, EOS, a chat template's turn markers), or with
+        special=False of the others that are not blank: markup some tokenizers add without the special flag
+        (turn markers among them), matched whole as special tokens are."""
         return frozenset(i for i, token in self.tokenizer.get_added_tokens_decoder().items()
-                         if not token.special and token.content.strip())
+                         if token.special == special and (special or token.content.strip()))
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
