@@ -77,3 +77,17 @@ def test_ctrl_c_during_run_prints_the_text_so_far_and_the_stats(long_bundle, ext
 
         payload = json.loads(stdout)
         assert payload["stats"]["finish_reason"] == "interrupted" and len(payload["token_ids"]) == new_tokens
+
+
+def test_python_m_exits_130_after_a_ctrl_c_that_interrupted_a_string_exec(tmp_path):
+    # CPython marks a process as killed by Ctrl-C when one interrupts code run from a string (dataclasses
+    # builds methods that way, so an interrupted import does it), even if the exception is caught; under
+    # `python -m` that would turn the CLI's exit 130 into a SIGINT death. The interrupt here is forced.
+    (tmp_path / "interrupted_main.py").write_text(
+        "import runpy\nimport specdeploy.cli\nfrom specdeploy.cli_support import fail\n\n"
+        "def main():\n    try:\n        exec('raise KeyboardInterrupt')\n    except KeyboardInterrupt:\n"
+        "        fail('interrupted', 130)\n\n"
+        "specdeploy.cli.main = main\nrunpy.run_module('specdeploy', run_name='__main__')\n")
+    result = subprocess.run([sys.executable, "-m", "interrupted_main"], cwd=tmp_path, capture_output=True, env=ENV)
+    assert result.returncode == 130, result.stderr.decode()
+    assert result.stderr.decode().strip() == "error: interrupted"
