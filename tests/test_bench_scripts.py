@@ -384,3 +384,30 @@ def test_quant_sweep_keeps_what_the_work_folder_already_holds(tmp_path, monkeypa
     with pytest.raises((RuntimeError, SystemExit)):
         quant_sweep.main()
     assert (work / "bundles" / "keep.txt").read_text() == "an export of an hour"
+
+
+# --------------------------------------------------------------------------------- coupling_acceptance
+
+
+def test_coupling_acceptance_is_one_for_equal_distributions_and_zero_for_disjoint_ones():
+    torch = pytest.importorskip("torch")
+    coupling = script("coupling_acceptance")
+    generator = torch.Generator().manual_seed(0)
+    p = torch.log_softmax(torch.randn(3, 16, generator=generator), -1)
+    rejection, coupled = coupling.acceptances(p, p.clone(), 200, generator)
+    assert torch.allclose(rejection, torch.ones(3)) and torch.equal(coupled, torch.ones(3))
+    disjoint_p = torch.log(torch.tensor([[0.5, 0.5, 0.0, 0.0]]))
+    disjoint_q = torch.log(torch.tensor([[0.0, 0.0, 0.5, 0.5]]))
+    rejection, coupled = coupling.acceptances(disjoint_p, disjoint_q, 200, generator)
+    assert rejection.item() == 0.0 and coupled.item() == 0.0
+
+
+def test_coupling_acceptance_estimates_a_known_case_where_the_two_rules_differ():
+    # p = (1/2, 1/2, 0) and q = (0, 1/2, 1/2): the rejection rule keeps sum min(p, q) = 1/2; the coupled
+    # argmaxes agree only on token 1, which needs g1 above both g0 and g2: probability 1/3.
+    torch = pytest.importorskip("torch")
+    coupling = script("coupling_acceptance")
+    p, q = torch.log(torch.tensor([[0.5, 0.5, 0.0]])), torch.log(torch.tensor([[0.0, 0.5, 0.5]]))
+    rejection, coupled = coupling.acceptances(p, q, 200_000, torch.Generator().manual_seed(1))
+    assert rejection.item() == pytest.approx(0.5)
+    assert coupled.item() == pytest.approx(1 / 3, abs=0.006)
