@@ -6,8 +6,10 @@ with probability sum_x min(p(x), q(x)) at each position. Gumbel-max coupling dra
 per position and takes argmax(log q + g) as the draft's token and argmax(log p + g) as the target's:
 the target's token is then the same whether the draft proposed or not (the output would not depend on
 k), and the draft's is kept when both argmaxes agree. This script measures both rates per position on
-text the target samples itself (the text a speculative run checks), from two Hugging Face checkpoints
-(PyTorch: the export extra), so that the price of such a rule in acceptance is known before building it.
+text the target samples itself from `specdeploy bench`'s code prompts (an approximation of the text a
+speculative run checks), from two Hugging Face checkpoints in fp32 (PyTorch: the export extra), so that
+the price of such a rule in acceptance is known before building it. The target samples at the
+temperature alone: no top-k, top-p or penalty from its generation config.
 
     python scripts/coupling_acceptance.py --target PAIR/target --draft PAIR/draft --temperature 0.8,1.0 \
         [--tokens 128] [--samples 2000] [--seed 0]
@@ -18,12 +20,12 @@ Prints one line per temperature: positions, the rejection rule's mean acceptance
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import torch
 
-PROMPTS = ["def quicksort(items):", "class Stack:\n    def __init__(self):", "import os\n\ndef walk(path):",
-           "def parse_args(argv):", 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""',
-           "for line in open(path):"]
+PROMPTS = Path(__file__).resolve().parents[1] / "specdeploy" / "data" / "code_prompts.json"
 
 
 def acceptances(log_p: torch.Tensor, log_q: torch.Tensor, samples: int, generator: torch.Generator):
@@ -47,20 +49,22 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=2000, help="Gumbel vectors per position")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     torch.manual_seed(args.seed)
     generator = torch.Generator().manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.target)
-    target = AutoModelForCausalLM.from_pretrained(args.target).eval()
-    draft = AutoModelForCausalLM.from_pretrained(args.draft).eval()
+    target = AutoModelForCausalLM.from_pretrained(args.target, torch_dtype=torch.float32).eval()
+    draft = AutoModelForCausalLM.from_pretrained(args.draft, torch_dtype=torch.float32).eval()
     for temperature in (float(t) for t in args.temperature.split(",")):
         rejection, coupling = [], []
         with torch.no_grad():
-            for prompt in PROMPTS:
+            # a fresh config: the checkpoint's own may add top-k, top-p or penalties the scores below leave out
+            config = GenerationConfig(do_sample=True, temperature=temperature, top_k=0, max_new_tokens=args.tokens,
+                                      pad_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)
+            for prompt in json.loads(PROMPTS.read_text()):
                 ids = tokenizer(prompt, return_tensors="pt").input_ids
-                text = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=temperature,
-                                       top_k=0, max_new_tokens=args.tokens, pad_token_id=tokenizer.eos_token_id)
+                text = target.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
                 span = slice(ids.shape[1] - 1, -1)  # the positions that predict the sampled tokens
                 log_p = torch.log_softmax(target(text).logits[0, span] / temperature, -1)
                 log_q = torch.log_softmax(draft(text).logits[0, span] / temperature, -1)
