@@ -1,4 +1,4 @@
-from .cli import main
+from .console import main
 
 try:
     main()

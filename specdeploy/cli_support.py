@@ -19,10 +19,9 @@ from typing import Callable
 
 import click
 
-from .errors import SpecdeployError, describe_unexpected
+from .errors import EXIT_ERROR, EXIT_INTERRUPTED, SpecdeployError, describe_unexpected
 from .runtime.config import MAX_DRAFT_TOKENS
 
-EXIT_ERROR, EXIT_INTERRUPTED = 2, 130
 DEBUG_HELP = "Show the Python traceback of an error instead of one line (also after the subcommand)."
 # The modules of the export extra that exporting imports first (optimum-onnx installs `optimum`).
 EXPORT_MODULES = ("torch", "transformers", "optimum", "onnx")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import traceback
 
+EXIT_ERROR, EXIT_INTERRUPTED = 2, 130  # the CLI's exit statuses: bad input or a failure, and a Ctrl-C
+
 
 class SpecdeployError(Exception):
     """Bad input or an unusable artifact; the CLI prints the message and exits non-zero."""

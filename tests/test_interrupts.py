@@ -79,6 +79,26 @@ def test_ctrl_c_during_run_prints_the_text_so_far_and_the_stats(long_bundle, ext
         assert payload["stats"]["finish_reason"] == "interrupted" and len(payload["token_ids"]) == new_tokens
 
 
+def test_ctrl_c_during_the_commands_own_imports_prints_one_line():
+    # The command's entry point imports the CLI (NumPy, click, the runtime: a few tenths of a second) under a
+    # guard. The Ctrl-C is forced: importing NumPy raises it, as a Ctrl-C arriving then would.
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]
+    assert project["scripts"]["specdeploy"] == "specdeploy.console:main"
+    code = ("import sys\n"
+            "class Interrupt:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'numpy':\n"
+            "            raise KeyboardInterrupt\n"
+            "sys.meta_path.insert(0, Interrupt())\n"
+            "from specdeploy.console import main\n"
+            "main()\n")
+    result = subprocess.run([sys.executable, "-c", code, "run", "--help"], capture_output=True, env=ENV)
+    assert result.returncode == 130, result.stderr.decode()
+    assert result.stderr.decode().strip() == "error: interrupted"
+
+
 def test_python_m_exits_130_after_a_ctrl_c_that_interrupted_a_string_exec(tmp_path):
     # CPython marks a process as killed by Ctrl-C when one interrupts code run from a string (dataclasses
     # builds methods that way, so an interrupted import does it), even if the exception is caught; under
