@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .errors import SpecdeployError
+from .errors import SpecdeployError, install_hint
 
 
 def sampling_label(report: dict) -> str:
@@ -114,7 +114,7 @@ def plot_title(report: dict) -> str:
 # otherwise count in the peak the benchmark reports.
 PLOT_FORMATS = ("avif", "eps", "gif", "jpeg", "jpg", "pdf", "pgf", "png", "ps", "raw", "rgba", "svg", "svgz", "tif",
                 "tiff", "webp")
-PLOT_NEEDS = "--plot needs matplotlib (pip install 'specdeploy[bench]')"
+PLOT_NEEDS = f"--plot needs matplotlib ({install_hint('bench')})"
 
 
 def pyplot():

@@ -9,11 +9,12 @@ from pathlib import Path
 import click
 
 from . import defaults
-from .cli_support import (DEBUG_HELP, EXIT_INTERRUPTED, ErrorMappingGroup, Utf8Text, checked_generation, end_text,
-                          format_stats, note_debug, parse_draft_tokens, parse_prompt_tokens, require_export_extra,
-                          return_freed_memory, run_request, stream_text, export_with_progress as _export)
-from .errors import SpecdeployError
-from .runtime.generate import SEED_LIMIT, GenerationConfig  # the package imports the runtime already
+from .cli_support import (DEBUG_HELP, EXIT_INTERRUPTED, ErrorMappingGroup, Utf8Text, checked_generation, combine_options,
+                          end_text, format_stats, note_debug, parse_draft_tokens, parse_prompt_tokens,
+                          require_chat_template, require_export_extra, return_freed_memory, run_request, stream_text,
+                          export_with_progress as _export)
+from .errors import SpecdeployError, install_hint
+from .runtime.generate import SEED_LIMIT, GenerationConfig
 
 _return_freed_memory = return_freed_memory  # scripts/first_request.py sets the allocator up as `run` does
 
@@ -22,18 +23,9 @@ TEXT = Utf8Text()
 DEFAULTS = GenerationConfig  # the defaults of the options below are its fields'
 
 
-def _options(*options):
-    """One decorator applying options that several commands share, so that each is declared once."""
-    def apply(command):
-        for option in reversed(options):
-            command = option(command)
-        return command
-    return apply
-
-
 # Generation controls of `run` and `bench`: the sampling ones named as Hugging Face's GenerationConfig
 # names them, then the seed and the drafting threshold.
-SAMPLING_OPTIONS = _options(
+SAMPLING_OPTIONS = combine_options(
     click.option("--temperature", type=float, default=DEFAULTS.temperature, show_default=True, help="0 is greedy."),
     click.option("--top-k", type=int, default=DEFAULTS.top_k, show_default=True, help="0 is off."),
     click.option("--top-p", type=float, default=DEFAULTS.top_p, show_default=True, help="1.0 is off."),
@@ -46,7 +38,7 @@ SAMPLING_OPTIONS = _options(
                  help="Stop drafting once the draft's top probability falls below this (0: always draft k)."),
 )
 # OpenAI's penalties, for `run` and `chat`.
-PENALTY_OPTIONS = _options(
+PENALTY_OPTIONS = combine_options(
     click.option("--presence-penalty", type=float, default=DEFAULTS.presence_penalty, show_default=True,
                  help="Subtracted once from the logit of each token generated so far (OpenAI's); -2..2, 0 is off."),
     click.option("--frequency-penalty", type=float, default=DEFAULTS.frequency_penalty, show_default=True,
@@ -208,7 +200,9 @@ def run(bundle, prompt, prompt_file, chat, system, messages_file, max_new_tokens
                    speculative=not no_speculative, stop=stop, logprobs=logprobs, presence_penalty=presence_penalty,
                    frequency_penalty=frequency_penalty)
     checked_generation(**options)
-    generator = load(resolve_bundle(bundle), device=device, drafter=drafter, verify=verify)
+    generator = load(bundle := resolve_bundle(bundle), device=device, drafter=drafter, verify=verify)
+    if "messages" in request:
+        require_chat_template(generator, bundle, "use --prompt or --prompt-file")
     interrupted, shown = False, []
     pieces = generator.stream(**request, **options)  # JSON and --no-stream read the pieces without printing them
     try:
@@ -273,9 +267,7 @@ def chat(bundle, system, max_new_tokens, temperature, top_k, top_p, min_p, repet
                                     frequency_penalty=frequency_penalty)
     bundle = resolve_bundle(bundle)
     generator = load(bundle, device=device, drafter=drafter, verify=verify)
-    if generator.chat_template is None:
-        raise SpecdeployError(f"{bundle} has no chat template (its tokenizer has no chat_template.jinja and "
-                              "tokenizer_config.json names none): use run --prompt")
+    require_chat_template(generator, bundle, "use run --prompt")
     interactive = sys.stdin.isatty()
     if interactive:
         import readline  # noqa: F401 - line editing and history for input()
@@ -330,6 +322,7 @@ def bench(bundle, prompts_file, prompt_file, max_new_tokens, prompt_tokens, num_
     lengths = parse_prompt_tokens(prompt_tokens, max_new_tokens, generator.max_context)
     texts, encode, stop_token_ids = prompts, generator.codec.encode, ()
     if chat:  # each prompt's ids through the template, rendered before any run
+        require_chat_template(generator, bundle, "drop --chat")
         encode = lambda text: generator.encode_chat([{"role": "user", "content": text}])  # noqa: E731
         prompts, stop_token_ids = [tuple(encode(text)) for text in texts], generator.end_of_turn_ids
     console = Console(stderr=True)
@@ -398,7 +391,7 @@ def serve(bundle, host, port, max_queue, max_batch, num_draft_tokens, drafter, d
     try:
         from .serve import ServeConfig, serve as run_server
     except ImportError as exc:
-        raise SpecdeployError(f"serving needs the serve extra (pip install 'specdeploy[serve]'): {exc}") from None
+        raise SpecdeployError(f"serving needs the serve extra ({install_hint('serve')}): {exc}") from None
     config = ServeConfig(bundle=resolve_bundle(bundle), host=host, port=port, max_queue=max_queue, max_batch=max_batch,
                          num_draft_tokens=num_draft_tokens, drafter=drafter, device=device, api_key=api_key,
                          max_body_bytes=max_body_bytes, drain_timeout_s=drain_timeout, model_name=model_name)
@@ -408,7 +401,7 @@ def serve(bundle, host, port, max_queue, max_batch, num_draft_tokens, drafter, d
     try:
         from .ray import RayConfig, serve_on_ray
     except ImportError as exc:
-        raise SpecdeployError(f"--replicas needs the ray extra (pip install 'specdeploy[ray]'): {exc}") from None
+        raise SpecdeployError(f"--replicas needs the ray extra ({install_hint('ray')}): {exc}") from None
     serve_on_ray(config, RayConfig(replicas=replicas if replicas is not None else min_replicas or 1, min_replicas=min_replicas,
                                    max_replicas=max_replicas, threads_per_replica=threads_per_replica,
                                    address=ray_address))

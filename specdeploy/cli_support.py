@@ -19,7 +19,7 @@ from typing import Callable
 
 import click
 
-from .errors import EXIT_ERROR, EXIT_INTERRUPTED, SpecdeployError, describe_unexpected
+from .errors import EXIT_ERROR, EXIT_INTERRUPTED, SpecdeployError, describe_unexpected, install_hint
 from .runtime.config import MAX_DRAFT_TOKENS
 
 DEBUG_HELP = "Show the Python traceback of an error instead of one line (also after the subcommand)."
@@ -33,6 +33,15 @@ LOG_TO_STDERR = frozenset({"serve"})  # the commands whose log records are their
 def fail(message: str, code: int = EXIT_ERROR):
     click.echo(f"error: {message}", err=True)
     sys.exit(code)
+
+
+def combine_options(*options):
+    """One decorator applying options that several commands share, so that each is declared once."""
+    def apply(command):
+        for option in reversed(options):
+            command = option(command)
+        return command
+    return apply
 
 
 def note_debug(ctx: click.Context, param, value: bool) -> None:
@@ -137,6 +146,8 @@ class ErrorMappingGroup(click.Group):
             sys.exit(0)
         except click.Abort:
             fail("interrupted", EXIT_INTERRUPTED)
+        except click.exceptions.NoSuchOption as exc:
+            fail(self._no_such_option(exc), EXIT_ERROR)
         except click.ClickException as exc:
             fail(exc.format_message().replace("\n", " "), EXIT_ERROR)
         except SpecdeployError as exc:
@@ -154,6 +165,16 @@ class ErrorMappingGroup(click.Group):
             if self.debug_requested:
                 raise
             fail(f"{describe_unexpected(exc)} (run with --debug for the traceback)")
+
+
+    def _no_such_option(self, exc: click.exceptions.NoSuchOption) -> str:
+        """click's message (with its guess at a misspelling), or, where other commands take the option, which."""
+        name = exc.ctx.info_name if exc.ctx is not None and exc.ctx.command is not self else None
+        others = sorted(other for other, command in self.commands.items() if other != name
+                        and any(exc.option_name in param.opts + param.secondary_opts for param in command.params))
+        if name and others:
+            return f"{name} takes no {exc.option_name} (an option of {', '.join(others)})"
+        return exc.format_message().replace("\n", " ")
 
 
 def strict_utf8(data: bytes, where: str) -> str:
@@ -235,7 +256,7 @@ def require_export_extra(why: str) -> None:
     missing = [name for name in EXPORT_MODULES if importlib.util.find_spec(name) is None]
     if missing:
         raise SpecdeployError(f"{why} needs the export extra, which is not installed (no {', '.join(missing)}): "
-                              "pip install 'specdeploy[export]'")
+                              f"{install_hint('export')}")
 
 
 def end_text(text: str) -> None:
@@ -300,6 +321,13 @@ def checked_generation(**options):
     return config
 
 
+def require_chat_template(generator, bundle, instead: str) -> None:
+    """Fail where a command renders messages and the bundle's tokenizer has no chat template; `instead`: what to pass."""
+    if generator.chat_template is None:
+        raise SpecdeployError(f"{bundle} has no chat template (its tokenizer has no chat_template.jinja and "
+                              f"tokenizer_config.json names none): {instead}")
+
+
 def run_request(prompt, prompt_file, chat, system, messages_file) -> dict:
     """`run`'s input as generate's keyword: {"prompt": text} or {"messages": [...]}."""
     from .runtime.chat import read_messages
@@ -361,7 +389,7 @@ def export_with_progress(target: str, draft: str, out: str, **options) -> None:
     try:
         from .export import ExportConfig, export_bundle
     except ImportError as exc:
-        raise SpecdeployError(f"exporting needs the export extra (pip install 'specdeploy[export]'): {exc}") from None
+        raise SpecdeployError(f"exporting needs the export extra ({install_hint('export')}): {exc}") from None
 
     config = ExportConfig(target=target, draft=draft, out=out, **options)
     console = Console(stderr=True, log_path=False)

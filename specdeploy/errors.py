@@ -7,6 +7,11 @@ import traceback
 EXIT_ERROR, EXIT_INTERRUPTED = 2, 130  # the CLI's exit statuses: bad input or a failure, and a Ctrl-C
 
 
+def install_hint(extra: str) -> str:
+    """How to add an optional extra, as the README says: from the clone (the package is on no index)."""
+    return f"pip install '.[{extra}]' in the specdeploy clone"
+
+
 class SpecdeployError(Exception):
     """Bad input or an unusable artifact; the CLI prints the message and exits non-zero."""
 

@@ -176,7 +176,7 @@ def test_a_runtime_only_install_runs_and_benches_with_no_argument(tmp_path):
     exported = cli("export")
     lines = exported.stderr.strip().splitlines()
     assert exported.returncode == 2 and exported.stdout == "" and len(lines) == 1, exported.stderr
-    assert lines[0].startswith("error: exporting needs the export extra") and "pip install 'specdeploy[export]'" in lines[0]
+    assert lines[0].startswith("error: exporting needs the export extra") and "pip install '.[export]' in the specdeploy clone" in lines[0]
     assert not (tmp_path / "home").exists()
 
 

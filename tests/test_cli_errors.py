@@ -293,7 +293,7 @@ def test_bench_plot_without_matplotlib_fails_before_anything_loads(tmp_path, mon
     for name in [name for name in sys.modules if name.split(".")[0] == "matplotlib"] + ["matplotlib"]:
         monkeypatch.setitem(sys.modules, name, None)  # `import matplotlib` (and its modules) raise ImportError
     code, stdout, stderr = invoke("bench", str(tmp_path / "no-bundle"), "--plot", str(tmp_path / "k.png"))
-    assert_one_line(code, stderr, "--plot needs matplotlib (pip install 'specdeploy[bench]')")
+    assert_one_line(code, stderr, "--plot needs matplotlib (pip install '.[bench]' in the specdeploy clone)")
     assert stdout == "" and not (tmp_path / "k.png").exists()
 
 
@@ -329,3 +329,11 @@ def test_the_plot_formats_bench_checks_are_the_ones_matplotlib_writes():
     from specdeploy.bench_output import PLOT_FORMATS
 
     assert sorted(PLOT_FORMATS) == sorted(FigureCanvasBase.get_supported_filetypes())
+
+
+def test_an_option_of_another_command_is_named_as_such():
+    code, stdout, stderr = invoke("chat", "--json")
+    assert_one_line(code, stderr, "chat takes no --json (an option of bench, inspect, run)")
+    assert stdout == ""
+    code, _, stderr = invoke("run", "--temprature", "1")  # a misspelling keeps click's guess
+    assert_one_line(code, stderr, "No such option '--temprature'. Did you mean '--temperature'?")

@@ -17,7 +17,7 @@ from test_genai_host import PROMPTS, specdeploy_run
 
 from specdeploy.bundle import load_manifest
 
-pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install 'specdeploy[hosts]')")
+pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install '.[hosts]' in the specdeploy clone)")
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_NEW_TOKENS = 32

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from specdeploy.cli import main
 from specdeploy.distill import DistillConfig, distill
-from specdeploy.distill.data import choose_draft_vocab
+from specdeploy.distill.data import choose_draft_vocab, read_documents
 from specdeploy.distill.evaluate import acceptance_by_position, accepted_counts
 from specdeploy.distill.models import build_eagle_head, build_model_draft, chain_mask, load_target
 from specdeploy.distill.train import EagleKind, HeldOut, ModelKind, kl_to_target, measure
@@ -194,6 +194,21 @@ def test_a_model_draft_exports(model_run, target, tmp_path):
     manifest = export_bundle(ExportConfig(target=str(target), draft=str(model_run[0]), out=str(tmp_path / "bundle"),
                                           draft_quantize="none"))
     assert manifest.draft.parity.passed and manifest.draft.num_layers == 1
+
+
+def test_a_file_longer_than_the_context_is_read_without_a_warning(target, text_file, caplog):
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    tokenizer = AutoTokenizer.from_pretrained(str(target))
+    tokenizer.model_max_length = 64  # the file is thousands of tokens: transformers would warn about indexing errors
+    hf_logging.enable_propagation()  # its records reach caplog
+    try:
+        documents, read = read_documents((str(text_file),), tokenizer, max_tokens=10**6, seed=0)
+    finally:
+        hf_logging.disable_propagation()
+    assert read == 1 and len(documents[0].ids) > 64
+    assert not [record for record in caplog.records if "sequence length" in record.getMessage()]
 
 
 def test_an_eagle_run_with_a_draft_vocab_writes_its_contract(target, text_file, tmp_path):

@@ -17,7 +17,7 @@ from conftest import ARCHITECTURES
 
 from specdeploy.bundle import load_manifest
 
-og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install 'specdeploy[hosts]')")
+og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install '.[hosts]' in the specdeploy clone)")
 
 PROMPTS = ("def f(x):\n    return", "import os\n\n\nclass ")
 MAX_NEW_TOKENS = 32

@@ -21,7 +21,7 @@ import pytest
 from starlette.testclient import TestClient
 
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # the local clusters below send nothing off this machine
-ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'specdeploy[ray]')")
+ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install '.[ray]' in the specdeploy clone)")
 from ray import serve  # noqa: E402
 
 from specdeploy.defaults import SHIPPED_BUNDLE  # noqa: E402

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'specdeploy[ray]')")
+ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install '.[ray]' in the specdeploy clone)")
 from ray import serve  # noqa: E402
 
 from specdeploy.errors import SpecdeployError  # noqa: E402

@@ -239,3 +239,11 @@ def test_an_unsupported_host_is_in_the_manifest_the_genai_section_and_inspect(bu
     assert any(line.startswith("  genai: unsupported (") for line in section)
     assert all(len(line) <= 80 for line in section)
     assert "encodes" in " ".join(section)
+
+
+def test_an_id_difference_is_shown_where_the_readings_part():
+    want = tuple(range(100, 120))
+    got = want[:12] + (-1, -1) + want[13:]
+    line = th.compare(th.Reading((want,), ("x",)), th.Reading((got,), ("x",)), ("naive text",))
+    assert line == ('encodes "naive text" as [..., 110, 111, -1, -1, 113, 114, 115, 116, 117, 118, ...] '
+                    'where tokenizers gives [..., 110, 111, 112, 113, 114, 115, 116, 117, 118, 119] (1 of 1 samples differ)')

@@ -8,7 +8,7 @@ import threading
 import click
 
 from ..cli_support import EXIT_INTERRUPTED, fail
-from ..errors import SpecdeployError
+from ..errors import SpecdeployError, install_hint
 from .config import DistillConfig
 
 
@@ -84,7 +84,7 @@ def distill(target, out, kind, data, generate_tokens, max_text_tokens, minutes, 
         from . import pipeline
         from .train import TrainingStarted
     except ImportError as exc:
-        raise SpecdeployError(f"distilling needs the export extra (pip install 'specdeploy[export]'): {exc}") from None
+        raise SpecdeployError(f"distilling needs the export extra ({install_hint('export')}): {exc}") from None
 
     stop, training = threading.Event(), threading.Event()
 

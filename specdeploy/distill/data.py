@@ -86,7 +86,8 @@ def read_documents(paths: tuple[str, ...], tokenizer, max_tokens: int, seed: int
         text = read_text(files[index])
         if text is None:
             continue
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"][: max_tokens - total]
+        # a whole file, cut into windows later: no warning that it exceeds the model's context
+        ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"][: max_tokens - total]
         if ids:
             documents.append(Document("text", tuple(ids)))
             total, read = total + len(ids), read + 1

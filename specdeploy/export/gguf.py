@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import SpecdeployError
+from ..errors import SpecdeployError, install_hint
 from .convert import release_freed_memory
 from .gguf_vocab import CONTROL, UNKNOWN, GgufVocab, read_vocab, rebuild_tokenizer
 
@@ -63,7 +63,7 @@ def read_tokens(path: Path, role: str) -> tuple[str, GgufTokens, GgufVocab]:
     try:
         from gguf import GGUFReader
     except ImportError:
-        raise SpecdeployError(f"--{role} {path}: reading GGUF needs the gguf package (pip install 'specdeploy[export]')") from None
+        raise SpecdeployError(f"--{role} {path}: reading GGUF needs the gguf package ({install_hint('export')})") from None
     with open(path, "rb") as handle:
         if handle.read(4) != MAGIC:
             raise SpecdeployError(f"--{role} {path}: not a GGUF file (no GGUF magic at its start)")

@@ -16,15 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .. import __version__
-from .. import swap
+from .. import __version__, swap
 from ..bundle import (FORMAT_VERSION, MAX_CONTEXT, ROLES, FileEntry, Manifest, ModelSpec, ParityReport, TokenizerSpec,
                       file_entry, load_manifest, save_manifest)
 from ..errors import SpecdeployError
-from . import checkpoint as ckpt
-from . import convert, eagle, fused, genai
+from . import checkpoint as ckpt, convert, eagle, fused, genai, quantize as quantization
 from .special_tokens import check_special_tokens
-from . import quantize as quantization
 from .accept import write_accept_graphs
 from .parity import check_parity, overall_agreement, worst_abs_diff
 
@@ -298,9 +295,11 @@ def _check_out(out: Path, force: bool) -> None:
         return
     problem = swap.is_replaceable(out)
     if problem is not None:
-        raise SpecdeployError(f"--out {out} {problem}; --force only replaces a specdeploy bundle, so nothing was touched")
+        raise SpecdeployError(f"--out {out} {problem}; --force only replaces a specdeploy bundle or an empty folder, "
+                              "so nothing was touched")
     if not force:
-        raise SpecdeployError(f"--out {out} exists; pass --force to replace it")
+        what = "is an empty folder" if not any(out.iterdir()) else "holds a specdeploy bundle"
+        raise SpecdeployError(f"--out {out} {what}; pass --force to replace it")
 
 
 def _max_context(config: ExportConfig, checkpoints: dict) -> int:

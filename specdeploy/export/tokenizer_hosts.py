@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..bundle import FileEntry, HostTokenizerCheck, Manifest, file_entry
+from ..errors import install_hint
 from .tokenizer_readers import (NODE_DIR, TEXT_SAMPLES, Reading, compare, distance,  # noqa: F401 - the check's API
                                 genai_version, node_version, quote, read_genai, read_node, read_reference,
                                 sample_texts)
@@ -67,7 +68,7 @@ class CheckReport:
 def _host_readers(node_dir: Path) -> dict[str, tuple[str | None, str, Callable]]:
     """host -> (library version or None, what is missing, reader)."""
     return {
-        "genai": (genai_version(), "onnxruntime-genai is not installed (pip install 'specdeploy[hosts]')", read_genai),
+        "genai": (genai_version(), f"onnxruntime-genai is not installed ({install_hint('hosts')})", read_genai),
         "node": (node_version(node_dir), f"node or the Node host's packages are missing (npm ci in {node_dir})",
                  lambda folder, samples, decode: read_node(folder, samples, decode, node_dir)),
     }

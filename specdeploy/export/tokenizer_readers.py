@@ -166,7 +166,8 @@ def _id_difference(text: str, want: tuple[int, ...], got: tuple[int, ...]) -> st
         return f"encodes {quote(text)} without the start token {want[0]} tokenizers adds ({_ids(got)})"
     if got[1:] == want:
         return f"encodes {quote(text)} with a start token {got[0]} tokenizers does not add ({_ids(want)})"
-    return f"encodes {quote(text)} as {_ids(got)} where tokenizers gives {_ids(want)}"
+    at = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+    return f"encodes {quote(text)} as {_ids(got, at)} where tokenizers gives {_ids(want, at)}"
 
 
 def _differs(reference: Reading, reading: Reading, i: int) -> bool:
@@ -188,6 +189,8 @@ def quote(text: str, limit: int = 40) -> str:
     return shown if len(shown) <= limit else shown[: limit - 4] + '..."'
 
 
-def _ids(ids, limit: int = 10) -> str:
-    ids = list(ids)
-    return "[" + ", ".join(map(str, ids[:limit])) + (", ...]" if len(ids) > limit else "]")
+def _ids(ids, start: int = 0, limit: int = 10) -> str:
+    """ids from `start` (where two readings part; a few before it for context), at most `limit` of them."""
+    ids, start = list(ids), max(0, start - 2)
+    return ("[" + ("..., " if start else "") + ", ".join(map(str, ids[start : start + limit]))
+            + (", ...]" if len(ids) > start + limit else "]"))

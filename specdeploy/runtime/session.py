@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from ..bundle import ModelSpec, check_graph_io
-from ..errors import SpecdeployError
+from ..errors import SpecdeployError, install_hint
 
 DEVICES = ("cpu", "cuda", "tensorrt")
 KV_LAYOUT = "batch,kv_heads,sequence,head_dim"  # the only past/present layout the caches bind
@@ -98,7 +98,7 @@ def providers_for(config: SessionConfig, spec: ModelSpec | None = None) -> list:
         return ["CPUExecutionProvider"]
     if "CUDAExecutionProvider" not in available:
         raise SpecdeployError(
-            f"device '{config.device}' needs onnxruntime-gpu (pip install 'specdeploy[gpu]'); this onnxruntime has "
+            f"device '{config.device}' needs onnxruntime-gpu ({install_hint('gpu')}); this onnxruntime has "
             + ", ".join(sorted(available))
         )
     if config.device == "cuda":
