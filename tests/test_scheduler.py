@@ -177,6 +177,32 @@ def test_an_error_fails_its_sequence_only(agreeing_bundle, alone, monkeypatch):
     assert generator.generate(PROMPTS[0], max_new_tokens=4, speculative=False).token_ids  # and the loop goes on
 
 
+@pytest.mark.parametrize("where", ["sync", "sample"])
+def test_a_failure_at_a_rows_round_start_or_in_its_drafting_fails_that_row_alone(self_draft_bundle, where):
+    """Two sampled rows draft together; one row's sampler raises as its round starts (sync) or as it picks its
+    first draft token in the batched drafting (sample): that sequence fails, the other is what it is alone."""
+    alone = specdeploy.load(self_draft_bundle, drafter="model")
+    settings = dict(max_new_tokens=16, temperature=0.8, seed=5)
+    expected = alone.generate(PROMPTS[1], **settings).token_ids
+    generator = batched(self_draft_bundle, "always", drafter="model")
+    config = generator._config(dict(settings))
+    doomed, fine = (generator._sequence(p, config, streaming=False) for p in PROMPTS[:2])
+    scheduler = generator.scheduler
+    scheduler.submit(doomed)
+    scheduler.submit(fine)
+    while not (doomed.prefilled and fine.prefilled):
+        scheduler.step()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError(f"{where} broke")
+
+    setattr(doomed.sampler, where, broken)
+    while scheduler.active:
+        scheduler.step()
+    assert doomed.finish_reason == "error" and str(doomed.error) == f"{where} broke"
+    assert fine.finish_reason == "length" and fine.new_tokens == expected
+
+
 def test_sampled_batched_is_distributed_as_the_target(agreeing_bundle):
     """Chi-square over the first two tokens of sequences sampled in batches, under the auto policy."""
     generator = batched(agreeing_bundle, "auto", max_batch=4)
@@ -234,7 +260,7 @@ def test_the_policy_probes_with_one_draft_after_a_run_of_target_only_rounds():
 def test_draft_steps_are_timed_without_the_catch_ups_before_them(agreeing_bundle):
     """A row whose draft cache lags (after target-only rounds) catches up alone; the policy's cost of a
     batched draft step must not carry that pass, or one catch-up keeps the rows target-only."""
-    from specdeploy.runtime.drafters import propose_many
+    from specdeploy.runtime.draft_rows import propose_many
 
     generator = specdeploy.load(agreeing_bundle, max_batch=4, drafter="model")
     slots = generator.scheduler.slots

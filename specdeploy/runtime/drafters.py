@@ -7,7 +7,7 @@ sequence, whose context only grows: a model drafter's cache drops rejected token
 compares the tokens after the context it last saw. It needs nothing back from the verification (an eagle head
 reads the target's features from the target's cache, where the verify pass left them). `for_cache(cache,
 target_cache)` makes a drafter of the same kind on another draft cache (one per KV slot, beside that slot's
-target cache), `with_target` binds one to its target cache, `propose_many` proposes for several at once.
+target cache), `with_target` binds one to its target cache; draft_rows.py proposes for several at once.
 
 A draft whose logits cover a subset of the vocabulary (`vocab_ids`) is widened to the whole of it with
 -inf elsewhere before any row is formed: its proposal gives every other token probability zero, and
@@ -73,7 +73,7 @@ class ModelDrafter:
 
     vocab_ids: the token of each of the draft's logits columns (None: all of the vocabulary)."""
 
-    batched = True  # propose_many steps several of these together
+    batched = True  # draft_rows.propose_many steps several of these together
 
     def __init__(self, engine: OrtEngine, capacity: int, cache=None, vocab_ids: np.ndarray | None = None):
         self.engine = engine
@@ -316,105 +316,3 @@ class HybridDrafter:
         if tokens:
             return tokens, probs
         return self.model_drafter.propose(context, num_tokens, sampler, rng, min_confidence)
-
-
-def propose_many(requests: list[tuple], steps: list[tuple[int, float]] | None = None) -> list[tuple[list[int], np.ndarray | None]]:
-    """Drafter.propose for several sequences at once: requests are (drafter, context, num_tokens,
-    sampler, rng, min_confidence), one per sequence, each drafter on its own slot's cache.
-
-    Lookup proposals are made first (a hybrid's model runs only where the lookup finds nothing); the
-    draft model's rows then step together, one batched pass per draft position (run_batch), each row
-    choosing its tokens exactly as ModelDrafter.propose does and stopping on its own. `steps` gets
-    (rows, engine seconds) of each batched step; a catch-up (after target-only rounds) is no step."""
-    results: list = [None] * len(requests)
-    model_rows = []
-    for index, (drafter, context, num_tokens, sampler, rng, min_confidence) in enumerate(requests):
-        if isinstance(drafter, HybridDrafter):
-            min_ngram = None if sampler.greedy else drafter.sampled_ngram
-            tokens, probs = drafter.lookup.propose(context, num_tokens, sampler, rng, min_ngram=min_ngram)
-            if tokens:
-                results[index] = (tokens, probs)
-                continue
-            drafter = drafter.model_drafter
-        if getattr(drafter, "batched", False):
-            model_rows.append((index, drafter, context, num_tokens, sampler, rng, min_confidence))
-        else:
-            results[index] = drafter.propose(context, num_tokens, sampler, rng, min_confidence)
-    if len(model_rows) == 1:
-        index, drafter, *arguments = model_rows[0]
-        results[index] = drafter.propose(*arguments)
-    elif model_rows:
-        _propose_model_rows(model_rows, results, steps)
-    return results
-
-
-class _Row:
-    """One sequence's proposal in progress (propose_many)."""
-
-    __slots__ = ("index", "drafter", "num_tokens", "sampler", "min_confidence", "uniforms", "tokens", "logits", "pending")
-
-    def __init__(self, index, drafter, num_tokens, sampler, min_confidence):
-        self.index, self.drafter, self.num_tokens = index, drafter, num_tokens
-        self.sampler, self.min_confidence = sampler, min_confidence
-        self.uniforms: list[float] = []
-        self.tokens: list[int] = []
-        self.logits = None  # [vocab]: the logits its next token is chosen from
-        self.pending: int | None = None  # the token its next pass runs
-
-    def choose(self) -> bool:
-        """Pick the next token from self.logits; False once the row has proposed all it will."""
-        sampler, logits, tokens = self.sampler, self.logits, self.tokens
-        if sampler.greedy:
-            token = sampler.argmax(logits, tokens)
-            tokens.append(token)
-            if len(tokens) == self.num_tokens:
-                return False
-            confidence = self.min_confidence
-            if confidence > 0 and np.exp(logits - logits[token]).sum() * confidence > 1.0:
-                return False
-        else:
-            row = self.drafter._row_views[len(tokens)]
-            token = sampler.sample(logits, self.uniforms[len(tokens)], row, tokens)
-            tokens.append(token)
-            if len(tokens) == self.num_tokens or (self.min_confidence > 0 and row.max() < self.min_confidence):
-                return False
-        self.pending = token
-        return True
-
-
-def _propose_model_rows(model_rows: list[tuple], results: list, steps: list[tuple[int, float]] | None) -> None:
-    engine = model_rows[0][1].engine
-    rows = []
-    for index, drafter, context, num_tokens, sampler, rng, min_confidence in model_rows:
-        row = _Row(index, drafter, num_tokens, sampler, min_confidence)
-        logits, row.pending = drafter.first_step(context)
-        if logits is None and row.pending is None:  # nothing to propose from
-            results[index] = ([], None)
-            continue
-        row.logits = None if logits is None else logits.copy()  # the next row's catch-up may overwrite it
-        if not sampler.greedy:
-            drafter._prepare(sampler, engine.spec.vocab_size, num_tokens)
-            row.uniforms = rng.random(num_tokens).tolist()  # the round's draws in one call, as propose takes them
-        rows.append(row)
-    stepping = [row for row in rows if row.logits is None]
-    while True:
-        if stepping:
-            features = [row.drafter.step_features() for row in stepping]
-            seconds = engine.seconds
-            logits = engine.run_batch([row.pending for row in stepping], [row.drafter.cache for row in stepping],
-                                      features if features[0] is not None else None)
-            if steps is not None:
-                steps.append((len(stepping), engine.seconds - seconds))
-            for row, row_logits in zip(stepping, logits):
-                row.logits = row.drafter.widen(row_logits)
-        stepping = []
-        for row in rows:
-            if row.logits is not None:
-                if row.choose():
-                    stepping.append(row)
-                row.logits = None
-        if not stepping:
-            break
-    for row in rows:
-        probs = None if row.sampler.greedy else row.drafter._prefix_views[len(row.tokens)]
-        results[row.index] = (row.tokens, probs)

@@ -39,7 +39,7 @@ from collections import deque
 
 import numpy as np
 
-from .drafters import propose_many
+from .draft_rows import propose_many
 from .policy import SpeculationPolicy
 from .rejection import accept
 from .sequence import Sequence, Slot, shared_prefix
@@ -183,18 +183,24 @@ class Scheduler:
             return None
 
     def _decode(self, rows: list[Sequence], riders: list[tuple]) -> None:
-        wanted = []  # each row's draft tokens this round, before the policy's limit
+        wanted = {}  # each row's draft tokens this round, before the policy's limit
         for row in rows:
-            row.sampler.sync(row.context)  # the penalties' context (nothing to do without one)
-            wanted.append(row.num_draft_tokens())
-        speculative = [row for row, k in zip(rows, wanted) if k > 0]
+            k = self._guarded(row, self._round_start, row)
+            if k is not None:
+                wanted[row] = k
+        rows = list(wanted)
+        if not rows:  # every row failed: the riders still take their chunks
+            self._last_round = None
+            self._run_riders(riders)
+            return
+        speculative = [row for row in rows if wanted[row] > 0]
         start = self._observe_period(rows)
         # The policy limits the greedy rows' drafts only: a sampled row's random numbers depend on its
         # draft lengths, so it keeps its request's k and a seed gives the sample it gives alone.
         # ("never" still means never.)
         greedy = [row for row in speculative if row.sampler.greedy]
         own = self.policy.mode != "never"
-        limit = self.policy.draft_limit(greedy, max(wanted)) if greedy or not own else None
+        limit = self.policy.draft_limit(greedy, max(wanted.values())) if greedy or not own else None
         ks = {row: row.num_draft_tokens(None if own and not row.sampler.greedy else limit) for row in speculative}
         drafting = [row for row in speculative if ks[row] > 0]
         plain = [row for row in rows if row not in drafting]
@@ -205,6 +211,12 @@ class Scheduler:
         self._target_passes(verifying, plain, riders)
         # filed under the rows the policy decides for (those that want drafts)
         self._last_round = ("speculative" if verifying else "target", *start, len(speculative) or len(rows))
+
+    @staticmethod
+    def _round_start(row: Sequence) -> int:
+        """A row's draft tokens this round, its penalties' context synced first (nothing to do without one)."""
+        row.sampler.sync(row.context)
+        return row.num_draft_tokens()
 
     def _target_passes(self, verifying: list[tuple], plain: list[Sequence], riders: list[tuple]) -> None:
         """The round's target passes: verify passes (rows with drafts) and target-only steps (plain rows),
@@ -305,7 +317,11 @@ class Scheduler:
                 row.stats.draft_ms += spent
                 row.stats.draft_calls += draft.calls - calls
         verifying, without = [], []
-        for row, (drafts, draft_probs) in zip(rows, proposals):
+        for row, proposal in zip(rows, proposals):
+            if isinstance(proposal, Exception):  # this row's own drafting failed: it alone ends
+                row.fail(proposal)
+                continue
+            drafts, draft_probs = proposal
             if drafts:
                 verifying.append((row, drafts, draft_probs))
             else:

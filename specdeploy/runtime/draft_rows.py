@@ -1,0 +1,147 @@
+"""Drafting for several sequences at once: `propose_many`, the batched form of Drafter.propose.
+
+Each row's proposal is its own: a row whose own work fails (its lookup, its draft's catch-up, the
+choice of one of its tokens) gets that exception in place of its proposal, and the other rows go
+on as if it had never been there; only a failed batched pass fails the rows it ran.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .drafters import HybridDrafter
+
+Proposal = tuple[list[int], "np.ndarray | None"]
+
+
+def propose_many(requests: list[tuple], steps: list[tuple[int, float]] | None = None) -> list[Proposal | Exception]:
+    """Drafter.propose for several sequences at once: requests are (drafter, context, num_tokens,
+    sampler, rng, min_confidence), one per sequence, each drafter on its own slot's cache. Returns each
+    request's (tokens, probabilities), or the exception its own work raised.
+
+    Lookup proposals are made first (a hybrid's model runs only where the lookup finds nothing); the
+    draft model's rows then step together, one batched pass per draft position (run_batch), each row
+    choosing its tokens exactly as ModelDrafter.propose does and stopping on its own. `steps` gets
+    (rows, engine seconds) of each batched step; a catch-up (after target-only rounds) is no step."""
+    results: list = [None] * len(requests)
+    model_rows = []
+    for index, (drafter, context, num_tokens, sampler, rng, min_confidence) in enumerate(requests):
+        if isinstance(drafter, HybridDrafter):
+            min_ngram = None if sampler.greedy else drafter.sampled_ngram
+            found = _own(drafter.lookup.propose, context, num_tokens, sampler, rng, min_ngram=min_ngram)
+            if isinstance(found, Exception) or found[0]:
+                results[index] = found
+                continue
+            drafter = drafter.model_drafter
+        if getattr(drafter, "batched", False):
+            model_rows.append((index, drafter, context, num_tokens, sampler, rng, min_confidence))
+        else:
+            results[index] = _own(drafter.propose, context, num_tokens, sampler, rng, min_confidence)
+    if len(model_rows) == 1:
+        index, drafter, *arguments = model_rows[0]
+        results[index] = _own(drafter.propose, *arguments)
+    elif model_rows:
+        _propose_model_rows(model_rows, results, steps)
+    return results
+
+
+def _own(work, *arguments, **keywords):
+    """work(...), or the exception it raised: one row's failure, kept from its neighbours."""
+    try:
+        return work(*arguments, **keywords)
+    except Exception as exc:  # noqa: BLE001 - reported in that row's place
+        return exc
+
+
+class _Row:
+    """One sequence's proposal in progress (propose_many)."""
+
+    __slots__ = ("index", "drafter", "num_tokens", "sampler", "min_confidence", "uniforms", "tokens", "logits", "pending")
+
+    def __init__(self, index, drafter, num_tokens, sampler, min_confidence):
+        self.index, self.drafter, self.num_tokens = index, drafter, num_tokens
+        self.sampler, self.min_confidence = sampler, min_confidence
+        self.uniforms: list[float] = []
+        self.tokens: list[int] = []
+        self.logits = None  # [vocab]: the logits its next token is chosen from
+        self.pending: int | None = None  # the token its next pass runs
+
+    def start(self, context: list[int], rng: np.random.Generator) -> bool:
+        """Catch the draft's cache up to context; False where there is nothing to propose from."""
+        logits, self.pending = self.drafter.first_step(context)
+        if logits is None and self.pending is None:
+            return False
+        self.logits = None if logits is None else logits.copy()  # the next row's catch-up may overwrite it
+        if not self.sampler.greedy:
+            self.drafter._prepare(self.sampler, self.drafter.engine.spec.vocab_size, self.num_tokens)
+            self.uniforms = rng.random(self.num_tokens).tolist()  # the round's draws in one call, as propose takes them
+        return True
+
+    def choose(self) -> bool:
+        """Pick the next token from self.logits; False once the row has proposed all it will."""
+        sampler, logits, tokens = self.sampler, self.logits, self.tokens
+        if sampler.greedy:
+            token = sampler.argmax(logits, tokens)
+            tokens.append(token)
+            if len(tokens) == self.num_tokens:
+                return False
+            confidence = self.min_confidence
+            if confidence > 0 and np.exp(logits - logits[token]).sum() * confidence > 1.0:
+                return False
+        else:
+            row = self.drafter._row_views[len(tokens)]
+            token = sampler.sample(logits, self.uniforms[len(tokens)], row, tokens)
+            tokens.append(token)
+            if len(tokens) == self.num_tokens or (self.min_confidence > 0 and row.max() < self.min_confidence):
+                return False
+        self.pending = token
+        return True
+
+
+def _propose_model_rows(model_rows: list[tuple], results: list, steps: list[tuple[int, float]] | None) -> None:
+    engine = model_rows[0][1].engine
+    rows = []
+    for index, drafter, context, num_tokens, sampler, rng, min_confidence in model_rows:
+        row = _Row(index, drafter, num_tokens, sampler, min_confidence)
+        started = _own(row.start, context, rng)
+        if started is True:
+            rows.append(row)
+        else:
+            results[index] = started if isinstance(started, Exception) else ([], None)
+    stepping = [row for row in rows if row.logits is None]
+    while True:
+        if stepping:
+            features = [row.drafter.step_features() for row in stepping]
+            seconds = engine.seconds
+            logits = _own(engine.run_batch, [row.pending for row in stepping], [row.drafter.cache for row in stepping],
+                          features if features[0] is not None else None)
+            if isinstance(logits, Exception):  # the pass's rows fail with it
+                rows = _drop(rows, stepping, logits, results)
+            else:
+                if steps is not None:
+                    steps.append((len(stepping), engine.seconds - seconds))
+                for row, row_logits in zip(stepping, logits):
+                    row.logits = row.drafter.widen(row_logits)
+        stepping, failed = [], []
+        for row in rows:
+            if row.logits is not None:
+                more = _own(row.choose)
+                if isinstance(more, Exception):
+                    failed.append((row, more))
+                elif more:
+                    stepping.append(row)
+                row.logits = None
+        for row, exc in failed:
+            rows = _drop(rows, [row], exc, results)
+        if not stepping:
+            break
+    for row in rows:
+        probs = None if row.sampler.greedy else row.drafter._prefix_views[len(row.tokens)]
+        results[row.index] = (row.tokens, probs)
+
+
+def _drop(rows: list[_Row], failed: list[_Row], exc: Exception, results: list) -> list[_Row]:
+    """rows without `failed`, whose results are exc."""
+    for row in failed:
+        results[row.index] = exc
+    return [row for row in rows if row not in failed]
