@@ -47,6 +47,8 @@ def test_running_gauge_reads_zero_once_the_worker_has_ended(agreeing_bundle, end
         if ending == "crash":
             assert httpx.get(live.url + "/health").json()["status"] == "crashed"
         assert live.metric(RUNNING) == 0 and live.metric(WAITING) == 0
+        reason = "error" if ending == "crash" else "abort"  # the request's one choice, counted once
+        assert live.metric(f'specdeploy:request_finished_total{{finished_reason="{reason}"}}') == 1
     finally:
         model.open()
         live.close()
@@ -80,8 +82,10 @@ def test_one_sequences_failure_in_a_batched_step_fails_its_request_alone(agreein
     alone = generator.generator.generate(PROMPT, max_new_tokens=8, temperature=0).token_ids
     ids = generator.codec.encode(PROMPT)
 
+    metrics = Metrics()
+
     async def scenario():
-        worker = ModelWorker(lambda: generator, max_queue=4, metrics=Metrics())
+        worker = ModelWorker(lambda: generator, max_queue=4, metrics=metrics)
         assert worker._load_model() and worker.backend.capacity == 2
         failing = Job(ids, [dict(max_new_tokens=2, temperature=0)], streaming=False)
         healthy = Job(ids, [dict(max_new_tokens=8, temperature=0)], streaming=False)
@@ -99,6 +103,9 @@ def test_one_sequences_failure_in_a_batched_step_fails_its_request_alone(agreein
     assert failing_kind == "error" and failure.status == 500 and "injected output failure" in failure.message
     assert healthy_kind == "done", getattr(healthy_value, "message", healthy_value)
     assert healthy_value[0].output.token_ids == alone
+    ended = {reason: metrics.registry.get_sample_value("specdeploy:request_finished_total", {"finished_reason": reason})
+             for reason in ("error", "length", "abort")}
+    assert ended == {"error": 1.0, "length": 1.0, "abort": None}  # the failed choice counts once, as an error
 
 
 def test_a_chunk_that_fails_to_format_ends_the_stream_with_an_error_and_done(agreeing_bundle, monkeypatch):

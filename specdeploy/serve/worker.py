@@ -196,10 +196,10 @@ class ModelWorker:
             jobs = list(self._waiting) + list(self._live)
             self._waiting.clear()
             self._condition.notify_all()
-        for job in jobs:
-            job.cancelled.set()
+        for job in jobs:  # answered before it is marked cancelled: the worker then finds it ended, not abandoned
             if job.end("error", shutting_down()):
                 self.metrics.finished.labels("abort").inc(job.unfinished())
+            job.cancelled.set()
         self.metrics.waiting.set(0)
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout_s)
@@ -338,7 +338,8 @@ class ModelWorker:
             log.error("a request failed", exc_info=exc)
             error = ApiError(500, f"internal error: {exc}", kind="server_error")
         self._retire(job)
-        job.end("error", error)
+        if job.end("error", error):
+            self.metrics.finished.labels("error").inc(job.unfinished())
 
     def _abort(self, job: Job) -> None:
         """A job whose client went away (or that shutdown answered already) leaves, every choice of it."""
@@ -375,13 +376,14 @@ class ModelWorker:
                 self.state, self.error = "crashed", reason
             waiting, live = list(self._waiting), list(self._live)
             self._waiting.clear()
+        ended = [job for job in live if job.end("error", ApiError(500, reason, kind="server_error"))]
         for job in live:
             job.cancelled.set()
-            job.end("error", ApiError(500, reason, kind="server_error"))
-        for job in waiting:
-            job.end("error", ApiError(503, reason, kind="server_error", code="model_crashed"))
+        ended += [job for job in waiting if job.end("error", ApiError(503, reason, kind="server_error", code="model_crashed"))]
         try:
             self.metrics.waiting.set(0)
+            for job in ended:
+                self.metrics.finished.labels("error").inc(job.unfinished())
         except Exception:
             pass
 
