@@ -111,6 +111,7 @@ def hf_folder(args) -> None:
     from specdeploy.export import checkpoint as ckpt
     from specdeploy.export.special_tokens import TOKENIZER_FILES, check_special_tokens
 
+    args.hf_out.mkdir(parents=True, exist_ok=True)
     for model in args.model:
         out = args.hf_out / model
         if (out / "config.json").is_file():
