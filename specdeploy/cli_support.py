@@ -166,7 +166,6 @@ class ErrorMappingGroup(click.Group):
                 raise
             fail(f"{describe_unexpected(exc)} (run with --debug for the traceback)")
 
-
     def _no_such_option(self, exc: click.exceptions.NoSuchOption) -> str:
         """click's message (with its guess at a misspelling), or, where other commands take the option, which."""
         name = exc.ctx.info_name if exc.ctx is not None and exc.ctx.command is not self else None
