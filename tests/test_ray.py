@@ -292,7 +292,7 @@ def test_replicas_without_the_ray_extra_get_one_error_line(tmp_path):
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:") and "specdeploy[ray]" in lines[0], result.stderr
+    assert len(lines) == 1 and lines[0].startswith("error:") and "pip install '.[ray]' in the specdeploy clone" in lines[0], result.stderr
 
 def test_the_application_builder_reads_a_config_files_arguments():
     """Ray config files (and `serve run ... key=value`) give text: it is read as each field's type, and
