@@ -177,10 +177,12 @@ def test_an_error_fails_its_sequence_only(agreeing_bundle, alone, monkeypatch):
     assert generator.generate(PROMPTS[0], max_new_tokens=4, speculative=False).token_ids  # and the loop goes on
 
 
-@pytest.mark.parametrize("where", ["sync", "sample"])
-def test_a_failure_at_a_rows_round_start_or_in_its_drafting_fails_that_row_alone(self_draft_bundle, where):
+@pytest.mark.parametrize("part, where", [("sampler", "sync"), ("sampler", "sample"), ("drafter", "step_features"),
+                                         ("drafter", "widen")])
+def test_a_failure_at_a_rows_round_start_or_in_its_drafting_fails_that_row_alone(self_draft_bundle, part, where):
     """Two sampled rows draft together; one row's sampler raises as its round starts (sync) or as it picks its
-    first draft token in the batched drafting (sample): that sequence fails, the other is what it is alone."""
+    first draft token in the batched drafting (sample), or its drafter as it readies a batched step's input
+    (step_features) or its logits (widen): that sequence fails, the other is what it is alone."""
     alone = specdeploy.load(self_draft_bundle, drafter="model")
     settings = dict(max_new_tokens=16, temperature=0.8, seed=5)
     expected = alone.generate(PROMPTS[1], **settings).token_ids
@@ -196,7 +198,7 @@ def test_a_failure_at_a_rows_round_start_or_in_its_drafting_fails_that_row_alone
     def broken(*args, **kwargs):
         raise RuntimeError(f"{where} broke")
 
-    setattr(doomed.sampler, where, broken)
+    setattr(getattr(doomed, part), where, broken)
     while scheduler.active:
         scheduler.step()
     assert doomed.finish_reason == "error" and str(doomed.error) == f"{where} broke"

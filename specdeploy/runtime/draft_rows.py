@@ -110,18 +110,24 @@ def _propose_model_rows(model_rows: list[tuple], results: list, steps: list[tupl
             results[index] = started if isinstance(started, Exception) else ([], None)
     stepping = [row for row in rows if row.logits is None]
     while True:
+        features = {row: _own(row.drafter.step_features) for row in stepping}
+        failed = [(row, exc) for row, exc in features.items() if isinstance(exc, Exception)]
+        for row, exc in failed:
+            rows, stepping = _drop(rows, [row], exc, results), [other for other in stepping if other is not row]
         if stepping:
-            features = [row.drafter.step_features() for row in stepping]
             seconds = engine.seconds
+            inputs = [features[row] for row in stepping]
             logits = _own(engine.run_batch, [row.pending for row in stepping], [row.drafter.cache for row in stepping],
-                          features if features[0] is not None else None)
+                          inputs if inputs[0] is not None else None)
             if isinstance(logits, Exception):  # the pass's rows fail with it
                 rows = _drop(rows, stepping, logits, results)
             else:
                 if steps is not None:
                     steps.append((len(stepping), engine.seconds - seconds))
                 for row, row_logits in zip(stepping, logits):
-                    row.logits = row.drafter.widen(row_logits)
+                    row.logits = _own(row.drafter.widen, row_logits)
+                    if isinstance(row.logits, Exception):
+                        rows = _drop(rows, [row], row.logits, results)
         stepping, failed = [], []
         for row in rows:
             if row.logits is not None:
