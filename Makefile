@@ -67,7 +67,7 @@ ORT_LIBRARY = $(firstword $(wildcard $(call PY_PACKAGE_DIR,onnxruntime)/capi/lib
 host: $(if $(filter .venv,$(VENV)),$(VENV)/.installed) $(BUILD)/specdeploy-host
 
 $(BUILD)/specdeploy-host: examples/cpp/host.cpp examples/cpp/oga.h
-	@test -n "$(GENAI_DIR)" -a -n "$(ORT_LIBRARY)" || { echo "error: onnxruntime-genai is not installed in $(VENV) (make install, or pip install 'specdeploy[hosts]' there)" >&2; exit 2; }
+	@test -n "$(GENAI_DIR)" -a -n "$(ORT_LIBRARY)" || { echo "error: onnxruntime-genai is not installed in $(VENV) (make install, or pip install '.[hosts]' there)" >&2; exit 2; }
 	mkdir -p $(BUILD)/lib
 	ln -sf $(ORT_LIBRARY) $(BUILD)/lib/libonnxruntime.so.1
 	$(CXX) -std=c++17 -O2 -Wall -Wextra -o $@ examples/cpp/host.cpp \

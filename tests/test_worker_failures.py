@@ -14,6 +14,7 @@ import pytest
 import specdeploy
 from specdeploy.serve import ServeConfig
 from specdeploy.serve.metrics import Metrics
+from specdeploy.serve.protocol import ApiError
 from specdeploy.serve.worker import Job, ModelWorker
 from test_serve import PROMPT, GatedModel, LiveServer, wait_for
 from test_serve_worker import WorkerKilled, post_in_thread
@@ -106,6 +107,28 @@ def test_one_sequences_failure_in_a_batched_step_fails_its_request_alone(agreein
     ended = {reason: metrics.registry.get_sample_value("specdeploy:request_finished_total", {"finished_reason": reason})
              for reason in ("error", "length", "abort")}
     assert ended == {"error": 1.0, "length": 1.0, "abort": None}  # the failed choice counts once, as an error
+
+
+def test_a_job_the_server_fails_outside_the_worker_counts_its_choices_as_errors(agreeing_bundle):
+    """A chunk the event loop could not format fails its request (a 500): its choices count as `error`, not as the
+    `abort` of a client that left, when the stream's end then cancels the job."""
+    generator = specdeploy.load(agreeing_bundle)
+    metrics = Metrics()
+
+    async def scenario():
+        worker = ModelWorker(lambda: generator, max_queue=4, metrics=metrics)
+        assert worker._load_model()
+        job = Job(generator.codec.encode(PROMPT), [dict(max_new_tokens=4, temperature=0)] * 2, streaming=True)
+        worker.submit(job)
+        worker.fail(job, ApiError(500, "internal error: injected", kind="server_error"))
+        worker.cancel(job)  # as the stream's end does
+        return await job.events.get()
+
+    kind, error = asyncio.run(scenario())
+    assert kind == "error" and error.status == 500
+    ended = {reason: metrics.registry.get_sample_value("specdeploy:request_finished_total", {"finished_reason": reason})
+             for reason in ("error", "abort")}
+    assert ended == {"error": 2.0, "abort": None}
 
 
 def test_a_chunk_that_fails_to_format_ends_the_stream_with_an_error_and_done(agreeing_bundle, monkeypatch):

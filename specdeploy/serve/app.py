@@ -270,7 +270,9 @@ async def _events(service: Service, job: Job, responder: Responder, first):
                     chunk = responder.error(value.body())
             except Exception as exc:  # formatting a chunk failed: the stream still ends with an error and [DONE]
                 log.exception("a stream's chunk failed")
-                yield responder.error(ApiError(500, f"internal error: {exc}", kind="server_error").body())
+                error = ApiError(500, f"internal error: {exc}", kind="server_error")
+                service.worker.fail(job, error)
+                yield responder.error(error.body())
                 return
             yield chunk
             if kind not in ("piece", "choice"):

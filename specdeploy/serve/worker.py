@@ -188,6 +188,13 @@ class ModelWorker:
                 if job.end("error", gone()):
                     self.metrics.finished.labels("abort").inc(job.n)
 
+    def fail(self, job: Job, error: ApiError) -> None:
+        """The server failed the job outside the worker (a chunk it could not format): answered with error, its
+        unfinished choices counted as errors; it leaves the backend as a cancelled job does."""
+        if job.end("error", error):
+            self.metrics.finished.labels("error").inc(job.unfinished())
+        self.cancel(job)
+
     def stop(self, timeout_s: float = 10.0) -> None:
         """Answer every job left, queued or running, with 503; wait (up to timeout_s) for the thread to end."""
         with self._condition:
