@@ -44,3 +44,22 @@ def test_shared_thread_pool_gives_the_same_tokens(agreeing_bundle):
     assert result.returncode == 0, result.stderr
     expected = specdeploy.load(agreeing_bundle).generate("def f(x):", max_new_tokens=24).token_ids
     assert json.loads(result.stdout.strip().splitlines()[-1]) == expected
+
+
+def test_the_package_imports_its_runtime_on_first_use():
+    """`import specdeploy` loads nothing heavy (the command's entry point guards the CLI's imports), while its
+    names and submodules stay attributes of the package, as an eager import made them."""
+    script = textwrap.dedent("""
+        import sys
+        import specdeploy
+        assert "numpy" not in sys.modules and "specdeploy.runtime" not in sys.modules
+        assert specdeploy.load is specdeploy.runtime.load and specdeploy.bundle.load_manifest
+        assert "Generator" in dir(specdeploy)
+        try:
+            specdeploy.no_such_name
+        except AttributeError as exc:
+            print(exc)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "module 'specdeploy' has no attribute 'no_such_name'"
