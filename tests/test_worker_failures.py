@@ -15,7 +15,7 @@ import specdeploy
 from specdeploy.serve import ServeConfig
 from specdeploy.serve.metrics import Metrics
 from specdeploy.serve.protocol import ApiError
-from specdeploy.serve.worker import Job, ModelWorker
+from specdeploy.serve.worker import Finished, Job, ModelWorker, shutting_down
 from test_serve import PROMPT, GatedModel, LiveServer, wait_for
 from test_serve_worker import WorkerKilled, post_in_thread
 
@@ -129,6 +129,22 @@ def test_a_job_the_server_fails_outside_the_worker_counts_its_choices_as_errors(
     ended = {reason: metrics.registry.get_sample_value("specdeploy:request_finished_total", {"finished_reason": reason})
              for reason in ("error", "abort")}
     assert ended == {"error": 2.0, "abort": None}
+
+
+def test_each_choice_ends_once_whichever_thread_ends_it():
+    """Shutdown ends a job on another thread while the worker may be recording a choice's output: the job's lock
+    lets each choice end once, so it is counted under one finish reason."""
+    async def scenario():
+        job = Job([1, 2, 3], [{}, {}], streaming=True)
+        ended = lambda index: Finished(index=index, output=None, queue_s=0.0, first_token_s=0.0, latency_s=0.0)  # noqa: E731
+        assert job.finish(ended(0))  # the worker records the first choice's output
+        assert job.end("error", shutting_down()) == 1  # shutdown ends the job: one choice left unfinished
+        assert not job.finish(ended(1))  # the second's output, a moment late, is not recorded
+        assert job.end("done", ()) is None and job.unfinished() == 1
+        return await job.events.get()
+
+    kind, error = asyncio.run(scenario())
+    assert kind == "error" and error.status == 503
 
 
 def test_a_chunk_that_fails_to_format_ends_the_stream_with_an_error_and_done(agreeing_bundle, monkeypatch):

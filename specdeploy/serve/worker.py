@@ -100,14 +100,24 @@ class Job:
         except RuntimeError:  # the event loop has closed: nobody is listening
             pass
 
-    def end(self, kind: str, value) -> bool:
-        """Post the terminal event ("done" or "error") unless one was posted already; True if this one was."""
+    def end(self, kind: str, value) -> int | None:
+        """Post the terminal event ("done" or "error") unless one was posted already (None then); returns the
+        choices it ends unfinished, counted under the lock that finish() takes, so that each choice ends once."""
+        with self._end_lock:
+            if self._ended:
+                return None
+            self._ended = True
+            unfinished = self.unfinished()
+        self.post(kind, value)
+        return unfinished
+
+    def finish(self, done: Finished) -> bool:
+        """Record one choice's end, unless the job has ended already (shutdown answered it): False then."""
         with self._end_lock:
             if self._ended:
                 return False
-            self._ended = True
-        self.post(kind, value)
-        return True
+            self.finished[done.index] = done
+            return True
 
 
 def shutting_down() -> ApiError:
@@ -185,14 +195,12 @@ class ModelWorker:
             if job in self._waiting:
                 self._waiting.remove(job)
                 self.metrics.waiting.set(len(self._waiting))
-                if job.end("error", gone()):
-                    self.metrics.finished.labels("abort").inc(job.n)
+                self._count_ended("abort", job.end("error", gone()))
 
     def fail(self, job: Job, error: ApiError) -> None:
         """The server failed the job outside the worker (a chunk it could not format): answered with error, its
         unfinished choices counted as errors; it leaves the backend as a cancelled job does."""
-        if job.end("error", error):
-            self.metrics.finished.labels("error").inc(job.unfinished())
+        self._count_ended("error", job.end("error", error))
         self.cancel(job)
 
     def stop(self, timeout_s: float = 10.0) -> None:
@@ -204,8 +212,7 @@ class ModelWorker:
             self._waiting.clear()
             self._condition.notify_all()
         for job in jobs:  # answered before it is marked cancelled: the worker then finds it ended, not abandoned
-            if job.end("error", shutting_down()):
-                self.metrics.finished.labels("abort").inc(job.unfinished())
+            self._count_ended("abort", job.end("error", shutting_down()))
             job.cancelled.set()
         self.metrics.waiting.set(0)
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
@@ -316,12 +323,11 @@ class ModelWorker:
         elif update.cancelled:
             self._abort(job)
         elif update.output is not None:
-            if job.ended:  # shutdown answered it already
-                self._retire(job)
-                return
             done = Finished(index=index, output=update.output, queue_s=job.started - job.arrived,
                             first_token_s=(job.first_text[index] or now) - job.arrived, latency_s=now - job.arrived)
-            job.finished[index] = done
+            if not job.finish(done):  # shutdown answered it already
+                self._retire(job)
+                return
             stats = update.output.stats
             self.metrics.observe_output(stats, finish_reason(stats.finish_reason), first_choice=index == 0)
             if job.streaming:
@@ -345,14 +351,12 @@ class ModelWorker:
             log.error("a request failed", exc_info=exc)
             error = ApiError(500, f"internal error: {exc}", kind="server_error")
         self._retire(job)
-        if job.end("error", error):
-            self.metrics.finished.labels("error").inc(job.unfinished())
+        self._count_ended("error", job.end("error", error))
 
     def _abort(self, job: Job) -> None:
         """A job whose client went away (or that shutdown answered already) leaves, every choice of it."""
         self._retire(job)
-        if job.end("error", gone()):
-            self.metrics.finished.labels("abort").inc(job.unfinished())
+        self._count_ended("abort", job.end("error", gone()))
 
     def _retire(self, job: Job) -> None:
         with self._condition:
@@ -371,6 +375,11 @@ class ModelWorker:
                 except Exception:
                     log.exception("releasing a sequence failed")
 
+    def _count_ended(self, reason: str, choices: int | None) -> None:
+        """Choices that ended without an output of their own (Job.end's count; None: the job had ended already)."""
+        if choices:
+            self.metrics.finished.labels(reason).inc(choices)
+
     def _count(self) -> None:
         self.metrics.waiting.set(len(self._waiting))
         self.metrics.running.set(len(self._live))
@@ -383,14 +392,13 @@ class ModelWorker:
                 self.state, self.error = "crashed", reason
             waiting, live = list(self._waiting), list(self._live)
             self._waiting.clear()
-        ended = [job for job in live if job.end("error", ApiError(500, reason, kind="server_error"))]
+        ended = [job.end("error", ApiError(500, reason, kind="server_error")) for job in live]
         for job in live:
             job.cancelled.set()
-        ended += [job for job in waiting if job.end("error", ApiError(503, reason, kind="server_error", code="model_crashed"))]
+        ended += [job.end("error", ApiError(503, reason, kind="server_error", code="model_crashed")) for job in waiting]
         try:
             self.metrics.waiting.set(0)
-            for job in ended:
-                self.metrics.finished.labels("error").inc(job.unfinished())
+            self._count_ended("error", sum(filter(None, ended)))
         except Exception:
             pass
 
