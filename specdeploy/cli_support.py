@@ -20,6 +20,7 @@ from typing import Callable
 import click
 
 from .errors import EXIT_ERROR, EXIT_INTERRUPTED, SpecdeployError, describe_unexpected, install_hint
+from .runtime.chat import NO_TEMPLATE
 from .runtime.config import MAX_DRAFT_TOKENS
 
 DEBUG_HELP = "Show the Python traceback of an error instead of one line (also after the subcommand)."
@@ -323,8 +324,7 @@ def checked_generation(**options):
 def require_chat_template(generator, bundle, instead: str) -> None:
     """Fail where a command renders messages and the bundle's tokenizer has no chat template; `instead`: what to pass."""
     if generator.chat_template is None:
-        raise SpecdeployError(f"{bundle} has no chat template (its tokenizer has no chat_template.jinja and "
-                              f"tokenizer_config.json names none): {instead}")
+        raise SpecdeployError(f"{bundle} has no chat template ({NO_TEMPLATE}): {instead}")
 
 
 def run_request(prompt, prompt_file, chat, system, messages_file) -> dict:

@@ -25,6 +25,7 @@ from .text import check_unicode
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 ROLES = ("system", "user", "assistant", "tool")
+NO_TEMPLATE = "no chat_template.jinja, and tokenizer_config.json names none"  # why a tokenizer has no template
 _PROBE = "Xq7SpecdeployReplyZ"  # an assistant reply no template rewrites (no spaces to trim, no markup)
 
 

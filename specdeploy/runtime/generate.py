@@ -21,7 +21,7 @@ from typing import Iterator
 import numpy as np
 
 from ..errors import SpecdeployError
-from .chat import ChatTemplate, check_messages
+from .chat import NO_TEMPLATE, ChatTemplate, check_messages
 from .config import (MAX_DRAFT_TOKENS, MIN_TEMPERATURE, SEED_LIMIT, GenerationConfig, GenerationOutput,
                      GenerationStats, TokenLogprob)
 from .drafters import Drafter
@@ -212,8 +212,8 @@ class Generator:
         """A conversation's prompt ids: the tokenizer's chat template rendered with add_generation_prompt
         (as transformers' apply_chat_template renders it), tokenized without added special tokens."""
         if self.chat_template is None:
-            raise SpecdeployError("this bundle's tokenizer has no chat template (no chat_template.jinja, and "
-                                  "tokenizer_config.json names none): pass a prompt instead of messages")
+            raise SpecdeployError(f"this bundle's tokenizer has no chat template ({NO_TEMPLATE}): "
+                                  "pass a prompt instead of messages")
         text = self.chat_template.render(check_messages(messages))
         return self.codec.encode(text, add_special_tokens=False)
 

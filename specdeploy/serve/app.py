@@ -30,7 +30,7 @@ from starlette.routing import Route
 
 from ..bundle import load_manifest
 from ..errors import SpecdeployError
-from .chat import load_chat_template
+from .chat import NO_TEMPLATE, load_chat_template
 from .config import ServeConfig
 from .logprobs import LazyTokenText
 from .metrics import Metrics
@@ -218,8 +218,8 @@ def _prepare(service: Service, parsed: GenerationRequest) -> tuple[list[int], di
     vocabulary and the context before the request queues, and the job's options."""
     generator, options, param = service.worker.generator, parsed.options, "messages" if parsed.chat else "prompt"
     if parsed.chat and service.chat_template is None:
-        raise ApiError(400, f"the model '{service.model}' has no chat template (its tokenizer_config.json names "
-                            "none); use /v1/completions", code="no_chat_template")
+        raise ApiError(400, f"the model '{service.model}' has no chat template ({NO_TEMPLATE}); use /v1/completions",
+                       code="no_chat_template")
     try:
         if parsed.chat:
             # A reply ends at the template's end-of-turn token, as generate(messages=...) does (unless ignore_eos).
