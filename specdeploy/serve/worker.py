@@ -392,13 +392,15 @@ class ModelWorker:
                 self.state, self.error = "crashed", reason
             waiting, live = list(self._waiting), list(self._live)
             self._waiting.clear()
-        ended = [job.end("error", ApiError(500, reason, kind="server_error")) for job in live]
+        ended = 0  # choices the crash ends
         for job in live:
+            ended += job.end("error", ApiError(500, reason, kind="server_error")) or 0
             job.cancelled.set()
-        ended += [job.end("error", ApiError(503, reason, kind="server_error", code="model_crashed")) for job in waiting]
+        for job in waiting:
+            ended += job.end("error", ApiError(503, reason, kind="server_error", code="model_crashed")) or 0
         try:
             self.metrics.waiting.set(0)
-            self._count_ended("error", sum(filter(None, ended)))
+            self._count_ended("error", ended)
         except Exception:
             pass
 
