@@ -2,12 +2,17 @@
 """Batched decoding against one-at-a-time, in one process: aggregate tok/s of generate_many at each batch size.
 
     python scripts/batch_bench.py BUNDLE --batch 1,2,4,8 --tokens 128 --rounds 2 [--setting "t0.8=temperature=0.8"]
+        [--requests 64]
 
 For each batch size B and setting: B code prompts (specdeploy/data/code_prompts.json, cycled)
 decoded by `generate_many` on a generator with max_batch B under each speculation policy
 (auto, always, never), and the same prompts one after another with `generate` (speculative,
 then target-only) on a max_batch 1 generator. Aggregate tok/s = all new tokens / wall time,
 prefill included (every timed run starts from empty caches); EOS does not end a sequence (ignore_eos), so every system emits B x tokens.
+With --requests N (more than B), each cell decodes N prompts instead: B at a time, each waiting one
+waiting until one ends, as a server's requests do under B streams (so the cell's start, all B prompts
+at once, and its uneven end weigh little); request i's prompt starts with its own line "# request i",
+so that no slot finds another request's prompt cached, and is seeded i unless the setting gives a seed.
 Rounds repeat the whole grid in the same order; the table gives each cell's median and its
 ratio to the sequential speculative figure of the same B and setting.
 
@@ -56,6 +61,8 @@ def main() -> None:
     parser.add_argument("--batch", default="1,2,4,8")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--requests", type=int, default=0,
+                        help="Prompts per cell (default: B); more than B keep B decoding as they join")
     parser.add_argument("--setting", action="append", type=settings_arg, default=[])
     parser.add_argument("--json", dest="json_out", default=None, help="also write the medians here")
     args = parser.parse_args()
@@ -70,23 +77,27 @@ def main() -> None:
     results: dict[tuple, list[float]] = {}
     for _ in range(args.rounds):
         for size in sizes:
-            batch = [prompts[i % len(prompts)] for i in range(size)]
+            count = max(size, args.requests)
+            batch = [prompts[i % len(prompts)] for i in range(size)] if count == size else \
+                [f"# request {i}\n" + prompts[i % len(prompts)] for i in range(count)]
             for name, values in settings:
                 common = dict(max_new_tokens=args.tokens, ignore_eos=True, **values)
+                seeds = list(range(count)) if count > size and "seed" not in values else None
                 # Every timed run prefills its prompts: a generator keeps its slots' prompts cached, so each
                 # is reset first (a batched generator would otherwise find all B prompts cached from round 2).
                 for label, speculative in (("sequential speculative", True), ("sequential target-only", False)):
                     tokens, elapsed = 0, 0.0
-                    for prompt in batch:
+                    for i, prompt in enumerate(batch):
                         single.reset()
+                        seed = {} if seeds is None else {"seed": seeds[i]}
                         start = time.perf_counter()
-                        tokens += len(single.generate(prompt, speculative=speculative, **common).token_ids)
+                        tokens += len(single.generate(prompt, speculative=speculative, **common, **seed).token_ids)
                         elapsed += time.perf_counter() - start
                     results.setdefault((size, name, label), []).append(tokens / elapsed)
                 for policy, generator in batched.get(size, {}).items():
                     generator.reset()
                     start = time.perf_counter()
-                    outputs = generator.generate_many(batch, **common)
+                    outputs = generator.generate_many(batch, seeds=seeds, **common)
                     tokens = sum(len(o.token_ids) for o in outputs)
                     results.setdefault((size, name, f"batched {policy}"), []).append(tokens / (time.perf_counter() - start))
     print(f"{'B':>3} {'setting':<10} {'system':<24} {'tok/s':>8} {'vs seq spec':>12}")
