@@ -26,13 +26,53 @@ from ..errors import SpecdeployError
 
 # gguf.TokenType's values (constants here so that the reading needs no import of gguf)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED = 1, 2, 3, 4
-# Llama 3's split (llama-vocab.cpp, LLAMA_VOCAB_PRE_TYPE_LLAMA3), as Meta's tokenizer.json writes it.
+# The split before BPE, as llama.cpp's llama-vocab.cpp (regex_exprs) has it for the byte-level vocabularies
+# transformers reads otherwise: each regex splits the pieces the ones before it left, its matches and the text
+# between them each a piece. Where llama.cpp adapts a regex for C++ (case-insensitive contractions written out),
+# the original tokenizer.json's form, which the tokenizers library runs as it is.
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
-LLAMA3_PRE = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "llama4"})
-# Each numeric character alone, then GPT-2's split (LLAMA_VOCAB_PRE_TYPE_SMOLLM and the others llama.cpp splits so).
-DIGIT_GPT2_PRE = frozenset({"smollm", "smaug-bpe"})
-
+GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+SPLITS = {
+    "llama3": (LLAMA3_SPLIT,),
+    "starcoder": (r"\p{N}", GPT2_SPLIT),  # each numeric character alone, then GPT-2's split
+    # (their character classes written as escapes: the ranges run between code points that NFC would change)
+    "deepseek-llm": (
+        r"[\r\n]",
+        "\\s?[A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af\u0370-\u0373"
+        "\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1\u03a3-\u03f5\u03f7-\u0481\u048a-\u052f"
+        "\u0531-\u0556\u10a0-\u10c5\u13a0-\u13f5\u13f8-\u13fd\u1c90-\u1cba\u1cbd-\u1cbf\u1d00-\u1d2b\u1d6b-\u1d77"
+        "\u1d79-\u1d9a\u1e00-\u1f15\u1f18-\u1f1d\u1f20-\u1f45\u1f48-\u1f4d\u1f50-\u1f57\u1f59\u1f5b\u1f5d\u1f5f-\u1f7d"
+        "\u1f80-\u1fb4\u1fb6-\u1fbc\u1fbe\u1fc2-\u1fc4\u1fc6-\u1fcc\u1fd0-\u1fd3\u1fd6-\u1fdb\u1fe0-\u1fec\u1ff2-\u1ff4"
+        "\u1ff6-\u1ffc\u2102\u2107\u210a-\u2113\u2115\u2119-\u211d\u2124\u2126\u2128\u212a-\u212d\u212f-\u2134\u2139"
+        "\u213c-\u213f\u2145-\u2149\u214e\u2183\u2184\u2c00-\u2c7b\u2c7e-\u2ce4\u2ceb-\u2cee\u2cf2\u2cf3\ua640-\ua66d"
+        "\ua680-\ua69b\ua722-\ua76f\ua771-\ua787\ua78b-\ua78e\uab70-\uabbf\ufb00-\ufb06\ufb13-\ufb17\uff21-\uff3a"
+        "\uff41-\uff5a\U00010400-\U0001044f\U000104b0-\U000104d3\U000104d8-\U000104fb\U00010c80-\U00010cb2"
+        "\U00010cc0-\U00010cf2\U000118a0-\U000118df\U0001e900-\U0001e943]+",
+        "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",
+        r"\s+$",
+        "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+",
+        r"\p{N}+"),
+    "deepseek-coder": (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+", r"\p{N}"),
+    "falcon": (r"[\p{P}\$\+<=>\^~\|`]+", GPT2_SPLIT, r"[0-9][0-9][0-9]"),
+    "qwen35": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|"
+               r"\s*[\r\n]+|\s+(?!\S)|\s+",),
+    "gpt-4o": (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+               r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+               r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",),
+}
+# tokenizer.ggml.pre -> (its split, whether a piece that is a token whole is that token unmerged: ignore_merges),
+# as llama-vocab.cpp maps the names to its pre-tokenizer types
+PRE_SPLITS = {
+    **{name: ("llama3", True) for name in ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral",
+                                           "midm-2.0", "lfm2", "jina-v5-nano")},
+    "dbrx": ("llama3", False), "smaug-bpe": ("llama3", False),
+    **{name: ("starcoder", False) for name in ("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone",
+                                               "minerva-7b", "mellum2")},
+    "deepseek-llm": ("deepseek-llm", False), "deepseek-coder": ("deepseek-coder", False), "falcon": ("falcon", False),
+    "qwen35": ("qwen35", False),
+    **{name: ("gpt-4o", False) for name in ("gpt-4o", "llama4", "kanana2", "talkie")},
+}
 
 @dataclass(frozen=True)
 class GgufVocab:
@@ -71,8 +111,8 @@ def rebuild_tokenizer(tokenizer_json: Path, vocab: GgufVocab) -> bool:
     tokenizer = Tokenizer.from_file(str(tokenizer_json))
     if vocab.model == "llama" and vocab.tokens and vocab.scores:
         _sentencepiece(tokenizer, vocab)
-    elif vocab.model == "gpt2" and (vocab.pre in LLAMA3_PRE or vocab.pre in DIGIT_GPT2_PRE):
-        _split(tokenizer, vocab.pre)
+    elif vocab.model == "gpt2" and vocab.pre in PRE_SPLITS:
+        _split(tokenizer, *PRE_SPLITS[vocab.pre])
     else:
         return False
     tokenizer.save(str(tokenizer_json))
@@ -116,20 +156,22 @@ def _sentencepiece(tokenizer, vocab: GgufVocab) -> None:
                           for token, kind in zip(vocab.tokens, vocab.types) if kind == USER_DEFINED])
 
 
-def _split(tokenizer, pre: str) -> None:
-    """The byte-level BPE's split before merging, as llama.cpp's for this pre-tokenizer name, and a plain byte-level
-    decoder (transformers' strips the first space of what it decodes: a reply's first 'Ġab' must read ' ab')."""
+def _split(tokenizer, split: str, ignore_merges: bool) -> None:
+    """The byte-level BPE's split before merging, as llama.cpp's (SPLITS), no normalizer (llama.cpp normalizes no
+    byte-level text, where transformers' reading of a Qwen file composes it, NFC), and a plain byte-level decoder
+    (transformers' strips the first space of what it decodes: a reply's first 'Ġab' must read ' ab')."""
     from tokenizers import Regex, decoders, pre_tokenizers
 
+    tokenizer.normalizer = None
     tokenizer.decoder = decoders.ByteLevel()
-
-    if pre in LLAMA3_PRE:
-        tokenizer.model.ignore_merges = True  # a piece that is a token whole is that token (llama.cpp's too)
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
-    else:  # llama.cpp's \p{N}: tokenizers' Digits splits every numeric character ("½" too). onnxruntime-genai
-        # reads Digits (a Split on \p{N} it does not); the Node host's Digits splits ASCII digits only.
+    tokenizer.model.ignore_merges = ignore_merges
+    if split == "starcoder":  # the same split in the form the hosts read: tokenizers' Digits splits every numeric
+        # character ("½" too), and ByteLevel's own regex is GPT-2's. onnxruntime-genai reads Digits (a Split on \p{N}
+        # it does not); the Node host's Digits splits ASCII digits only.
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Digits(individual_digits=True),
             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
+        return
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in SPLITS[split]]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
