@@ -3,6 +3,7 @@
 
     python scripts/gguf_tokenizers.py vectors LLAMA_CPP/models [NAME ...]
     python scripts/gguf_tokenizers.py server TOKENIZER.json http://127.0.0.1:PORT [--corpus FILE ...]
+    python scripts/gguf_tokenizers.py splits LLAMA_CPP/build/bin/llama-tokenize LLAMA_CPP/models/ggml-vocab-llama-bpe.gguf
 
 `vectors`: llama.cpp's own tokenizer test vectors (models/ggml-vocab-NAME.gguf with its .inp texts and
 the .out ids made from each model's original tokenizer). Each vocabulary is converted as export converts
@@ -14,6 +15,12 @@ cannot read are listed as such.
 special tokens parsed, no BOS added), on probe texts (code, prose, accents, CJK, emoji, whitespace runs,
 digits, contractions) and 400-character chunks of the given files (default: a few standard-library
 modules). Prints each text that differs and the count.
+
+`splits`: every tokenizer.ggml.pre name the rebuild knows (gguf_vocab.PRE_SPLITS), on one byte-level
+vocabulary: a copy of the GGUF with that name is tokenized by llama.cpp's `llama-tokenize` (no BOS, special
+tokens parsed) and by the rebuilt tokenizer, on the probe texts and 400-character chunks of a few
+standard-library modules. So each name's split is checked against llama.cpp itself, where test vectors
+exist for a few names only.
 """
 
 from __future__ import annotations
@@ -102,6 +109,67 @@ def server(tokenizer_json: Path, url: str, corpus: list[Path]) -> int:
     return 1 if different else 0
 
 
+def splits(llama_tokenize: Path, vocabulary: Path, chunks: int) -> int:
+    import subprocess
+
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    logging.disable(logging.WARNING)
+    from dataclasses import replace
+
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    from specdeploy.export.gguf_vocab import PRE_SPLITS, read_vocab, rebuild_tokenizer
+
+    reader = GGUFReader(str(vocabulary))
+
+    def value(key):
+        field = reader.get_field(key)
+        return None if field is None else field.contents()
+
+    vocab = read_vocab(value)
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts = list(PROBES)
+    for name in MODULES:
+        text = (stdlib / name).read_text(encoding="utf-8")
+        texts += [text[at : at + 400] for at in range(0, 400 * chunks, 400)]
+    failed = 0
+    print("| tokenizer.ggml.pre | texts alike | first that differs |\n|---|---:|---|")
+    with tempfile.TemporaryDirectory() as folder:
+        AutoTokenizer.from_pretrained(str(vocabulary.parent), gguf_file=vocabulary.name).save_pretrained(folder)
+        converted = (Path(folder) / "tokenizer.json").read_text(encoding="utf-8")
+        for pre in PRE_SPLITS:
+            rebuilt, copy = Path(folder) / f"{pre}.json", Path(folder) / f"{pre}.gguf"
+            rebuilt.write_text(converted, encoding="utf-8")
+            rebuild_tokenizer(rebuilt, replace(vocab, pre=pre))
+            tokenizer = Tokenizer.from_file(str(rebuilt))
+            writer = GGUFWriter(str(copy), arch=value("general.architecture"))
+            for key, field in reader.fields.items():
+                if key.startswith("GGUF.") or key == "general.architecture":
+                    continue
+                kind = field.types[0]
+                writer.add_key_value(key, pre if key == "tokenizer.ggml.pre" else field.contents(), kind,
+                                     sub_type=field.types[-1] if kind == GGUFValueType.ARRAY else None)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.close()
+            alike, first = 0, ""
+            for text in texts:
+                # as it is: llama-tokenize reads backslash escapes unless --no-escape
+                command = [str(llama_tokenize), "-m", str(copy), "--stdin", "--no-escape", "--ids", "--no-bos", "--log-disable"]
+                run = subprocess.run(command, input=text, capture_output=True, text=True, check=True)
+                theirs = json.loads(run.stdout.strip().splitlines()[-1])
+                ours = tokenizer.encode(text, add_special_tokens=False).ids
+                alike += ours == theirs
+                if ours != theirs and not first:
+                    at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+                    first = f"{text[:30]!r} from token {at}: ours {ours[at : at + 4]}, llama.cpp {theirs[at : at + 4]}"
+            failed += alike < len(texts)
+            print(f"| {pre} | {alike}/{len(texts)} | {first} |", flush=True)
+    return 1 if failed else 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -112,7 +180,13 @@ def main() -> int:
     command.add_argument("tokenizer", type=Path)
     command.add_argument("url")
     command.add_argument("--corpus", type=Path, nargs="*", default=[])
+    command = commands.add_parser("splits", help="every pre-tokenizer name against llama.cpp's llama-tokenize")
+    command.add_argument("llama_tokenize", type=Path)
+    command.add_argument("vocabulary", type=Path, help="a byte-level (gpt2) vocabulary GGUF")
+    command.add_argument("--chunks", type=int, default=2, help="400-character chunks of each module")
     args = parser.parse_args()
+    if args.command == "splits":
+        return splits(args.llama_tokenize, args.vocabulary, args.chunks)
     if args.command == "vectors":
         vectors(args.models, args.names)
         return 0
