@@ -135,16 +135,22 @@ def _write_bpe_gguf(path: Path, pre: str, tokens: list[str], merges: list[str]) 
 
 # (pre, text, the pieces llama.cpp gives): Llama 3 splits digits in threes and takes a piece that is a token whole
 # without merging it (ignore_merges), as Smaug's split does not; SmolLM2 and StarCoder split every digit, as do
-# DeepSeek Coder and Qwen 3.5, where DeepSeek LLM keeps a number whole; Falcon splits three digits off a number;
-# GPT-4o's split (Llama 4's) parts "CamelCase" where Llama 3's keeps the word whole; GPT-2's ("default") does neither.
+# DeepSeek Coder and Qwen 3.5; DeepSeek LLM parts an apostrophe from the letters after it; Falcon splits three digits
+# off a number; GPT-4o's split (Llama 4's) parts "CamelCase" where Llama 3's keeps the word whole, and, as Tekken's
+# (Mistral Nemo's), keeps a combining mark out of the word before it; Tekken splits every digit and takes whole
+# tokens unmerged; BLOOM's splits only at spaces and punctuation, so "1l" stays one piece. "default" is not rebuilt:
+# transformers' reading, GPT-2's split.
 SPLITS = [("llama-bpe", "1234", ["123", "4"]), ("llama-bpe", "ab", ["ab"]), ("llama-bpe", "Ġab", ["Ġ", "a", "b"]),
           ("llama-bpe", "CamelCase", ["C", "a", "m", "e", "lC", "a", "s", "e"]),
           ("smaug-bpe", "1234", ["123", "4"]), ("smaug-bpe", "ab", ["a", "b"]),
           ("smollm", "1234", ["1", "2", "3", "4"]), ("starcoder", "1234", ["1", "2", "3", "4"]),
-          ("deepseek-coder", "1234", ["1", "2", "3", "4"]), ("deepseek-llm", "1234", ["1234"]),
+          ("deepseek-coder", "1234", ["1", "2", "3", "4"]), ("deepseek-llm", "don't", ["d", "o", "n", "'", "t"]),
           ("qwen35", "1234", ["1", "2", "3", "4"]), ("falcon", "12345", ["123", "4", "5"]),
-          ("llama4", "CamelCase", ["C", "a", "m", "e", "l", "C", "a", "s", "e"]),
-          ("default", "1234", ["1234"]), ("default", "ab", ["a", "b"])]
+          ("llama4", "CamelCase", ["C", "a", "m", "e", "l", "C", "a", "s", "e"]), ("llama4", "e\u0301", ["e", "Ì", "ģ"]),
+          ("tekken", "1234", ["1", "2", "3", "4"]), ("tekken", "ab", ["ab"]), ("tekken", "e\u0301", ["e", "Ì", "ģ"]),
+          ("bloom", "1l", ["1l"]),
+          ("default", "1234", ["1234"]), ("default", "ab", ["a", "b"]), ("default", "1l", ["1", "l"]),
+          ("default", "don't", ["d", "o", "n", "'t"])]
 
 
 @pytest.mark.parametrize("pre", sorted({pre for pre, _, _ in SPLITS}))
@@ -152,14 +158,15 @@ def test_a_byte_level_gguf_splits_text_as_its_pre_tokenizer_names(tmp_path, pre)
     from tokenizers import pre_tokenizers
 
     tokens = (["<|begin_of_text|>", "<|end_of_text|>"] + sorted(pre_tokenizers.ByteLevel.alphabet())
-              + ["12", "123", "1234", "ab", "lC"])
-    tokenizer = _converted(_write_bpe_gguf(tmp_path / f"{pre}.gguf", pre, tokens, ["1 2", "12 3", "123 4", "l C"]),
-                           tmp_path)
+              + ["12", "123", "1234", "ab", "lC", "1l", "'t", "eÌ"])
+    merges = ["1 2", "12 3", "123 4", "l C", "1 l", "' t", "e Ì"]
+    tokenizer = _converted(_write_bpe_gguf(tmp_path / f"{pre}.gguf", pre, tokens, merges), tmp_path)
     for text, pieces in ((text.replace("Ġ", " "), pieces) for p, text, pieces in SPLITS if p == pre):
         assert [tokens[i] for i in tokenizer.encode(text, add_special_tokens=False).ids] == pieces, text
 
 
-def test_a_rebuilt_byte_level_split_leaves_text_uncomposed(tmp_path):
+@pytest.mark.parametrize("pre", ["qwen2", "qwen35"])
+def test_a_rebuilt_byte_level_split_leaves_text_uncomposed(tmp_path, pre):
     """transformers' reading of a Qwen GGUF composes text (an NFC normalizer); llama.cpp tokenizes it as it comes,
     so 'e' + a combining acute is two pieces' bytes there, not the one character é."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
@@ -172,7 +179,7 @@ def test_a_rebuilt_byte_level_split_leaves_text_uncomposed(tmp_path):
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     path = tmp_path / "tokenizer.json"
     tokenizer.save(str(path))
-    assert rebuild_tokenizer(path, GgufVocab(model="gpt2", pre="qwen35", tokens=tuple(alphabet), types=(), scores=(),
+    assert rebuild_tokenizer(path, GgufVocab(model="gpt2", pre=pre, tokens=tuple(alphabet), types=(), scores=(),
                                              add_space_prefix=False, unk_token_id=None))
     pieces = [alphabet[i] for i in Tokenizer.from_file(str(path)).encode("e\u0301").ids]
     assert pieces == ["e", "Ì", "ģ"]  # U+0301's bytes CC 81; composed, é would be C3 A9 ("Ã", "©")

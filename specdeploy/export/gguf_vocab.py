@@ -28,8 +28,7 @@ from ..errors import SpecdeployError
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED = 1, 2, 3, 4
 # The split before BPE, as llama.cpp's llama-vocab.cpp (regex_exprs) has it for the byte-level vocabularies
 # transformers reads otherwise: each regex splits the pieces the ones before it left, its matches and the text
-# between them each a piece. Where llama.cpp adapts a regex for C++ (case-insensitive contractions written out),
-# the original tokenizer.json's form, which the tokenizers library runs as it is.
+# between them each a piece. Where llama.cpp writes case-insensitive contractions out for C++, the (?i:...) form.
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
 GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
@@ -57,22 +56,35 @@ SPLITS = {
     "falcon": (r"[\p{P}\$\+<=>\^~\|`]+", GPT2_SPLIT, r"[0-9][0-9][0-9]"),
     "qwen35": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|"
                r"\s*[\r\n]+|\s+(?!\S)|\s+",),
-    "gpt-4o": (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
-               r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+    # llama.cpp's form of GPT-4o's and Tekken's letter classes, not their tokenizer.json's: a non-ASCII letter counts
+    # as both cases there, and a combining mark is no part of a word ("ПриветМир" one piece, "e" + U+0301 two)
+    "gpt-4o": (r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+               r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
                r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",),
+    "tekken": (r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+|"
+               r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*|"
+               r"\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",),
+    "qwen2": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+              r"\s+(?!\S)|\s+",),
+    "bloom": (" ?[^(\\s|.,!?\u2026\u3002\uff0c\u3001\u0964\u06d4\u060c)]+",),
 }
 # tokenizer.ggml.pre -> (its split, whether a piece that is a token whole is that token unmerged: ignore_merges),
 # as llama-vocab.cpp maps the names to its pre-tokenizer types
 PRE_SPLITS = {
     **{name: ("llama3", True) for name in ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral",
-                                           "midm-2.0", "lfm2", "jina-v5-nano")},
-    "dbrx": ("llama3", False), "smaug-bpe": ("llama3", False),
+                                           "midm-2.0", "lfm2", "jina-v5-nano", "glm4", "glm5")},
+    **{name: ("llama3", False) for name in ("dbrx", "smaug-bpe", "chatglm-bpe")},
     **{name: ("starcoder", False) for name in ("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone",
                                                "minerva-7b", "mellum2")},
     "deepseek-llm": ("deepseek-llm", False), "deepseek-coder": ("deepseek-coder", False), "falcon": ("falcon", False),
     "qwen35": ("qwen35", False),
-    **{name: ("gpt-4o", False) for name in ("gpt-4o", "llama4", "kanana2", "talkie")},
+    **{name: ("gpt-4o", False) for name in ("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2")},
+    **{name: ("qwen2", False) for name in ("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2",
+                                           "hunyuan", "solar-open")},
+    "tekken": ("tekken", True),
+    **{name: ("bloom", False) for name in ("bloom", "poro-chat", "gpt3-finnish")},
 }
+
 
 @dataclass(frozen=True)
 class GgufVocab:
