@@ -9,8 +9,8 @@ decoded by `generate_many` on a generator with max_batch B under each speculatio
 (auto, always, never), and the same prompts one after another with `generate` (speculative,
 then target-only) on a max_batch 1 generator. Aggregate tok/s = all new tokens / wall time,
 prefill included (every timed run starts from empty caches); EOS does not end a sequence (ignore_eos), so every system emits B x tokens.
-With --requests N (more than B), each cell decodes N prompts instead: B at a time, each waiting one
-waiting until one ends, as a server's requests do under B streams (so the cell's start, all B prompts
+With --requests N, a cell of B < N decodes N prompts instead, B at a time and each of the others joining
+as one ends, as a server's requests do under B streams (so the cell's start, all B prompts
 at once, and its uneven end weigh little); request i's prompt starts with its own line "# request i",
 so that no slot finds another request's prompt cached, and is seeded i unless the setting gives a seed.
 Rounds repeat the whole grid in the same order; the table gives each cell's median and its

@@ -109,7 +109,7 @@ def server(tokenizer_json: Path, url: str, corpus: list[Path]) -> int:
     return 1 if different else 0
 
 
-def splits(llama_tokenize: Path, vocabulary: Path, chunks: int) -> int:
+def splits(llama_tokenize: Path, vocabulary: Path, chunks: int, names: list[str]) -> int:
     import subprocess
 
     os.environ.setdefault("TQDM_DISABLE", "1")
@@ -129,6 +129,10 @@ def splits(llama_tokenize: Path, vocabulary: Path, chunks: int) -> int:
         return None if field is None else field.contents()
 
     vocab = read_vocab(value)
+    if vocab.model != "gpt2" or vocab.pre is None:
+        print(f"error: {vocabulary} is no byte-level vocabulary with a tokenizer.ggml.pre (model {vocab.model!r}, "
+              f"pre {vocab.pre!r}): each copy must name its split where the source names one", file=sys.stderr)
+        return 2
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     texts = list(PROBES)
     for name in MODULES:
@@ -139,7 +143,7 @@ def splits(llama_tokenize: Path, vocabulary: Path, chunks: int) -> int:
     with tempfile.TemporaryDirectory() as folder:
         AutoTokenizer.from_pretrained(str(vocabulary.parent), gguf_file=vocabulary.name).save_pretrained(folder)
         converted = (Path(folder) / "tokenizer.json").read_text(encoding="utf-8")
-        for pre in PRE_SPLITS:
+        for pre in names or PRE_SPLITS:
             rebuilt, copy = Path(folder) / f"{pre}.json", Path(folder) / f"{pre}.gguf"
             rebuilt.write_text(converted, encoding="utf-8")
             rebuild_tokenizer(rebuilt, replace(vocab, pre=pre))
@@ -184,9 +188,10 @@ def main() -> int:
     command.add_argument("llama_tokenize", type=Path)
     command.add_argument("vocabulary", type=Path, help="a byte-level (gpt2) vocabulary GGUF")
     command.add_argument("--chunks", type=int, default=2, help="400-character chunks of each module")
+    command.add_argument("--names", nargs="*", default=[], help="these tokenizer.ggml.pre names only (default: all)")
     args = parser.parse_args()
     if args.command == "splits":
-        return splits(args.llama_tokenize, args.vocabulary, args.chunks)
+        return splits(args.llama_tokenize, args.vocabulary, args.chunks, args.names)
     if args.command == "vectors":
         vectors(args.models, args.names)
         return 0
