@@ -41,6 +41,7 @@ PROBES = [
     "héllo wörld — naïve café", "中文测试，日本語のテキスト", "emoji 🎉🚀 end", "   ", "a\u00a0b", "don't DON'T Don't",
     "price: $9.99!!! ...", "x1y22z333w4444", "https://example.com/a?b=c&d=e", "ÀÉÎÕÜ ßẞ", "0123456789", " 42",
     "\n\n\n\n", "a  b   c    d", "αβγ δεζ", "Привет, мир! 2025 год", "snake_case_name CamelCaseName",
+    "a\n\n  \u3000 中文字符 ПриветМир cafe\u0301",
     "'quoted' \"double\"", "i've I'VE i'Ve", "Cửa Việt", "ied 4 ½ months", "\t\t\tx\r\n",
 ]
 MODULES = ("textwrap.py", "bisect.py", "heapq.py", "json/decoder.py", "argparse.py")

@@ -138,8 +138,9 @@ def _write_bpe_gguf(path: Path, pre: str, tokens: list[str], merges: list[str]) 
 # DeepSeek Coder and Qwen 3.5; DeepSeek LLM parts an apostrophe from the letters after it; Falcon splits three digits
 # off a number; GPT-4o's split (Llama 4's) parts "CamelCase" where Llama 3's keeps the word whole, and, as Tekken's
 # (Mistral Nemo's), keeps a combining mark out of the word before it; Tekken splits every digit and takes whole
-# tokens unmerged; BLOOM's splits only at spaces and punctuation, so "1l" stays one piece. "default" is not rebuilt:
-# transformers' reading, GPT-2's split.
+# tokens unmerged; BLOOM's splits only at spaces and punctuation, so "1l" stays one piece; DeepSeek's character
+# ranges hold no whitespace (an ideographic space and a space are one piece). "default" is not rebuilt: these rows are
+# transformers' reading, GPT-2's split, which llama.cpp's default split is not ("1234" as "123", "4" there).
 SPLITS = [("llama-bpe", "1234", ["123", "4"]), ("llama-bpe", "ab", ["ab"]), ("llama-bpe", "Ġab", ["Ġ", "a", "b"]),
           ("llama-bpe", "CamelCase", ["C", "a", "m", "e", "lC", "a", "s", "e"]),
           ("smaug-bpe", "1234", ["123", "4"]), ("smaug-bpe", "ab", ["a", "b"]),
@@ -148,7 +149,7 @@ SPLITS = [("llama-bpe", "1234", ["123", "4"]), ("llama-bpe", "ab", ["ab"]), ("ll
           ("qwen35", "1234", ["1", "2", "3", "4"]), ("falcon", "12345", ["123", "4", "5"]),
           ("llama4", "CamelCase", ["C", "a", "m", "e", "l", "C", "a", "s", "e"]), ("llama4", "e\u0301", ["e", "Ì", "ģ"]),
           ("tekken", "1234", ["1", "2", "3", "4"]), ("tekken", "ab", ["ab"]), ("tekken", "e\u0301", ["e", "Ì", "ģ"]),
-          ("bloom", "1l", ["1l"]),
+          ("bloom", "1l", ["1l"]), ("deepseek-llm", "\u3000 ", ["ãĢĢĠ"]), ("deepseek-coder", "\u3000 ", ["ãĢĢĠ"]),
           ("default", "1234", ["1234"]), ("default", "ab", ["a", "b"]), ("default", "1l", ["1", "l"]),
           ("default", "don't", ["d", "o", "n", "'t"])]
 
@@ -158,8 +159,8 @@ def test_a_byte_level_gguf_splits_text_as_its_pre_tokenizer_names(tmp_path, pre)
     from tokenizers import pre_tokenizers
 
     tokens = (["<|begin_of_text|>", "<|end_of_text|>"] + sorted(pre_tokenizers.ByteLevel.alphabet())
-              + ["12", "123", "1234", "ab", "lC", "1l", "'t", "eÌ"])
-    merges = ["1 2", "12 3", "123 4", "l C", "1 l", "' t", "e Ì"]
+              + ["12", "123", "1234", "ab", "lC", "1l", "'t", "eÌ", "ãĢ", "ãĢĢ", "ãĢĢĠ"])
+    merges = ["1 2", "12 3", "123 4", "l C", "1 l", "' t", "e Ì", "ã Ģ", "ãĢ Ģ", "ãĢĢ Ġ"]
     tokenizer = _converted(_write_bpe_gguf(tmp_path / f"{pre}.gguf", pre, tokens, merges), tmp_path)
     for text, pieces in ((text.replace("Ġ", " "), pieces) for p, text, pieces in SPLITS if p == pre):
         assert [tokens[i] for i in tokenizer.encode(text, add_special_tokens=False).ids] == pieces, text

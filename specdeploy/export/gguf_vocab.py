@@ -32,6 +32,11 @@ NORMAL, UNKNOWN, CONTROL, USER_DEFINED = 1, 2, 3, 4
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
 GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+# DeepSeek's "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+" less the whitespace in its ranges (U+1680, U+2000-U+200A,
+# U+2028, U+2029, U+202F, U+205F, U+3000): llama.cpp turns non-ASCII whitespace into one control character before a
+# regex without \p{...} reads the text, so no range of such a regex holds it there (deepseek-llm's U+3000-U+3002 too)
+DEEPSEEK_CJK = ("[\u4e00-\u9fa5\u0800-\u167f\u1681-\u1fff\u200b-\u2027\u202a-\u202e\u2030-\u205e\u2060-\u2fff"
+                "\u3001-\u4e00\uac00-\ud7ff]+")
 SPLITS = {
     "llama3": (LLAMA3_SPLIT,),
     "starcoder": (r"\p{N}", GPT2_SPLIT),  # each numeric character alone, then GPT-2's split
@@ -48,11 +53,11 @@ SPLITS = {
         "\ua680-\ua69b\ua722-\ua76f\ua771-\ua787\ua78b-\ua78e\uab70-\uabbf\ufb00-\ufb06\ufb13-\ufb17\uff21-\uff3a"
         "\uff41-\uff5a\U00010400-\U0001044f\U000104b0-\U000104d3\U000104d8-\U000104fb\U00010c80-\U00010cb2"
         "\U00010cc0-\U00010cf2\U000118a0-\U000118df\U0001e900-\U0001e943]+",
-        "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",
+        "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3001-\u3002]+",
         r"\s+$",
-        "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+",
+        DEEPSEEK_CJK,
         r"\p{N}+"),
-    "deepseek-coder": (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+", r"\p{N}"),
+    "deepseek-coder": (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", DEEPSEEK_CJK, r"\p{N}"),
     "falcon": (r"[\p{P}\$\+<=>\^~\|`]+", GPT2_SPLIT, r"[0-9][0-9][0-9]"),
     "qwen35": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|"
                r"\s*[\r\n]+|\s+(?!\S)|\s+",),
@@ -80,7 +85,7 @@ PRE_SPLITS = {
     "qwen35": ("qwen35", False),
     **{name: ("gpt-4o", False) for name in ("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2")},
     **{name: ("qwen2", False) for name in ("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2",
-                                           "hunyuan", "solar-open")},
+                                           "hunyuan", "solar-open", "grok-2")},
     "tekken": ("tekken", True),
     **{name: ("bloom", False) for name in ("bloom", "poro-chat", "gpt3-finnish")},
 }
