@@ -47,14 +47,43 @@ PROBES = [
 MODULES = ("textwrap.py", "bisect.py", "heapq.py", "json/decoder.py", "argparse.py")
 
 
+def _read_gguf(path: Path):
+    """The GGUF's reader, a metadata lookup (key -> contents or None) and its vocabulary as export reads it."""
+    from gguf import GGUFReader
+
+    from specdeploy.export.gguf_vocab import read_vocab
+
+    reader = GGUFReader(str(path))
+
+    def value(key):
+        field = reader.get_field(key)
+        return None if field is None else field.contents()
+
+    return reader, value, read_vocab(value)
+
+
+def _texts(paths: list[Path], max_chars: int) -> list[str]:
+    """The probe texts, then 400-character chunks of the first max_chars characters of each file."""
+    texts = list(PROBES)
+    for path in paths:
+        text = path.read_text(encoding="utf-8")
+        texts += [text[at : at + 400] for at in range(0, min(len(text), max_chars), 400)]
+    return texts
+
+
+def _difference(ours: list[int], theirs: list[int]) -> str:
+    """Where two id lists part: the position and a few ids of each from there."""
+    at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    return f"from token {at}, ours {ours[at : at + 4]}, llama.cpp {theirs[at : at + 4]}"
+
+
 def vectors(models: Path, names: list[str]) -> None:
     os.environ.setdefault("TQDM_DISABLE", "1")
     logging.disable(logging.WARNING)
-    from gguf import GGUFReader
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer
 
-    from specdeploy.export.gguf_vocab import read_vocab, rebuild_tokenizer
+    from specdeploy.export.gguf_vocab import rebuild_tokenizer
 
     names = names or sorted(p.name[len("ggml-vocab-"):-len(".gguf.inp")] for p in models.glob("ggml-vocab-*.gguf.inp"))
     print("| vocabulary | tokenizer.ggml.model, .pre | transformers | rebuilt |\n|---|---|---:|---:|")
@@ -63,13 +92,7 @@ def vectors(models: Path, names: list[str]) -> None:
         texts = (models / f"{gguf.name}.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
         expected = [[int(i) for i in line.split()] for line in
                     (models / f"{gguf.name}.out").read_text(encoding="utf-8").split("\n")[: len(texts)]]
-        reader = GGUFReader(str(gguf))
-
-        def value(key):
-            field = reader.get_field(key)
-            return None if field is None else field.contents()
-
-        vocab = read_vocab(value)
+        vocab = _read_gguf(gguf)[2]
         with tempfile.TemporaryDirectory() as folder:
             try:
                 AutoTokenizer.from_pretrained(str(models), gguf_file=gguf.name).save_pretrained(folder)
@@ -92,10 +115,7 @@ def server(tokenizer_json: Path, url: str, corpus: list[Path]) -> int:
 
     tokenizer = Tokenizer.from_file(str(tokenizer_json))
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    texts = list(PROBES)
-    for path in corpus or [stdlib / name for name in MODULES]:
-        text = path.read_text(encoding="utf-8")
-        texts += [text[at : at + 400] for at in range(0, min(len(text), 40_000), 400)]
+    texts = _texts(corpus or [stdlib / name for name in MODULES], 40_000)
     different = 0
     for text in texts:
         ours = tokenizer.encode(text, add_special_tokens=False).ids
@@ -104,8 +124,7 @@ def server(tokenizer_json: Path, url: str, corpus: list[Path]) -> int:
         theirs = json.loads(urllib.request.urlopen(request, timeout=60).read())["tokens"]
         if ours != theirs:
             different += 1
-            at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-            print(f"differs: {text[:60]!r}: from token {at}, ours {ours[at : at + 4]}, llama.cpp {theirs[at : at + 4]}")
+            print(f"differs: {text[:60]!r}: {_difference(ours, theirs)}")
     print(f"{len(texts) - different}/{len(texts)} texts tokenize alike ({tokenizer_json}, llama-server at {url})")
     return 1 if different else 0
 
@@ -117,28 +136,19 @@ def splits(llama_tokenize: Path, vocabulary: Path, chunks: int, names: list[str]
     logging.disable(logging.WARNING)
     from dataclasses import replace
 
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+    from gguf import GGUFValueType, GGUFWriter
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer
 
-    from specdeploy.export.gguf_vocab import PRE_SPLITS, read_vocab, rebuild_tokenizer
+    from specdeploy.export.gguf_vocab import PRE_SPLITS, rebuild_tokenizer
 
-    reader = GGUFReader(str(vocabulary))
-
-    def value(key):
-        field = reader.get_field(key)
-        return None if field is None else field.contents()
-
-    vocab = read_vocab(value)
+    reader, value, vocab = _read_gguf(vocabulary)
     if vocab.model != "gpt2" or vocab.pre is None:
         print(f"error: {vocabulary} is no byte-level vocabulary with a tokenizer.ggml.pre (model {vocab.model!r}, "
               f"pre {vocab.pre!r}): each copy must name its split where the source names one", file=sys.stderr)
         return 2
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    texts = list(PROBES)
-    for name in MODULES:
-        text = (stdlib / name).read_text(encoding="utf-8")
-        texts += [text[at : at + 400] for at in range(0, 400 * chunks, 400)]
+    texts = _texts([stdlib / name for name in MODULES], 400 * chunks)
     failed = 0
     print("| tokenizer.ggml.pre | texts alike | first that differs |\n|---|---:|---|")
     with tempfile.TemporaryDirectory() as folder:
@@ -168,8 +178,7 @@ def splits(llama_tokenize: Path, vocabulary: Path, chunks: int, names: list[str]
                 ours = tokenizer.encode(text, add_special_tokens=False).ids
                 alike += ours == theirs
                 if ours != theirs and not first:
-                    at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-                    first = f"{text[:30]!r} from token {at}: ours {ours[at : at + 4]}, llama.cpp {theirs[at : at + 4]}"
+                    first = f"{text[:30]!r} {_difference(ours, theirs)}"
             failed += alike < len(texts)
             print(f"| {pre} | {alike}/{len(texts)} | {first} |", flush=True)
     return 1 if failed else 0
