@@ -18,6 +18,10 @@ number of prompts and that prompt's index as its seed. Reported per cell:
   max_tokens; altered: a greedy output (or a seeded sampled one) that differs from the runtime's own
   `specdeploy.load(bundle).generate(...)` for the same prompt and seed.
 
+The clients read the streams with aiohttp, whose HTTP parser is C: on a machine the client shares with
+the server, what the client spends per chunk comes out of the server's cores (httpx's pure-Python
+parser cost the benchmark pair's one-stream figure about a tenth; docs/performance.md).
+
 The reference generations run right before each prompt kind and mode's cells, in a child process
 that loads the bundle as `specdeploy run` does (its default session, a spinning thread pool that ends
 with the child, so it takes no CPU from the servers), and after one warm-up generation their wall
@@ -45,8 +49,10 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 
-import httpx
+import aiohttp
 import numpy as np
 
 from specdeploy.bench import builtin_prompts, read_prompts
@@ -138,16 +144,17 @@ def start_server(bundle: str, max_queue: int, max_batch: int, extra: tuple[str, 
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return process, url
-        except httpx.TransportError:
+            with urllib.request.urlopen(url + "/health", timeout=2) as response:
+                if response.status == 200:
+                    return process, url
+        except (urllib.error.URLError, OSError):  # not listening yet, or 503 while it loads
             pass
         time.sleep(0.2)
     process.terminate()
     raise SystemExit("error: the server did not become ready in 300 s")
 
 
-async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict:
+async def one_request(session: aiohttp.ClientSession, url: str, body: dict) -> dict:
     """One streaming request: its text, tokens, time to first text, and (time, tokens so far) per chunk."""
     chat = "messages" in body
     start = time.perf_counter()
@@ -157,13 +164,12 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict:
     counted = 0  # tokens so far when the server sends no usage per chunk: one a chunk with text
     usage_seen = False
     try:
-        async with client.stream("POST", url + ("/v1/chat/completions" if chat else "/v1/completions"),
-                                 json=payload) as response:
-            if response.status_code != 200:
-                await response.aread()
-                return {**record, "status": response.status_code, "error": response.text[:200]}
+        async with session.post(url + ("/v1/chat/completions" if chat else "/v1/completions"), json=payload) as response:
+            if response.status != 200:
+                return {**record, "status": response.status, "error": (await response.text())[:200]}
             finished = False  # the stream's [DONE]: one that ends without it was cut short, not served
-            async for line in response.aiter_lines():
+            async for raw in response.content:
+                line = raw.decode("utf-8", "replace").rstrip("\r\n")
                 finished = finished or line == "data: [DONE]"
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -192,7 +198,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict:
                     record["tokens"] = usage["completion_tokens"]
                 if "specdeploy" in chunk:
                     record["extension"] = chunk["specdeploy"]
-    except httpx.HTTPError as exc:
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         return {**record, "status": f"transport: {exc!r}"[:200]}
     if not finished:
         return {**record, "status": "stream ended without [DONE]"}
@@ -212,11 +218,12 @@ async def run_cell(url: str, headers: dict, bodies: list[dict], concurrency: int
     for body in bodies:
         queue.put_nowait(body)
     records: list[dict] = []
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(900.0), limits=limits) as client:
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    timeout = aiohttp.ClientTimeout(total=900.0)
+    async with aiohttp.ClientSession(headers=headers, connector=connector, timeout=timeout) as session:
         async def client_loop() -> None:
             while not queue.empty():
-                records.append(await one_request(client, url, queue.get_nowait()))
+                records.append(await one_request(session, url, queue.get_nowait()))
 
         start = time.perf_counter()
         await asyncio.gather(*(client_loop() for _ in range(concurrency)))

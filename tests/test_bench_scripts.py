@@ -101,15 +101,20 @@ def _streamed_request(body: str) -> dict:
     """load_test's one_request against a server that answers with this event-stream body."""
     import asyncio
 
-    import httpx
+    import aiohttp
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
 
     load_test = script("load_test")
 
+    async def answer(request: web.Request) -> web.Response:
+        return web.Response(text=body, content_type="text/event-stream")
+
     async def request() -> dict:
-        transport = httpx.MockTransport(lambda _: httpx.Response(200, text=body,
-                                                                 headers={"content-type": "text/event-stream"}))
-        async with httpx.AsyncClient(transport=transport) as client:
-            return await load_test.one_request(client, "http://server", {"_prompt": 0, "prompt": "x"})
+        app = web.Application()
+        app.router.add_post("/v1/completions", answer)
+        async with TestServer(app) as server, aiohttp.ClientSession() as session:
+            return await load_test.one_request(session, str(server.make_url("")).rstrip("/"), {"_prompt": 0, "prompt": "x"})
 
     return asyncio.run(request())
 
@@ -411,3 +416,19 @@ def test_coupling_acceptance_estimates_a_known_case_where_the_two_rules_differ()
     rejection, coupled = coupling.acceptances(p, q, 200_000, torch.Generator().manual_seed(1))
     assert rejection.item() == pytest.approx(0.5)
     assert coupled.item() == pytest.approx(1 / 3, abs=0.006)
+
+
+def test_load_test_drives_a_real_server_and_compares_its_outputs(tmp_path, capsys):
+    """The whole path on the demo bundle: a server of ours started, streams read by the aiohttp clients, each
+    greedy output compared with the runtime's own, every token counted from the chunks' usage."""
+    from specdeploy.defaults import DEMO_DIR
+
+    load_test = script("load_test")
+    out = tmp_path / "load.json"
+    load_test.main([str(DEMO_DIR / "demo-bundle"), "--max-batch", "2", "--concurrency", "2", "--modes", "greedy",
+                    "--max-tokens", "8", "--ignore-eos", "--requests-per-stream", "1", "--min-requests", "2",
+                    "--num-prompts", "2", "--json-out", str(out)])
+    (cell,) = json.loads(out.read_text())["cells"]
+    assert (cell["requests"], cell["failed"], cell["compared"], cell["altered"]) == (2, 0, 2, 0), cell
+    assert cell["generated_tokens"] == 16 and cell["usage_per_chunk"] and cell["ttft_p50_s"] > 0
+    assert "| code | greedy | 2 | batched (2) |" in capsys.readouterr().out
