@@ -218,7 +218,9 @@ async def run_cell(url: str, headers: dict, bodies: list[dict], concurrency: int
     for body in bodies:
         queue.put_nowait(body)
     records: list[dict] = []
-    connector = aiohttp.TCPConnector(limit=concurrency)
+    # A connection per request: a server that closes an idle kept-alive connection (llama-server does) would
+    # otherwise fail the next request sent on it.
+    connector = aiohttp.TCPConnector(limit=concurrency, force_close=True)
     timeout = aiohttp.ClientTimeout(total=900.0)
     async with aiohttp.ClientSession(headers=headers, connector=connector, timeout=timeout) as session:
         async def client_loop() -> None:
@@ -428,9 +430,12 @@ def main(argv=None) -> None:
         names = args.name + args.url[len(args.name):]
         servers += [(name, None, url.rstrip("/")) for name, url in zip(names, args.url)]
         for kind, prompts in kinds.items():
-            for name, max_batch, url in servers:  # warm-up: one request of this kind
+            # Warm-up: a short request of this kind per stream at the highest level, so that no server meets the
+            # shapes of its batched passes (a first run allocates) in a timed cell's first burst.
+            short = argparse.Namespace(**{**vars(args), "max_tokens": min(args.max_tokens, 16)})
+            for name, max_batch, url in servers:
                 asyncio.run(run_cell(url, headers, request_bodies(
-                    kind, prompts, 1, "greedy", args, args.plain and max_batch is None), 1))
+                    kind, prompts, max(levels), "greedy", short, args.plain and max_batch is None), max(levels)))
             for repeat in range(args.repeat):
                 for mode in args.modes.split(","):
                     references = None
