@@ -6,7 +6,8 @@
 then B A), so their ratios come from one run. A cell is one prompt kind (code prompts on
 /v1/completions, chat messages on /v1/chat/completions), one mode (greedy, or sampled at
 --temperature) and one concurrency: max(--min-requests, --requests-per-stream x concurrency)
-streaming requests from that many concurrent clients. Request i of a cell takes prompt i mod the
+streaming requests from that many concurrent clients (--no-stream: whole answers, to measure what
+streaming costs apart; no TTFT, ITL or chunks then). Request i of a cell takes prompt i mod the
 number of prompts and that prompt's index as its seed. Reported per cell:
 
 - aggregate generated tokens/s (all tokens over the cell's wall time);
@@ -86,6 +87,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--min-requests", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--ignore-eos", action="store_true", help='Send "ignore_eos": true (exactly max_tokens each).')
+    parser.add_argument("--no-stream", action="store_true", help='Send "stream": false: each answer whole (no time '
+                        "to first token, inter-token latency or chunks to report), what streaming costs measured apart.")
     parser.add_argument("--kinds", default="code", help="code (/v1/completions) and/or chat (/v1/chat/completions)")
     parser.add_argument("--modes", default="greedy,sampled", help="greedy and/or sampled")
     parser.add_argument("--temperature", type=float, default=0.8, help="Temperature of the sampled mode.")
@@ -155,61 +158,83 @@ def start_server(bundle: str, max_queue: int, max_batch: int, extra: tuple[str, 
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, body: dict) -> dict:
-    """One streaming request: its text, tokens, time to first text, and (time, tokens so far) per chunk."""
+    """One request: its text, tokens, time to first text, and (time, tokens so far) per chunk where it streams
+    (a request with "stream": false has neither a first text nor chunks: its whole answer comes at once)."""
     chat = "messages" in body
     start = time.perf_counter()
     record = {"ok": False, "prompt": body["_prompt"], "text": ""}
     payload = {k: v for k, v in body.items() if not k.startswith("_")}
     marks: list[tuple[float, int]] = []  # (arrival, tokens so far) of each chunk that brought text or tokens
-    counted = 0  # tokens so far when the server sends no usage per chunk: one a chunk with text
-    usage_seen = False
     try:
         async with session.post(url + ("/v1/chat/completions" if chat else "/v1/completions"), json=payload) as response:
             if response.status != 200:
                 return {**record, "status": response.status, "error": (await response.text())[:200]}
-            finished = False  # the stream's [DONE]: one that ends without it was cut short, not served
-            async for raw in response.content:
-                line = raw.decode("utf-8", "replace").rstrip("\r\n")
-                finished = finished or line == "data: [DONE]"
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                now = time.perf_counter()
-                try:
-                    chunk = json.loads(line[len("data: "):])
-                except ValueError:  # this request failed, not the run
-                    return {**record, "status": "a data line that is not JSON", "error": line[:200]}
-                if not isinstance(chunk, dict):
-                    return {**record, "status": "a data line that is not a JSON object", "error": line[:200]}
-                if "error" in chunk:
-                    return {**record, "status": "stream error", "error": str(chunk["error"])[:200]}
-                choice = chunk["choices"][0] if chunk.get("choices") else {}
-                text = ((choice.get("delta") or {}).get("content") if chat else choice.get("text")) or ""
-                record["text"] += text
-                usage = chunk.get("usage")
-                if choice and usage:
-                    usage_seen = usage_seen or bool(text)  # usage beside text: the server counts every chunk
-                    so_far = usage["completion_tokens"]
-                else:
-                    counted += bool(text)
-                    so_far = counted
-                if (so_far > (marks[-1][1] if marks else 0)) or (text and not marks):
-                    marks.append((now, so_far))
-                if usage and not choice:  # the closing usage chunk
-                    record["tokens"] = usage["completion_tokens"]
-                if "specdeploy" in chunk:
-                    record["extension"] = chunk["specdeploy"]
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            read = _read_stream if payload["stream"] else _read_whole
+            failure = await read(response, record, marks, chat)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:  # ValueError: a line over aiohttp's limit
         return {**record, "status": f"transport: {exc!r}"[:200]}
-    if not finished:
-        return {**record, "status": "stream ended without [DONE]"}
+    if failure is not None:
+        return {**record, **failure}
     end = time.perf_counter()
     tokens = record.get("tokens", marks[-1][1] if marks else 0)
-    record.update(ok=True, tokens=tokens, latency_s=end - start, first_token_s=(marks[0][0] if marks else end) - start,
-                  usage_per_chunk=usage_seen, itl_s=[], chunk_gaps_s=[])
+    streamed = bool(payload["stream"])
+    record.update(ok=True, tokens=tokens, latency_s=end - start, itl_s=[], chunk_gaps_s=[],
+                  first_token_s=((marks[0][0] if marks else end) - start) if streamed else None)
     for (t0, n0), (t1, n1) in zip(marks, marks[1:]):
         record["chunk_gaps_s"].append(t1 - t0)
         record["itl_s"] += [(t1 - t0) / (n1 - n0)] * (n1 - n0) if n1 > n0 else [t1 - t0]
     return record
+
+
+async def _read_stream(response, record: dict, marks: list, chat: bool) -> dict | None:
+    """Read an event stream into record and marks; a failure's status and error, or None."""
+    counted = 0  # tokens so far when the server sends no usage per chunk: one a chunk with text
+    record["usage_per_chunk"] = False
+    finished = False  # the stream's [DONE]: one that ends without it was cut short, not served
+    async for raw in response.content:
+        line = raw.decode("utf-8", "replace").rstrip("\r\n")
+        finished = finished or line == "data: [DONE]"
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        now = time.perf_counter()
+        try:
+            chunk = json.loads(line[len("data: "):])
+        except ValueError:  # this request failed, not the run
+            return {"status": "a data line that is not JSON", "error": line[:200]}
+        if not isinstance(chunk, dict):
+            return {"status": "a data line that is not a JSON object", "error": line[:200]}
+        if "error" in chunk:
+            return {"status": "stream error", "error": str(chunk["error"])[:200]}
+        choice = chunk["choices"][0] if chunk.get("choices") else {}
+        text = ((choice.get("delta") or {}).get("content") if chat else choice.get("text")) or ""
+        record["text"] += text
+        usage = chunk.get("usage")
+        if choice and usage:
+            record["usage_per_chunk"] = record["usage_per_chunk"] or bool(text)  # usage beside text: every chunk
+            so_far = usage["completion_tokens"]
+        else:
+            counted += bool(text)
+            so_far = counted
+        if (so_far > (marks[-1][1] if marks else 0)) or (text and not marks):
+            marks.append((now, so_far))
+        if usage and not choice:  # the closing usage chunk
+            record["tokens"] = usage["completion_tokens"]
+        if "specdeploy" in chunk:
+            record["extension"] = chunk["specdeploy"]
+    return None if finished else {"status": "stream ended without [DONE]"}
+
+
+async def _read_whole(response, record: dict, marks: list, chat: bool) -> dict | None:
+    """Read a whole (non-streamed) answer into record; a failure's status and error, or None."""
+    answer = await response.json(content_type=None)
+    if not isinstance(answer, dict) or not answer.get("choices") or not isinstance(answer.get("usage"), dict):
+        return {"status": "an answer without choices and usage", "error": str(answer)[:200]}
+    choice = answer["choices"][0]
+    record["text"] = ((choice.get("message") or {}).get("content") if chat else choice.get("text")) or ""
+    record["tokens"], record["usage_per_chunk"] = answer["usage"]["completion_tokens"], None
+    if "specdeploy" in answer:
+        record["extension"] = answer["specdeploy"]
+    return None
 
 
 async def run_cell(url: str, headers: dict, bodies: list[dict], concurrency: int) -> tuple[list[dict], float]:
@@ -247,6 +272,7 @@ def summarize(records: list[dict], wall_s: float, args, references: dict | None)
         expected = references[r["prompt"]]
         at = next((i for i, (a, b) in enumerate(zip(expected, r["text"])) if a != b), min(len(expected), len(r["text"])))
         examples.append({"prompt": r["prompt"], "char": at, "generate": expected[at:at + 60], "served": r["text"][at:at + 60]})
+    first = [r["first_token_s"] for r in ok if r["first_token_s"] is not None]  # streamed requests only
     itl = [g for r in ok for g in r["itl_s"]]
     gaps = [g for r in ok for g in r["chunk_gaps_s"]]
     extensions = [r["extension"] for r in ok if "extension" in r]
@@ -257,13 +283,12 @@ def summarize(records: list[dict], wall_s: float, args, references: dict | None)
         "compared": len(ok) if references is not None else 0, "altered": len(altered),
         "altered_prompts": [r["prompt"] for r in altered], "altered_examples": examples,
         "tokens_per_s": tokens / wall_s, "generated_tokens": tokens,
-        "ttft_p50_s": percentile([r["first_token_s"] for r in ok], 50),
-        "ttft_p99_s": percentile([r["first_token_s"] for r in ok], 99),
+        "ttft_p50_s": percentile(first, 50), "ttft_p99_s": percentile(first, 99),
         # None where no request succeeded: no latency was measured (0 would read as an instant one)
         "itl_p50_ms": ms_of(percentile(itl, 50)), "itl_p99_ms": ms_of(percentile(itl, 99)),
         "chunk_gap_p50_ms": ms_of(percentile(gaps, 50)),
-        "tokens_per_chunk": sum(r["tokens"] for r in ok) / sum(len(r["chunk_gaps_s"]) + 1 for r in ok) if ok else None,
-        "usage_per_chunk": all(r["usage_per_chunk"] for r in ok) if ok else None,
+        "tokens_per_chunk": sum(r["tokens"] for r in ok) / sum(len(r["chunk_gaps_s"]) + 1 for r in ok) if first else None,
+        "usage_per_chunk": all(r["usage_per_chunk"] for r in ok) if first else None,
         "latency_p50_s": percentile([r["latency_s"] for r in ok], 50),
         "acceptance_rate": sum(e["accepted_tokens"] for e in extensions) / drafted if drafted else None,
     }
@@ -279,9 +304,10 @@ def request_bodies(kind: str, prompts: list, count: int, mode: str, args, plain:
     bodies = []
     for i in range(count):
         index = i % len(prompts)
-        body = {"max_tokens": args.max_tokens, "stream": True, "seed": index, "_prompt": index,
-                "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        body = {"max_tokens": args.max_tokens, "stream": not args.no_stream, "seed": index, "_prompt": index,
                 "temperature": 0.0 if mode == "greedy" else args.temperature}
+        if not args.no_stream:
+            body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
         body["messages" if kind == "chat" else "prompt"] = prompts[index]
         if args.ignore_eos:
             body["ignore_eos"] = True
@@ -378,6 +404,7 @@ def markdown(cells: list[dict], runs: dict, args, interrupted: bool = False) -> 
              f"{args.max_tokens}-token outputs{' (ignore_eos)' if args.ignore_eos else ''}, speculative "
              f"{args.speculative} (k = {args.num_draft_tokens}), sampled at T {args.temperature}; requests per cell: "
              f"max({args.min_requests}, {args.requests_per_stream} x streams)"
+             + ("; not streamed (whole answers)" if args.no_stream else "")
              + (f"; medians of {done} repeats" if done > 1 else ""), "",
              "| prompts | mode | streams | server | gen tok/s | x sequential | p50 TTFT ms | p99 TTFT ms | p50 ITL ms "
              "| p99 ITL ms | tokens/chunk | failed | altered |",
@@ -408,6 +435,15 @@ def markdown(cells: list[dict], runs: dict, args, interrupted: bool = False) -> 
     return "\n".join(lines)
 
 
+def warm_up(servers: list[tuple], headers: dict, kind: str, prompts: list, streams: int, args) -> None:
+    """A short request of this kind per stream at the highest level to every server, so that none meets the shapes
+    of its batched passes (a first run allocates) in a timed cell's first burst."""
+    short = argparse.Namespace(**{**vars(args), "max_tokens": min(args.max_tokens, 16)})
+    for _, max_batch, url in servers:
+        asyncio.run(run_cell(url, headers, request_bodies(kind, prompts, streams, "greedy", short,
+                                                          args.plain and max_batch is None), streams))
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     levels = args.concurrency
@@ -430,12 +466,7 @@ def main(argv=None) -> None:
         names = args.name + args.url[len(args.name):]
         servers += [(name, None, url.rstrip("/")) for name, url in zip(names, args.url)]
         for kind, prompts in kinds.items():
-            # Warm-up: a short request of this kind per stream at the highest level, so that no server meets the
-            # shapes of its batched passes (a first run allocates) in a timed cell's first burst.
-            short = argparse.Namespace(**{**vars(args), "max_tokens": min(args.max_tokens, 16)})
-            for name, max_batch, url in servers:
-                asyncio.run(run_cell(url, headers, request_bodies(
-                    kind, prompts, max(levels), "greedy", short, args.plain and max_batch is None), max(levels)))
+            warm_up(servers, headers, kind, prompts, max(levels), args)
             for repeat in range(args.repeat):
                 for mode in args.modes.split(","):
                     references = None

@@ -114,7 +114,7 @@ def _streamed_request(body: str) -> dict:
         app = web.Application()
         app.router.add_post("/v1/completions", answer)
         async with TestServer(app) as server, aiohttp.ClientSession() as session:
-            return await load_test.one_request(session, str(server.make_url("")).rstrip("/"), {"_prompt": 0, "prompt": "x"})
+            return await load_test.one_request(session, str(server.make_url("")).rstrip("/"), {"_prompt": 0, "prompt": "x", "stream": True})
 
     return asyncio.run(request())
 
@@ -432,3 +432,19 @@ def test_load_test_drives_a_real_server_and_compares_its_outputs(tmp_path, capsy
     assert (cell["requests"], cell["failed"], cell["compared"], cell["altered"]) == (2, 0, 2, 0), cell
     assert cell["generated_tokens"] == 16 and cell["usage_per_chunk"] and cell["ttft_p50_s"] > 0
     assert "| code | greedy | 2 | batched (2) |" in capsys.readouterr().out
+
+
+def test_load_test_without_streaming_counts_whole_answers(tmp_path):
+    """--no-stream: each answer comes whole, its tokens from its usage, compared as streamed ones are; no time to
+    first token or chunk figures are made up for it."""
+    from specdeploy.defaults import DEMO_DIR
+
+    load_test = script("load_test")
+    out = tmp_path / "load.json"
+    load_test.main([str(DEMO_DIR / "demo-bundle"), "--max-batch", "2", "--concurrency", "2", "--modes", "greedy",
+                    "--max-tokens", "8", "--ignore-eos", "--requests-per-stream", "1", "--min-requests", "2",
+                    "--num-prompts", "2", "--no-stream", "--json-out", str(out)])
+    (cell,) = json.loads(out.read_text())["cells"]
+    assert (cell["requests"], cell["failed"], cell["compared"], cell["altered"]) == (2, 0, 2, 0), cell
+    assert cell["generated_tokens"] == 16 and cell["latency_p50_s"] > 0
+    assert cell["ttft_p50_s"] is None and cell["tokens_per_chunk"] is None and cell["itl_p50_ms"] is None
