@@ -10,7 +10,7 @@ streaming requests from that many concurrent clients (--no-stream: whole answers
 streaming costs apart; no TTFT, ITL or chunks then). Request i of a cell takes prompt i mod the
 number of prompts and that prompt's index as its seed. Reported per cell:
 
-- aggregate generated tokens/s (all tokens over the cell's wall time);
+- aggregate generated tokens/s (all tokens over the cell's wall time), and p50 latency (JSON);
 - p50/p99 time to first token (TTFT: sending the request -> the first chunk with text);
 - p50/p99 inter-token latency (ITL): one chunk may carry several tokens (a speculative round), so each
   gap between chunks is divided by the tokens it brought (the `usage` of every chunk, asked for with
@@ -18,6 +18,8 @@ number of prompts and that prompt's index as its seed. Reported per cell:
 - failures: an answer other than 200, an error in the stream, or (with --ignore-eos) fewer tokens than
   max_tokens; altered: a greedy output (or a seeded sampled one) that differs from the runtime's own
   `specdeploy.load(bundle).generate(...)` for the same prompt and seed.
+
+With --no-stream the time to first token, inter-token latency and tokens per chunk are left blank.
 
 The clients read the streams with aiohttp, whose HTTP parser is C: on a machine the client shares with
 the server, what the client spends per chunk comes out of the server's cores (httpx's pure-Python
@@ -128,6 +130,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # no proxy between us and our own server
+
+
 def start_server(bundle: str, max_queue: int, max_batch: int, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     """`specdeploy serve BUNDLE --port 0 --max-batch N [extra]`, once /health answers 200; the process and its URL."""
     command = [sys.executable, "-m", "specdeploy", "serve", bundle, "--port", "0", "--max-queue", str(max_queue),
@@ -147,10 +152,12 @@ def start_server(bundle: str, max_queue: int, max_batch: int, extra: tuple[str, 
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as response:
+            with _DIRECT.open(url + "/health", timeout=2) as response:
                 if response.status == 200:
                     return process, url
-        except (urllib.error.URLError, OSError):  # not listening yet, or 503 while it loads
+        except urllib.error.HTTPError as exc:  # 503 while it loads
+            exc.close()
+        except (urllib.error.URLError, OSError):  # not listening yet
             pass
         time.sleep(0.2)
     process.terminate()
@@ -165,19 +172,21 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: dict) -> d
     record = {"ok": False, "prompt": body["_prompt"], "text": ""}
     payload = {k: v for k, v in body.items() if not k.startswith("_")}
     marks: list[tuple[float, int]] = []  # (arrival, tokens so far) of each chunk that brought text or tokens
+    streamed = bool(payload.get("stream"))
     try:
         async with session.post(url + ("/v1/chat/completions" if chat else "/v1/completions"), json=payload) as response:
             if response.status != 200:
-                return {**record, "status": response.status, "error": (await response.text())[:200]}
-            read = _read_stream if payload["stream"] else _read_whole
-            failure = await read(response, record, marks, chat)
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:  # ValueError: a line over aiohttp's limit
+                return {**record, "status": response.status, "error": (await response.text(errors="replace"))[:200]}
+            failure = await (_read_stream(response, record, marks, chat) if streamed else _read_whole(response, record, chat))
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         return {**record, "status": f"transport: {exc!r}"[:200]}
+    except Exception as exc:  # noqa: BLE001 - an answer this client cannot read (a line over aiohttp's limit,
+        # a field missing) fails its request, not the run
+        return {**record, "status": f"unreadable answer: {exc!r}"[:200]}
     if failure is not None:
         return {**record, **failure}
     end = time.perf_counter()
     tokens = record.get("tokens", marks[-1][1] if marks else 0)
-    streamed = bool(payload["stream"])
     record.update(ok=True, tokens=tokens, latency_s=end - start, itl_s=[], chunk_gaps_s=[],
                   first_token_s=((marks[0][0] if marks else end) - start) if streamed else None)
     for (t0, n0), (t1, n1) in zip(marks, marks[1:]):
@@ -224,9 +233,13 @@ async def _read_stream(response, record: dict, marks: list, chat: bool) -> dict 
     return None if finished else {"status": "stream ended without [DONE]"}
 
 
-async def _read_whole(response, record: dict, marks: list, chat: bool) -> dict | None:
+async def _read_whole(response, record: dict, chat: bool) -> dict | None:
     """Read a whole (non-streamed) answer into record; a failure's status and error, or None."""
-    answer = await response.json(content_type=None)
+    body = await response.text(errors="replace")
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        return {"status": "an answer that is not JSON", "error": body[:200]}
     if not isinstance(answer, dict) or not answer.get("choices") or not isinstance(answer.get("usage"), dict):
         return {"status": "an answer without choices and usage", "error": str(answer)[:200]}
     choice = answer["choices"][0]
@@ -246,7 +259,8 @@ async def run_cell(url: str, headers: dict, bodies: list[dict], concurrency: int
     # A connection per request: a server that closes an idle kept-alive connection (llama-server does) would
     # otherwise fail the next request sent on it.
     connector = aiohttp.TCPConnector(limit=concurrency, force_close=True)
-    timeout = aiohttp.ClientTimeout(total=900.0)
+    # No limit on a whole request (one may wait long in a sequential server's queue), 900 s between reads.
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=60.0, sock_read=900.0)
     async with aiohttp.ClientSession(headers=headers, connector=connector, timeout=timeout) as session:
         async def client_loop() -> None:
             while not queue.empty():
@@ -439,9 +453,11 @@ def warm_up(servers: list[tuple], headers: dict, kind: str, prompts: list, strea
     """A short request of this kind per stream at the highest level to every server, so that none meets the shapes
     of its batched passes (a first run allocates) in a timed cell's first burst."""
     short = argparse.Namespace(**{**vars(args), "max_tokens": min(args.max_tokens, 16)})
-    for _, max_batch, url in servers:
-        asyncio.run(run_cell(url, headers, request_bodies(kind, prompts, streams, "greedy", short,
-                                                          args.plain and max_batch is None), streams))
+    for name, max_batch, url in servers:
+        records, _ = asyncio.run(run_cell(url, headers, request_bodies(kind, prompts, streams, "greedy", short,
+                                                                       args.plain and max_batch is None), streams))
+        if not any(record["ok"] for record in records):
+            print(f"warning: every warm-up request to {name} failed: {records[0].get('status')}", file=sys.stderr)
 
 
 def main(argv=None) -> None:
@@ -503,7 +519,7 @@ def main(argv=None) -> None:
     cells.sort(key=lambda c: (list(kinds).index(c["kind"]), c["mode"], c["concurrency"], rank[c["server"]],
                               c["repeat"]))
     report = {"interrupted": interrupted, "bundle": args.bundle, "url": args.url, "servers": [s[:2] for s in servers], "max_tokens": args.max_tokens,
-              "ignore_eos": args.ignore_eos, "speculative": args.speculative, "num_draft_tokens": args.num_draft_tokens,
+              "ignore_eos": args.ignore_eos, "stream": not args.no_stream, "speculative": args.speculative, "num_draft_tokens": args.num_draft_tokens,
               "temperature": args.temperature, "cpu_count": os.cpu_count(), "cells": cells,
               "run_tokens_per_s": [{"kind": k, "mode": m, "tokens_per_s": v} for (k, m), v in runs.items()]}
     if args.json_out:  # before the tables: a run's figures are kept whatever formatting them does

@@ -119,6 +119,14 @@ def _streamed_request(body: str) -> dict:
     return asyncio.run(request())
 
 
+def test_load_test_an_answer_the_client_cannot_read_fails_its_request_not_the_run():
+    """A data line over aiohttp's line limit (LineTooLong, no ClientError) or a chunk without the fields the client
+    reads: that request fails, and the cell goes on (it used to raise through gather and lose the run)."""
+    for body in ("data: " + "x" * 600_000 + "\n\ndata: [DONE]\n\n", 'data: {"choices": [{"text": "a"}], "usage": {"prompt_tokens": 1}}\n\n'):
+        record = _streamed_request(body)
+        assert record["ok"] is False and record["status"].startswith("unreadable answer"), record
+
+
 def test_load_test_a_data_line_that_is_not_json_fails_its_request_not_the_run():
     chunk = {"choices": [{"index": 0, "text": "ab", "finish_reason": None}]}
     for bad in ("data: <html>busy</html>", "data: [1, 2]"):
@@ -425,9 +433,13 @@ def test_load_test_drives_a_real_server_and_compares_its_outputs(tmp_path, capsy
 
     load_test = script("load_test")
     out = tmp_path / "load.json"
-    load_test.main([str(DEMO_DIR / "demo-bundle"), "--max-batch", "2", "--concurrency", "2", "--modes", "greedy",
-                    "--max-tokens", "8", "--ignore-eos", "--requests-per-stream", "1", "--min-requests", "2",
-                    "--num-prompts", "2", "--json-out", str(out)])
+    previous = signal.getsignal(signal.SIGTERM)  # main installs its own
+    try:
+        load_test.main([str(DEMO_DIR / "demo-bundle"), "--max-batch", "2", "--concurrency", "2", "--modes", "greedy",
+                        "--max-tokens", "8", "--ignore-eos", "--requests-per-stream", "1", "--min-requests", "2",
+                        "--num-prompts", "2", "--json-out", str(out)])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     (cell,) = json.loads(out.read_text())["cells"]
     assert (cell["requests"], cell["failed"], cell["compared"], cell["altered"]) == (2, 0, 2, 0), cell
     assert cell["generated_tokens"] == 16 and cell["usage_per_chunk"] and cell["ttft_p50_s"] > 0
@@ -441,9 +453,13 @@ def test_load_test_without_streaming_counts_whole_answers(tmp_path):
 
     load_test = script("load_test")
     out = tmp_path / "load.json"
-    load_test.main([str(DEMO_DIR / "demo-bundle"), "--max-batch", "2", "--concurrency", "2", "--modes", "greedy",
-                    "--max-tokens", "8", "--ignore-eos", "--requests-per-stream", "1", "--min-requests", "2",
-                    "--num-prompts", "2", "--no-stream", "--json-out", str(out)])
+    previous = signal.getsignal(signal.SIGTERM)  # main installs its own
+    try:
+        load_test.main([str(DEMO_DIR / "demo-bundle"), "--max-batch", "2", "--concurrency", "2", "--modes", "greedy",
+                        "--max-tokens", "8", "--ignore-eos", "--requests-per-stream", "1", "--min-requests", "2",
+                        "--num-prompts", "2", "--no-stream", "--json-out", str(out)])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     (cell,) = json.loads(out.read_text())["cells"]
     assert (cell["requests"], cell["failed"], cell["compared"], cell["altered"]) == (2, 0, 2, 0), cell
     assert cell["generated_tokens"] == 16 and cell["latency_p50_s"] > 0
