@@ -450,8 +450,8 @@ def markdown(cells: list[dict], runs: dict, args, interrupted: bool = False) -> 
 
 
 def warm_up(servers: list[tuple], headers: dict, kind: str, prompts: list, streams: int, args) -> None:
-    """A short request of this kind per stream at the highest level to every server, so that none meets the shapes
-    of its batched passes (a first run allocates) in a timed cell's first burst."""
+    """A short request of this kind per stream at the highest level to every server, so that none runs batched passes
+    of that many rows for the first time (a first run allocates) in a timed cell's first burst."""
     short = argparse.Namespace(**{**vars(args), "max_tokens": min(args.max_tokens, 16)})
     for name, max_batch, url in servers:
         records, _ = asyncio.run(run_cell(url, headers, request_bodies(kind, prompts, streams, "greedy", short,
