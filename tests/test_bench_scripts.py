@@ -426,9 +426,11 @@ def test_coupling_acceptance_estimates_a_known_case_where_the_two_rules_differ()
     assert coupled.item() == pytest.approx(1 / 3, abs=0.006)
 
 
-def test_load_test_drives_a_real_server_and_compares_its_outputs(tmp_path, capsys):
-    """The whole path on the demo bundle: a server of ours started, streams read by the aiohttp clients, each
-    greedy output compared with the runtime's own, every token counted from the chunks' usage."""
+@pytest.mark.parametrize("streamed", [True, False])
+def test_load_test_drives_a_real_server_and_compares_its_outputs(tmp_path, capsys, streamed):
+    """The whole path on the demo bundle: a server of ours started, answers read by the aiohttp clients, each
+    greedy output compared with the runtime's own. Streamed, every token is counted from the chunks' usage;
+    whole (--no-stream), from the answer's, and no time to first token or chunk figures are made up for it."""
     from specdeploy.defaults import DEMO_DIR
 
     load_test = script("load_test")
@@ -437,30 +439,15 @@ def test_load_test_drives_a_real_server_and_compares_its_outputs(tmp_path, capsy
     try:
         load_test.main([str(DEMO_DIR / "demo-bundle"), "--max-batch", "2", "--concurrency", "2", "--modes", "greedy",
                         "--max-tokens", "8", "--ignore-eos", "--requests-per-stream", "1", "--min-requests", "2",
-                        "--num-prompts", "2", "--json-out", str(out)])
+                        "--num-prompts", "2", "--json-out", str(out)] + ([] if streamed else ["--no-stream"]))
     finally:
         signal.signal(signal.SIGTERM, previous)
-    (cell,) = json.loads(out.read_text())["cells"]
+    report = json.loads(out.read_text())
+    (cell,) = report["cells"]
     assert (cell["requests"], cell["failed"], cell["compared"], cell["altered"]) == (2, 0, 2, 0), cell
-    assert cell["generated_tokens"] == 16 and cell["usage_per_chunk"] and cell["ttft_p50_s"] > 0
+    assert cell["generated_tokens"] == 16 and cell["latency_p50_s"] > 0 and report["stream"] is streamed
+    if streamed:
+        assert cell["usage_per_chunk"] and cell["ttft_p50_s"] > 0 and cell["tokens_per_chunk"] > 0
+    else:
+        assert cell["ttft_p50_s"] is None and cell["tokens_per_chunk"] is None and cell["itl_p50_ms"] is None
     assert "| code | greedy | 2 | batched (2) |" in capsys.readouterr().out
-
-
-def test_load_test_without_streaming_counts_whole_answers(tmp_path):
-    """--no-stream: each answer comes whole, its tokens from its usage, compared as streamed ones are; no time to
-    first token or chunk figures are made up for it."""
-    from specdeploy.defaults import DEMO_DIR
-
-    load_test = script("load_test")
-    out = tmp_path / "load.json"
-    previous = signal.getsignal(signal.SIGTERM)  # main installs its own
-    try:
-        load_test.main([str(DEMO_DIR / "demo-bundle"), "--max-batch", "2", "--concurrency", "2", "--modes", "greedy",
-                        "--max-tokens", "8", "--ignore-eos", "--requests-per-stream", "1", "--min-requests", "2",
-                        "--num-prompts", "2", "--no-stream", "--json-out", str(out)])
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    (cell,) = json.loads(out.read_text())["cells"]
-    assert (cell["requests"], cell["failed"], cell["compared"], cell["altered"]) == (2, 0, 2, 0), cell
-    assert cell["generated_tokens"] == 16 and cell["latency_p50_s"] > 0
-    assert cell["ttft_p50_s"] is None and cell["tokens_per_chunk"] is None and cell["itl_p50_ms"] is None
