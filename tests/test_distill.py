@@ -226,11 +226,20 @@ def test_an_eagle_run_with_a_draft_vocab_writes_its_contract(target, text_file, 
     assert weights["fc.weight"].shape == (64, 128) and "layers.0.self_attn.q_proj.weight" in weights
 
 
-def test_a_gguf_target_distils_through_its_chat_template(tmp_path):
+def test_a_gguf_target_distils_through_its_chat_template(tmp_path, monkeypatch):
     from test_gguf import write_llama_gguf
     from tokenizers import Tokenizer
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
+    save = PreTrainedTokenizerFast.save_pretrained
+
+    def save_as_with_sentencepiece(self, folder, legacy_format=None, **kwargs):
+        """Where sentencepiece is installed, a GGUF-read tokenizer's slow files are its "vocabulary file": the .gguf."""
+        if legacy_format is not False:
+            Path(folder, "tokenizer.model").write_bytes(Path(self.vocab_file).read_bytes())
+        return save(self, folder, legacy_format=legacy_format, **kwargs)
+
+    monkeypatch.setattr(PreTrainedTokenizerFast, "save_pretrained", save_as_with_sentencepiece)
     out = tmp_path / "draft"
     result = distill(DistillConfig(target=str(write_llama_gguf(tmp_path / "tiny.gguf")), out=str(out), layers=1, steps=1,
                                    **{**TINY, "generate_tokens": 16, "seq_len": 16}))
@@ -239,6 +248,7 @@ def test_a_gguf_target_distils_through_its_chat_template(tmp_path):
     assert {d["kind"] for d in heldout} == {"chat", "code"}
     chat = next(d for d in heldout if d["kind"] == "chat")
     tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))  # the GGUF's, saved by transformers
+    assert not (out / "tokenizer.model").exists()  # transformers' copy of the whole .gguf, its "vocabulary file"
     assert tokenizer.decode(chat["ids"], skip_special_tokens=False).startswith("<|im_start|>user")
     assert AutoModelForCausalLM.from_pretrained(out).config.num_hidden_layers == 1
 

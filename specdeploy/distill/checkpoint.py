@@ -138,14 +138,16 @@ def load_state(out: Path) -> dict:
 
 
 def copy_tokenizer(out: Path, target) -> None:
-    """The target's tokenizer files, as they are (a .gguf target's tokenizer is saved by transformers)."""
+    """The target's tokenizer files, as they are (a .gguf target's tokenizer is saved by transformers, its fast
+    tokenizer only: read from a GGUF, a tokenizer names the .gguf file as its vocabulary file, and where
+    sentencepiece is installed the slow files would be a copy of the whole target as `tokenizer.model`)."""
     if target.folder is not None:
         for name in TOKENIZER_FILES:
             if (target.folder / name).is_file():
                 atomic_write(out / name, lambda temporary, name=name: shutil.copyfile(target.folder / name, temporary))
         return
     with tempfile.TemporaryDirectory(dir=out, prefix=".tokenizer.") as folder:
-        target.tokenizer.save_pretrained(folder)
+        target.tokenizer.save_pretrained(folder, legacy_format=False)
         for file in Path(folder).iterdir():
             if file.is_file():
                 os.replace(file, out / file.name)
