@@ -19,8 +19,6 @@ number of prompts and that prompt's index as its seed. Reported per cell:
   max_tokens; altered: a greedy output (or a seeded sampled one) that differs from the runtime's own
   `specdeploy.load(bundle).generate(...)` for the same prompt and seed.
 
-With --no-stream the time to first token, inter-token latency and tokens per chunk are left blank.
-
 The clients read the streams with aiohttp, whose HTTP parser is C: on a machine the client shares with
 the server, what the client spends per chunk comes out of the server's cores (httpx's pure-Python
 parser cost the benchmark pair's one-stream figure about a tenth; docs/performance.md).
