@@ -24,7 +24,9 @@ import torch
 
 from specdeploy.export import checkpoint as ckpt
 from specdeploy.export import convert, fused, parity, quantize
-from specdeploy.export.pipeline import ExportConfig, _model_spec
+from specdeploy.export.sources import TorchWeights
+from specdeploy.export.build import model_spec
+from specdeploy.export.config import ExportConfig
 from specdeploy.runtime import OrtEngine, SessionConfig
 
 MAX_CONTEXT = 1024
@@ -43,7 +45,7 @@ def main() -> None:
     work = args.work / "quant-sweep"  # this script's own folder, replaced each run; the rest of WORK is left alone
     shutil.rmtree(work, ignore_errors=True)
     (work / "fp32").mkdir(parents=True)
-    fused.build_fused(model, work / "fp32" / "model.onnx", MAX_CONTEXT)
+    fused.build_fused(TorchWeights(model), work / "fp32" / "model.onnx", MAX_CONTEXT)
     ids = parity.parity_tokens(args.checkpoint / "tokenizer.json", model.config.vocab_size, 261)
     with torch.no_grad():
         reference = model(input_ids=torch.from_numpy(ids)[None]).logits[0].numpy()  # [261, vocab]
@@ -55,7 +57,7 @@ def main() -> None:
         shutil.copytree(work / "fp32", folder)
         if bits != 32:
             quantize.quantize_weights(folder / "model.onnx", bits, block, level)
-        spec = _model_spec("target", checkpoint, folder / "model.onnx", work,
+        spec = model_spec("target", checkpoint, folder / "model.onnx", work,
                            ExportConfig(str(args.checkpoint), str(args.checkpoint), str(work / "unused")),
                            MAX_CONTEXT, 1, "fused", "none" if bits == 32 else f"int{bits}")
         engine = OrtEngine(folder / "model.onnx", spec, SessionConfig(device="cpu", intra_op_threads=2, allow_spinning=True))

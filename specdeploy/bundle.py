@@ -24,12 +24,13 @@ from . import swap
 from .errors import SpecdeployError
 from .manifest import (FORMAT_VERSION, ITEMSIZE, KV_DTYPES, MANIFEST_NAME, MAX_CONTEXT, MAX_MANIFEST_BYTES, MAX_VOCAB,
                        ONNX_TYPES, ROLES, TENSOR_DTYPES, TOKENIZER_HOST_STATUSES, AcceptGraphSpec, AcceptSpec, EagleSpec, FileEntry,
-                       GenaiSpec, HostTokenizerCheck, KVCacheSpec, Manifest, ModelSpec, ParityReport, TensorSpec,
-                       TokenizerSpec, kv_cache_bytes, manifest_from_dict, read_manifest_file, validate_manifest)
+                       GenaiSpec, GgufSpec, HostTokenizerCheck, KVCacheSpec, Manifest, ModelSpec, ParityReport, TensorSpec,
+                       TokenizerSpec)
+from .manifest_rules import kv_cache_bytes, manifest_from_dict, read_manifest_file, validate_manifest
 
 __all__ = ["FORMAT_VERSION", "ITEMSIZE", "KV_DTYPES", "MANIFEST_NAME", "MAX_CONTEXT", "MAX_MANIFEST_BYTES", "MAX_VOCAB",
            "ONNX_TYPES", "ROLES", "TENSOR_DTYPES", "TOKENIZER_HOST_STATUSES", "AcceptGraphSpec", "AcceptSpec", "EagleSpec", "FileEntry",
-           "GenaiSpec", "HostTokenizerCheck", "KVCacheSpec", "Manifest", "ModelSpec", "ParityReport", "TensorSpec",
+           "GenaiSpec", "GgufSpec", "HostTokenizerCheck", "KVCacheSpec", "Manifest", "ModelSpec", "ParityReport", "TensorSpec",
            "TokenizerSpec", "check_graph_io", "file_entry", "file_problems", "kv_cache_bytes", "listed_files",
            "load_manifest", "manifest_from_dict", "read_manifest", "read_manifest_file", "save_manifest", "sha256_file",
            "validate_manifest"]

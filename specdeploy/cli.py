@@ -66,16 +66,21 @@ def main() -> None:
 
 @main.command()
 @click.option("--target", default=None,
-              help="Target checkpoint: a Hugging Face folder or a .gguf file (dequantized to fp32). Default: the demo pair.")
+              help="Target checkpoint: a Hugging Face folder or a .gguf file (its quantized blocks kept: --quantize). "
+                   "Default: the demo pair.")
 @click.option("--draft", default=None,
               help="Draft: a Hugging Face folder or a .gguf file (same tokenizer as the target), or a folder "
                    "`specdeploy distill` wrote (either kind).")
 @click.option("--out", default=None, type=click.Path(), help="Bundle folder to create. Default: the default bundle.")
 @click.option("--dtype", default="fp32", show_default=True, help="fp32 | fp16")
-@click.option("--quantize", default="none", show_default=True, help="none | int8 | int4 (weight-only MatMulNBits), both models")
+@click.option("--quantize", default="auto", show_default=True,
+              help="auto | gguf | none | int8 | int4, both models. gguf: a .gguf file's own quantized blocks, llama.cpp's "
+                   "weights exactly (Llama, Qwen2, Gemma 3); int8 | int4: weight-only MatMulNBits rounded from fp32; "
+                   "auto: gguf for a .gguf checkpoint that allows it, else none.")
 @click.option("--draft-quantize", default="auto", show_default=True,
-              help="auto | none | int8 | int4 for the draft alone; auto: int8 for an fp32 export (kept fp32 if that "
-                   "fails parity), else as --quantize. Output is unchanged either way: the target checks every token.")
+              help="auto | gguf | none | int8 | int4 for the draft alone; auto: gguf for a .gguf draft, else int8 for an "
+                   "fp32 draft (kept fp32 if that fails parity), else as --quantize. Output is unchanged either way: the "
+                   "target checks every token.")
 @click.option("--max-context", type=int, default=None, help="Max tokens of context (default: the models' limit).")
 @click.option("--draft-window", type=int, default=None,
               help="Each draft query attends to its last N positions (fused graph; default: all). Output is "

@@ -73,6 +73,8 @@ def inspect_lines(bundle: str, manifest, chat_template: str | None) -> list[str]
     name_width = min(max(len(entry.path) for entry in entries), WIDTH - 14)
     lines += [f"  {entry.path:<{name_width}}  {format_size(entry.size):>9}" for entry in entries]
     lines += ["sources:", f"  target: {t.source}", f"  draft:  {d.source}"]
+    for role, spec in (("target", t), ("draft", d)):
+        lines += gguf_lines(role, spec.gguf)
     tok = manifest.tokenizer
     lines.append(f"tokenizer: {tok.vocab_size} tokens, bos {tok.bos_token_id}, eos {list(tok.eos_token_ids)}, "
                  f"pad {tok.pad_token_id}")
@@ -80,6 +82,17 @@ def inspect_lines(bundle: str, manifest, chat_template: str | None) -> list[str]
                            "chat template: none (chat, run --chat and /v1/chat/completions need one)",
                            WIDTH, subsequent_indent="    ")
     return lines + tokenizer_host_lines(tok.hosts)
+
+
+def gguf_lines(role: str, gguf, width: int = WIDTH) -> list[str]:
+    """What a model kept of its GGUF's blocks (none: its weights did not come from one that way)."""
+    if gguf is None:
+        return []
+    kept = ", ".join(f"{kind} x{count}" for kind, count in gguf.kept.items()) or "nothing (a float file)"
+    text = f"{role} weights: the GGUF's own blocks, {kept}"
+    if gguf.dequantized:
+        text += "; dequantized to fp32: " + ", ".join(f"{name} ({kind})" for name, kind in gguf.dequantized.items())
+    return textwrap.wrap(text + f" (sha256 {gguf.sha256[:12]})", width, subsequent_indent="    ")
 
 
 def tokenizer_host_lines(hosts, width: int = WIDTH) -> list[str]:

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from .errors import SpecdeployError
-from .manifest import MANIFEST_NAME, read_manifest_file
+from .manifest import MANIFEST_NAME
+from .manifest_rules import read_manifest_file
 
 PARTIAL, OLD = ".partial-", ".old-"
 _AT_FDCWD, _RENAME_NOREPLACE, _RENAME_EXCHANGE = -100, 1, 2

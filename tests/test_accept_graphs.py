@@ -19,7 +19,7 @@ from specdeploy.runtime.sampling import SamplingParams, draw, process_logits
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 from specdeploy.export import accept  # noqa: E402  (needs onnx)
-from specdeploy.export.fused import OPSET  # noqa: E402  (the fused models' opset)
+from specdeploy.export.graph import OPSET  # noqa: E402  (the fused models' opset)
 
 ROUNDING = 1e-5  # relative: far above float32 softmax differences (~1e-7), far below any real gap
 SETTINGS = [

@@ -8,8 +8,9 @@ import numpy as np
 import onnx
 import pytest
 
-from specdeploy.bundle import file_entry, load_manifest
+from specdeploy.bundle import file_entry
 from specdeploy.export import ExportConfig, export_bundle, fused
+from specdeploy.export.sources import TorchWeights
 from specdeploy.runtime.engine import OrtEngine
 from specdeploy.runtime.loader import load
 
@@ -111,7 +112,7 @@ def test_gemma3_window_is_the_transformers_window(gemma3):
     for window in (WINDOW - 1, WINDOW + 1):
         model.config.sliding_window = window
         try:
-            fused.build_fused(model, out.parent / "shifted.onnx", manifest.max_context)
+            fused.build_fused(TorchWeights(model), out.parent / "shifted.onnx", manifest.max_context)
         finally:
             model.config.sliding_window = WINDOW
         files = tuple(file_entry(out.parent, out.parent / name) for name in ("shifted.onnx", "shifted.onnx.data"))

@@ -138,16 +138,17 @@ def load_state(out: Path) -> dict:
 
 
 def copy_tokenizer(out: Path, target) -> None:
-    """The target's tokenizer files, as they are (a .gguf target's tokenizer is saved by transformers, its fast
-    tokenizer only: read from a GGUF, a tokenizer names the .gguf file as its vocabulary file, and where
-    sentencepiece is installed the slow files would be a copy of the whole target as `tokenizer.model`)."""
+    """The target's tokenizer files, as they are (a .gguf target's tokenizer, converted from its metadata, is saved
+    as its fast tokenizer only, named as export names it: export/gguf.py)."""
     if target.folder is not None:
         for name in TOKENIZER_FILES:
             if (target.folder / name).is_file():
                 atomic_write(out / name, lambda temporary, name=name: shutil.copyfile(target.folder / name, temporary))
         return
+    from ..export.gguf import save_tokenizer
+
     with tempfile.TemporaryDirectory(dir=out, prefix=".tokenizer.") as folder:
-        target.tokenizer.save_pretrained(folder, legacy_format=False)
+        save_tokenizer(target.tokenizer, Path(folder), legacy_format=False)
         for file in Path(folder).iterdir():
             if file.is_file():
                 os.replace(file, out / file.name)

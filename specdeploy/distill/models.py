@@ -81,7 +81,9 @@ class Teaching:
 
 
 def load_target(source: str, device: str) -> Target:
-    """A Hugging Face folder (safetensors weights) or a .gguf file (transformers dequantizes it)."""
+    """A Hugging Face folder (safetensors weights) or a .gguf file: its tokenizer and config from one reading of its
+    header, its weights dequantized one tensor at a time (export/gguf_weights.py; transformers' GGUF loader for an
+    architecture that module does not read)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -101,8 +103,13 @@ def load_target(source: str, device: str) -> Target:
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the GGUF loader's progress and notes are not ours to print
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32, **kwargs)
+        if kwargs:
+            tokenizer, model = _load_gguf(path.resolve())
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
+    except SpecdeployError:
+        raise
     except Exception as exc:  # noqa: BLE001 - transformers raises many types for an unloadable checkpoint
         raise SpecdeployError(f"--target {source}: cannot load it as a causal LM: {_first_line(exc)}") from None
     finally:
@@ -111,6 +118,24 @@ def load_target(source: str, device: str) -> Target:
         raise SpecdeployError(f"--target {source}: its tokenizer has no fast (tokenizer.json) form")
     model.to(device).eval().requires_grad_(False)
     return Target(model, tokenizer, str(path.resolve()), None if kwargs else folder, kwargs.get("gguf_file"))
+
+
+def _load_gguf(path: Path):
+    """A .gguf target's tokenizer and model (float32)."""
+    from transformers import AutoModelForCausalLM
+
+    from ..export import gguf, gguf_weights
+    from ..export.gguf_file import transformers_view
+
+    file = gguf.open_gguf(path, "target")
+    view = transformers_view(file)
+    config = gguf.config_from_metadata(view)
+    tokenizer = gguf.tokenizer_from_metadata(view, config)
+    if file.architecture in gguf_weights.ARCHITECTURES:
+        return tokenizer, gguf_weights.load_model(gguf_weights.GgufTensors(file, config))
+    file.close()
+    return tokenizer, AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True,
+                                                           dtype=torch.float32)
 
 
 def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:

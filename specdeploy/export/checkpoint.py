@@ -1,7 +1,8 @@
 """Local Hugging Face checkpoints: find them, check they can be exported, check a pair is compatible.
 
-Nothing is downloaded: a folder is used as it is, a .gguf file is converted into a folder in the
-export's work folder (gguf.py), and a hub id is only looked up in the local cache.
+Nothing is downloaded: a folder is used as it is, a .gguf file's metadata becomes a folder in the
+export's work folder (gguf.py; its weights are read from the file itself, gguf_weights.py), and a hub
+id is only looked up in the local cache.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ class Checkpoint:
     pad_token_id: int | None
     source: str = ""  # what was asked for: the folder, or the .gguf file it was converted from
     gguf_tokens: Any = None  # gguf.GgufTokens: the special tokens of the GGUF metadata (None: not a GGUF)
+    # The .gguf file whose tensors are the weights, read in place (gguf_weights.py); None: the folder's own weights.
+    gguf_file: Path | None = None
 
 
 def resolve_checkpoint(name: str, role: str, work_dir: Path | None = None) -> tuple[Path, Any]:
@@ -96,10 +99,14 @@ def _read_config(path: Path, role: str, name: str = "config.json") -> dict:
 def load_checkpoint(name: str, role: str, trust_remote_code: bool = False, allow_pickle: bool = False,
                     work_dir: Path | None = None) -> Checkpoint:
     """Resolve, check for config and weights, and check that optimum can export it as a causal LM."""
+    from .gguf import weights_in_file
+
     path, gguf_tokens = resolve_checkpoint(name, role, work_dir)
     if not (path / "config.json").is_file():
         raise SpecdeployError(f"--{role} {path}: no config.json (not a Hugging Face checkpoint folder)")
-    check_weights(path, role, allow_pickle)
+    gguf_file = Path(name).expanduser().resolve() if gguf_tokens is not None and weights_in_file(path) else None
+    if gguf_file is None:
+        check_weights(path, role, allow_pickle)
     raw = _read_config(path, role)
     if raw.get("auto_map") and not trust_remote_code:
         raise SpecdeployError(
@@ -147,6 +154,7 @@ def load_checkpoint(name: str, role: str, trust_remote_code: bool = False, allow
         pad_token_id=pad,
         source=str(Path(name).expanduser().resolve()) if gguf_tokens is not None else str(path),
         gguf_tokens=gguf_tokens,
+        gguf_file=gguf_file,
     )
 
 

@@ -26,6 +26,8 @@ import numpy as np
 
 from ..errors import SpecdeployError
 from . import fused
+from .graph import Graph, save, tensor_spec
+from .sources import TorchWeights
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 EAGLE_WEIGHTS = "model.safetensors"
@@ -135,58 +137,55 @@ def load_eagle_head(folder: Path, block: dict, target_model):
     return head.eval().requires_grad_(False).to(torch.float32)
 
 
-def build_eagle(head, target_model, path: Path, max_context: int, vocab_ids: np.ndarray | None) -> Path:
-    """Write the eagle head's fused graph (the module docstring) to path."""
+def build_eagle(head, target, path: Path, max_context: int, vocab_ids: np.ndarray | None) -> Path:
+    """Write the eagle head's fused graph (the module docstring) to path; target: the target's weights source."""
     from ..distill.models import rope
 
     c = head.c
-    g = fused._Graph(fused.weights_path(path))
+    g = Graph(path)
     try:
-        columns = len(vocab_ids) if vocab_ids is not None else target_model.config.vocab_size
-        g.inputs, g.outputs = fused._io_specs(SimpleNamespace(num_key_value_heads=c.num_key_value_heads,
-                                                              num_attention_heads=c.num_attention_heads),
-                                              [SimpleNamespace(self_attn=SimpleNamespace(head_dim=c.head_dim))] * c.num_layers,
-                                              columns)
-        g.inputs.insert(1, fused._tensor("hidden_states", ["batch_size", "sequence_length", c.hidden_size]))
-        g.outputs.insert(1, fused._tensor("next_hidden_states", ["batch_size", "sequence_length", c.hidden_size]))
-        _emit_eagle(g, head, target_model, max_context, vocab_ids, rope)
+        columns = len(vocab_ids) if vocab_ids is not None else target.model.config.vocab_size
+        g.inputs, g.outputs = fused.io_specs(SimpleNamespace(num_key_value_heads=c.num_key_value_heads,
+                                                             num_attention_heads=c.num_attention_heads),
+                                             range(c.num_layers), columns, head_dim=c.head_dim)
+        g.inputs.insert(1, tensor_spec("hidden_states", ["batch_size", "sequence_length", c.hidden_size]))
+        g.outputs.insert(1, tensor_spec("next_hidden_states", ["batch_size", "sequence_length", c.hidden_size]))
+        _emit_eagle(g, head, target, max_context, vocab_ids, rope)
     finally:
         g.close()
-    return fused._save(g, path)
+    return save(g, "specdeploy-eagle")
 
 
-def _emit_eagle(g, head, target_model, max_context: int, vocab_ids, rope) -> None:
+def _emit_eagle(g, head, target, max_context: int, vocab_ids, rope) -> None:
     c = head.c
-    gemma = type(target_model).__name__ == fused.GEMMA3
-    lengths = fused._valid_lengths(g)
+    own = TorchWeights(head)
+    lengths = fused.valid_lengths(g)
     cos, sin = rope(max_context, c.head_dim, c.rope_theta, "cpu")
     half = c.head_dim // 2
     rotary = (g.weight("cos_cache", cos[:, :half].numpy()), g.weight("sin_cache", sin[:, :half].numpy()))
-    embed = target_model.model.embed_tokens
-    tokens = g.node("Gather", [g.weight("embed_tokens.weight", fused._np(embed.weight)), "input_ids"], axis=0)[0]
-    if gemma:
-        scale = embed.embed_scale.to(embed.weight.dtype)
-        tokens = g.node("Mul", [tokens, g.weight("embed_scale", fused._np(scale).reshape(1))])[0]
+    tokens = fused.embedding(g, target, "input_ids")  # the target's own, Gemma's scale included
     joined = g.node("Concat", ["hidden_states", tokens], axis=-1)[0]  # feature first, as fc was trained
-    x = g.linear(joined, "fc", head.fc)
-    norm = fused._ResidualNorm(g, c.rms_norm_eps)
+    x = fused.linear(g, own, "fc", head.fc, joined)
+    norm = fused.ResidualNorm(g, own, c.rms_norm_eps)
     settings = SimpleNamespace(num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
                                rms_norm_eps=c.rms_norm_eps)
     for i, layer in enumerate(head.layers):
         attention = layer.self_attn
         attention.scaling = c.head_dim ** -0.5  # scaled_dot_product_attention's default, as trained
-        normed = norm(x, layer.input_layernorm, f"layers.{i}.input_layernorm")
-        context = fused._attention(g, i, attention, normed, lengths, rotary, settings, -1)
-        x = g.linear(context, f"layers.{i}.o_proj", attention.o_proj)
-        normed = norm(x, layer.post_attention_layernorm, f"layers.{i}.post_attention_layernorm")
-        x = fused._mlp(g, i, layer.mlp, normed)
+        normed = norm(x, f"layers.{i}.input_layernorm")
+        context = fused.attention(g, own, f"layers.{i}.self_attn", attention, i, normed, lengths, rotary, settings, -1)
+        x = fused.linear(g, own, f"layers.{i}.self_attn.o_proj", attention.o_proj, context)
+        normed = norm(x, f"layers.{i}.post_attention_layernorm")
+        x = fused.mlp(g, own, f"layers.{i}.mlp", layer.mlp, normed)
     # The target's final norm (Gemma's weight + 1) on the residual stream; its sum is the predicted feature.
-    target_eps = float(getattr(target_model.config, "rms_norm_eps", c.rms_norm_eps))
-    weight = g.weight("norm.weight", fused._np(target_model.model.norm.weight) + np.float32(1.0 if gemma else 0.0))
+    model = target.model
+    target_eps = float(getattr(model.config, "rms_norm_eps", c.rms_norm_eps))
+    offset = 1.0 if type(model).__name__ == fused.GEMMA3 else 0.0
+    weight = g.weight("norm.weight", target.norm("model.norm.weight", offset))
     final, _, _, feature = g.node("SkipSimplifiedLayerNormalization", [x, norm.residual, weight], 4, domain=fused.MS,
                                   epsilon=target_eps)
     g.node("Identity", [feature], ["next_hidden_states"])
-    fused._head(g, target_model, final, vocab_ids)
+    fused.head(g, target, final, vocab_ids)
 
 
 class EagleReference:
@@ -219,10 +218,10 @@ class EagleReference:
         with torch.no_grad():
             embeds = self.model.get_input_embeddings()(torch.from_numpy(np.asarray(ids[1:], dtype=np.int64))[None])
             predicted = self.head.rollout(torch.from_numpy(features[:-1])[None], embeds, 1)[0]
-            weight = self.model.get_output_embeddings().weight
+            # Through the modules, not their weights: a streamed reference (gguf_weights) loads each as it runs.
+            logits = self.model.get_output_embeddings()(self.model.model.norm(predicted))
             if self.vocab_ids is not None:
-                weight = weight[torch.from_numpy(self.vocab_ids)]
-            logits = torch.nn.functional.linear(self.model.model.norm(predicted), weight)
+                logits = logits[..., torch.from_numpy(self.vocab_ids)]
             logits = softcap(logits, getattr(self.model.config, "final_logit_softcapping", None))
         return logits[0].float().numpy()
 
@@ -259,13 +258,14 @@ class GraphShape:
         source = self.head(model) if self.eagle is not None else model
         return sum(p.numel() for p in source.parameters())
 
-    def build(self, model, path: Path, max_context: int, window: int | None) -> Path:
-        """The fused graph (the target's model, for an eagle draft), and the vocabulary file beside it."""
+    def build(self, weights, path: Path, max_context: int, window: int | None) -> Path:
+        """The fused graph (from the target's weights, for an eagle draft), and the vocabulary file beside it."""
+        model = weights.model
         if self.vocab_ids is not None:
             write_vocab_ids(path.parent / VOCAB_IDS_FILE, self.vocab_ids, int(model.get_output_embeddings().weight.shape[0]))
         if self.eagle is not None:
-            return build_eagle(self.head(model), model, path, max_context, self.vocab_ids)
-        return fused.build_fused(model, path, max_context, window, self.features, self.vocab_ids)
+            return build_eagle(self.head(model), weights, path, max_context, self.vocab_ids)
+        return fused.build_fused(weights, path, max_context, window, self.features, self.vocab_ids)
 
     def describe(self, spec, root: Path, vocab_size: int):
         """spec with the draft's kind, eagle contract and vocabulary subset."""

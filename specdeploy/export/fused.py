@@ -1,7 +1,7 @@
 """The fused graph for the Llama family and Gemma 3: GroupQueryAttention over a KV cache written in place.
 
 optimum's graph returns `present = Concat(past, new)`: every step copies the whole cache (so a step
-slows down as the context grows), and its 600 nodes cost more than the arithmetic of a small model. This module emits, from the same PyTorch weights, the graph
+slows down as the context grows), and its 600 nodes cost more than the arithmetic of a small model. This module emits, from a model's weights, the graph
 onnxruntime-genai's model builder emits for these models, with ONNX Runtime's contrib operators:
 
     Gather -> [SimplifiedLayerNorm -> MatMul(qkv) -> GroupQueryAttention -> MatMul(o)
@@ -30,6 +30,12 @@ rotary table (rope_local_base_freq); the global layers keep rope_theta and rope_
 cache is full length; a sliding layer only reads its window of it. The tied head reads the embedding
 table (stored once); final_logit_softcapping, when set, is softcap * tanh(logits / softcap).
 
+The weights come from a weights source: sources.TorchWeights (a PyTorch model's float32 parameters) or a
+GGUF file's own blocks (gguf_weights.GgufWeights). A matrix is either float32 (a MatMul) or a
+`blocks.BlockMatrix` (MatMulNBits; GatherBlockQuantized for the embedding, whose tied head reads
+the same blocks). The model itself (`weights.model`) gives the structure: the config, the modules
+present, the rotary tables; its parameters may be empty (on the meta device).
+
 Which checkpoints qualify is decided by `unsupported_reason`; the rest go through optimum. Either
 way the parity check against PyTorch decides whether the bundle is written.
 """
@@ -40,13 +46,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .convert import weights_path
-from .weights import DataWriter
+from .blocks import MS, BlockMatrix
+from .graph import Graph, graph_name, save, tensor_spec
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM")
 GEMMA3 = "Gemma3ForCausalLM"
-MS = "com.microsoft"
-OPSET = 17
 
 
 def unsupported_reason(model, max_context: int) -> str | None:
@@ -87,7 +91,7 @@ def _unsupported_layout(model, config, name: str, max_context: int) -> str | Non
     head_dim = attention.head_dim
     if head_dim % 16:
         return f"head_dim {head_dim} (GroupQueryAttention's rotary kernel needs a multiple of 16)"
-    rotary = _rotary_tables(model, 1)[0].shape[1]
+    rotary = rotary_tables(model, 1)[0].shape[1]
     if rotary % 8:
         return f"rotary dimension {2 * rotary}"
     return None
@@ -110,7 +114,7 @@ def _unsupported_gemma3(config) -> str | None:
     return None
 
 
-def _rotary_tables(model, positions: int, module=None) -> tuple[np.ndarray, np.ndarray]:
+def rotary_tables(model, positions: int, module=None) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin [positions, rotary_dim / 2] exactly as the model's rotary module (default: its
     global one, `model.model.rotary_emb`) computes them."""
     import torch
@@ -122,133 +126,91 @@ def _rotary_tables(model, positions: int, module=None) -> tuple[np.ndarray, np.n
     return cos[0, :, :half].float().numpy(), sin[0, :, :half].float().numpy()
 
 
-def _np(tensor) -> np.ndarray:
-    return tensor.detach().float().numpy()
-
-
-class _Graph:
-    """Nodes, and initializers written straight into the external data file as they come.
-
-    A weight never sits in the protobuf: each is copied once (transposed to [in, out]) and
-    written (weights.DataWriter), so exporting takes about one model's worth of memory beyond
-    PyTorch's copy rather than three."""
-
-    def __init__(self, data_path: Path):
-        from onnx import helper
-
-        self.helper = helper
-        self.nodes: list = []
-        self.initializers: list = []
-        self._count = 0
-        self._data = DataWriter(data_path)
-
-    def weight(self, name: str, array: np.ndarray) -> str:
-        self.initializers.append(self._data.array(name, array))
-        return name
-
-    def close(self) -> None:
-        self._data.close()
-
-    def node(self, op: str, inputs: list[str], outputs: int | list[str] = 1, domain: str = "", **attrs) -> list[str]:
-        self._count += 1
-        if isinstance(outputs, int):
-            outputs = [f"/{op.lower()}_{self._count}/out{i}" for i in range(outputs)]
-        self.nodes.append(self.helper.make_node(op, inputs, outputs, name=f"{op}_{self._count}", domain=domain, **attrs))
-        return outputs
-
-    def linear(self, x: str, name: str, module) -> str:
-        """x @ W.T (+ b): MatMul with the weight stored [in, out]."""
-        out = self.node("MatMul", [x, self.weight(f"{name}.weight", _np(module.weight).T)])[0]
-        if getattr(module, "bias", None) is not None:
-            out = self.node("Add", [out, self.weight(f"{name}.bias", _np(module.bias))])[0]
-        return out
-
-
-def build_fused(model, path: Path, max_context: int, window: int | None = None, features: bool = False,
+def build_fused(weights, path: Path, max_context: int, window: int | None = None, features: bool = False,
                 vocab_ids: np.ndarray | None = None) -> Path:
-    """Write the fused fp32 graph for model (see the module docstring) to path.
+    """Write the fused graph for weights.model (see the module docstring) to path.
 
     window: each query attends to its last `window` positions, itself included (GroupQueryAttention's
     local_window_size, measured); None: the whole context. Only for drafts, whose numbers never reach the
     output: a draft trained on short windows proposes better, and reads less, with one.
     features: also return `hidden_states` [batch, seq, hidden], the final norm's input (for an eagle draft).
     vocab_ids: the head's rows (a draft's frequent tokens); None: the whole vocabulary."""
-    g = _Graph(weights_path(path))
+    g = Graph(path)
     try:
-        _emit(g, model, max_context, window or -1, features, vocab_ids)
+        _emit(g, weights, max_context, window or -1, features, vocab_ids)
     finally:
         g.close()
-    return _save(g, path)
+    return save(g)
 
 
-def _save(g: _Graph, path: Path) -> Path:
-    import onnx
-    from onnx import helper
-
-    graph = helper.make_graph(g.nodes, "specdeploy-fused", g.inputs, g.outputs, g.initializers)
-    proto = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)], producer_name="specdeploy"
-    )
-    proto.ir_version = 8
-    onnx.save_model(proto, path)  # the graph only: its initializers already point into path + ".data"
-    return path
-
-
-def _emit(g: _Graph, model, max_context: int, window: int, features: bool, vocab_ids: np.ndarray | None) -> None:
+def _emit(g: Graph, weights, max_context: int, window: int, features: bool, vocab_ids: np.ndarray | None) -> None:
     """The nodes and weights of the fused graph (see the module docstring) into g, in graph order."""
+    model = weights.model
     config = model.config
     layers = model.model.layers
     gemma = type(model).__name__ == GEMMA3
-    g.inputs, g.outputs = _io_specs(config, layers, len(vocab_ids) if vocab_ids is not None else config.vocab_size)
+    g.inputs, g.outputs = io_specs(config, layers, len(vocab_ids) if vocab_ids is not None else config.vocab_size)
     if features:
-        g.outputs.insert(1, _tensor("hidden_states", ["batch_size", "sequence_length", config.hidden_size]))
-    lengths = _valid_lengths(g)
-    cos, sin = _rotary_tables(model, max_context)
+        g.outputs.insert(1, tensor_spec("hidden_states", ["batch_size", "sequence_length", config.hidden_size]))
+    lengths = valid_lengths(g)
+    cos, sin = rotary_tables(model, max_context)
     rotary = (g.weight("cos_cache", cos), g.weight("sin_cache", sin))
     if gemma:  # the sliding layers' own table (rope_local_base_freq, unscaled)
-        cos, sin = _rotary_tables(model, max_context, model.model.rotary_emb_local)
+        cos, sin = rotary_tables(model, max_context, model.model.rotary_emb_local)
         local_rotary = (g.weight("cos_cache_local", cos), g.weight("sin_cache_local", sin))
-    embed = model.model.embed_tokens.weight
-    delta = g.node("Gather", [g.weight("embed_tokens.weight", _np(embed)), "input_ids"], axis=0)[0]
-    if gemma:  # embeddings times sqrt(hidden_size), in the table's dtype as transformers rounds it
-        scale = model.model.embed_tokens.embed_scale.to(embed.dtype)
-        delta = g.node("Mul", [delta, g.weight("embed_scale", _np(scale).reshape(1))])[0]
+    delta = embedding(g, weights, "input_ids")
     # Gemma's RMSNorm multiplies by (1 + weight): the 1 is folded into the stored weight.
-    norm = _ResidualNorm(g, float(config.rms_norm_eps), offset=1.0 if gemma else 0.0)
+    norm = ResidualNorm(g, weights, float(config.rms_norm_eps), offset=1.0 if gemma else 0.0)
     for i, layer in enumerate(layers):
-        normed = norm(delta, layer.input_layernorm, f"layers.{i}.input_layernorm")
+        prefix = f"model.layers.{i}"
+        normed = norm(delta, f"{prefix}.input_layernorm")
         sliding = gemma and config.layer_types[i] == "sliding_attention"
-        context = _attention(g, i, layer.self_attn, normed, lengths, local_rotary if sliding else rotary, config,
-                             _layer_window(config.sliding_window if sliding else None, window))
-        delta = g.linear(context, f"layers.{i}.o_proj", layer.self_attn.o_proj)
+        context = attention(g, weights, f"{prefix}.self_attn", layer.self_attn, i, normed, lengths,
+                            local_rotary if sliding else rotary, config,
+                            _layer_window(config.sliding_window if sliding else None, window))
+        delta = linear(g, weights, f"{prefix}.self_attn.o_proj", layer.self_attn.o_proj, context)
         if gemma:  # normed before it joins the residual stream, then the MLP's own norm
-            delta = norm.plain(delta, layer.post_attention_layernorm, f"layers.{i}.post_attention_layernorm")
-            normed = norm(delta, layer.pre_feedforward_layernorm, f"layers.{i}.pre_feedforward_layernorm")
-            delta = norm.plain(_mlp(g, i, layer.mlp, normed, gelu_tanh=True), layer.post_feedforward_layernorm,
-                               f"layers.{i}.post_feedforward_layernorm")
+            delta = norm.plain(delta, f"{prefix}.post_attention_layernorm")
+            normed = norm(delta, f"{prefix}.pre_feedforward_layernorm")
+            delta = norm.plain(mlp(g, weights, f"{prefix}.mlp", layer.mlp, normed, gelu_tanh=True),
+                               f"{prefix}.post_feedforward_layernorm")
         else:
-            normed = norm(delta, layer.post_attention_layernorm, f"layers.{i}.post_attention_layernorm")
-            delta = _mlp(g, i, layer.mlp, normed)
-    final = norm(delta, model.model.norm, "norm")
+            normed = norm(delta, f"{prefix}.post_attention_layernorm")
+            delta = mlp(g, weights, f"{prefix}.mlp", layer.mlp, normed)
+    final = norm(delta, "model.norm")
     if features:  # the final norm's input, which its fused node returns anyway: what an eagle draft reads
         g.node("Identity", [norm.residual], ["hidden_states"])
-    _head(g, model, final, vocab_ids)
+    head(g, weights, final, vocab_ids)
 
 
-def _head(g: _Graph, model, final: str, vocab_ids: np.ndarray | None) -> None:
+def embedding(g: Graph, weights, ids: str) -> str:
+    """The token embedding of ids (times Gemma's sqrt(hidden_size), in the table's dtype as transformers rounds it)."""
+    model = weights.model
+    rows = g.gather("embed_tokens.weight", weights.matrix("model.embed_tokens.weight"), ids)
+    if type(model).__name__ == GEMMA3:
+        module = model.model.embed_tokens
+        scale = module.embed_scale.to(module.weight.dtype).float().numpy()
+        rows = g.node("Mul", [rows, g.weight("embed_scale", scale.reshape(1))])[0]
+    return rows
+
+
+def head(g: Graph, weights, final: str, vocab_ids: np.ndarray | None) -> None:
     """logits = the model's LM head over final (and Gemma's softcap), its rows vocab_ids only when given."""
+    model = weights.model
     config = model.config
-    embed = model.model.embed_tokens.weight
-    head = model.lm_head
     softcap = getattr(config, "final_logit_softcapping", None) if type(model).__name__ == GEMMA3 else None
     logits = "logits_uncapped" if softcap else "logits"
-    tied = head.weight.data_ptr() == embed.data_ptr()
-    if tied and vocab_ids is None and "embed_tokens.weight" in {t.name for t in g.initializers}:
+    tied = weights.tied_head()
+    table = weights.matrix("model.embed_tokens.weight" if tied else "lm_head.weight")
+    if tied and vocab_ids is None and isinstance(table, BlockMatrix):  # the embedding's blocks, stored once
+        g.matmul_blocks(final, "embed_tokens.weight", table, logits, label="lm_head")
+    elif tied and vocab_ids is None and "embed_tokens.weight" in {t.name for t in g.initializers}:
         # Tied: read the embedding table transposed instead of storing it twice.
         g.node("FusedMatMul", [final, "embed_tokens.weight"], [logits], domain=MS, transB=1, alpha=1.0)
     else:
-        rows = _np(head.weight) if vocab_ids is None else _np(head.weight)[vocab_ids]
-        g.nodes.append(g.helper.make_node("MatMul", [final, g.weight("lm_head.weight", rows.T)], [logits], name="lm_head"))
+        rows = table if vocab_ids is None else (table.take(vocab_ids) if isinstance(table, BlockMatrix)
+                                                 else table[vocab_ids])
+        g.linear(final, "lm_head", rows, output=logits, label="lm_head")
     if softcap:  # softcap * tanh(logits / softcap)
         cap = g.weight("final_logit_softcapping", np.array([softcap], dtype=np.float32))
         g.node("Mul", [g.node("Tanh", [g.node("Div", [logits, cap])[0]])[0], cap], ["logits"])
@@ -264,21 +226,16 @@ def _layer_window(sliding_window: int | None, draft_window: int) -> int:
     return min(limits) if limits else -1
 
 
-def _tensor(name: str, shape: list, integer: bool = False):
-    from onnx import TensorProto, helper
-
-    return helper.make_tensor_value_info(name, TensorProto.INT64 if integer else TensorProto.FLOAT, shape)
-
-
-def _io_specs(config, layers, columns: int) -> tuple[list, list]:
-    """The graph's inputs and outputs: the names and shapes of the manifest's KV templates; logits [.., columns]."""
+def io_specs(config, layers, columns: int, head_dim: int | None = None) -> tuple[list, list]:
+    """The graph's inputs and outputs: the names and shapes of the manifest's KV templates; logits [.., columns].
+    head_dim: default, the first layer's attention's."""
     from onnx import TensorProto, helper
 
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = layers[0].self_attn.head_dim
-    inputs = [_tensor("input_ids", ["batch_size", "sequence_length"], integer=True),
-              _tensor("attention_mask", ["batch_size", "total_sequence_length"], integer=True)]
-    outputs = [_tensor("logits", ["batch_size", "sequence_length", columns])]
+    head_dim = head_dim or layers[0].self_attn.head_dim
+    inputs = [tensor_spec("input_ids", ["batch_size", "sequence_length"], integer=True),
+              tensor_spec("attention_mask", ["batch_size", "total_sequence_length"], integer=True)]
+    outputs = [tensor_spec("logits", ["batch_size", "sequence_length", columns])]
     cache_shape = ["batch_size", kv_heads, "past_sequence_length", head_dim]
     present_shape = ["batch_size", kv_heads, "present_sequence_length", head_dim]
     for i in range(len(layers)):
@@ -288,7 +245,7 @@ def _io_specs(config, layers, columns: int) -> tuple[list, list]:
     return inputs, outputs
 
 
-def _valid_lengths(g: _Graph) -> tuple[str, str]:
+def valid_lengths(g: Graph) -> tuple[str, str]:
     """GroupQueryAttention's seqlens_k (sum(mask) - 1, per row) and total length (the mask's width), as
     onnxruntime-genai computes them."""
     from onnx import TensorProto
@@ -300,20 +257,22 @@ def _valid_lengths(g: _Graph) -> tuple[str, str]:
     return seqlens, g.node("Cast", [width], to=TensorProto.INT32)[0]
 
 
-class _ResidualNorm:
+class ResidualNorm:
     """RMS norms that carry the residual stream: the first is SimplifiedLayerNormalization, every later
-    one SkipSimplifiedLayerNormalization, which adds its input to the running sum before normalizing."""
+    one SkipSimplifiedLayerNormalization, which adds its input to the running sum before normalizing.
+    Each norm is named by its module's state-dict prefix (`model.layers.0.input_layernorm`)."""
 
-    def __init__(self, g: _Graph, eps: float, offset: float = 0.0):
-        self.g, self.eps, self.offset = g, eps, offset
+    def __init__(self, g: Graph, weights, eps: float, offset: float = 0.0):
+        self.g, self.weights, self.eps, self.offset = g, weights, eps, offset
         self.residual: str | None = None
 
-    def _weight(self, module, name: str) -> str:
-        return self.g.weight(f"{name}.weight", _np(module.weight) + np.float32(self.offset))
+    def _weight(self, prefix: str) -> str:
+        name = f"{prefix}.weight"
+        return self.g.weight(graph_name(name), self.weights.norm(name, self.offset))
 
-    def __call__(self, x: str, module, name: str) -> str:
+    def __call__(self, x: str, prefix: str) -> str:
         g = self.g
-        weight = self._weight(module, name)
+        weight = self._weight(prefix)
         if self.residual is None:
             self.residual = x
             return g.node("SimplifiedLayerNormalization", [x, weight], epsilon=self.eps, axis=-1, stash_type=1)[0]
@@ -321,31 +280,52 @@ class _ResidualNorm:
                                           epsilon=self.eps)
         return out
 
-    def plain(self, x: str, module, name: str) -> str:
+    def plain(self, x: str, prefix: str) -> str:
         """An RMS norm off the residual stream (Gemma's post-attention and post-feedforward norms)."""
-        return self.g.node("SimplifiedLayerNormalization", [x, self._weight(module, name)], epsilon=self.eps, axis=-1,
+        return self.g.node("SimplifiedLayerNormalization", [x, self._weight(prefix)], epsilon=self.eps, axis=-1,
                            stash_type=1)[0]
 
 
-def _attention(g: _Graph, i: int, attn, normed: str, lengths: tuple[str, str], rotary: tuple[str, str], config,
-               window: int) -> str:
-    """One fused qkv MatMul (+ bias), then GroupQueryAttention on layer i's KV buffers; its output before o_proj.
+def linear(g: Graph, weights, prefix: str, module, x: str) -> str:
+    """The Linear `module` (state-dict prefix `prefix`) over x, its bias included."""
+    bias = weights.array(f"{prefix}.bias") if getattr(module, "bias", None) is not None else None
+    return g.linear(x, graph_name(prefix), weights.matrix(f"{prefix}.weight"), bias)
+
+
+def _stacked(parts: list) -> np.ndarray | BlockMatrix | None:
+    """q, k and v's weights as one matrix (rows one after another), or None where their storage differs."""
+    if all(isinstance(p, np.ndarray) for p in parts):
+        return np.concatenate(parts, axis=0)
+    if all(isinstance(p, BlockMatrix) for p in parts) and len({p.layout() for p in parts}) == 1:
+        return BlockMatrix.stack(parts)
+    return None
+
+
+def attention(g: Graph, weights, prefix: str, attn, i: int, normed: str, lengths: tuple[str, str],
+              rotary: tuple[str, str], config, window: int) -> str:
+    """One qkv projection (+ bias), then GroupQueryAttention on layer i's KV buffers; its output before o_proj.
 
     window: GroupQueryAttention's local_window_size (see _layer_window). With q/k norms (Gemma 3) q, k
-    and v are three MatMuls, q and k normed over each head before GroupQueryAttention rotates them."""
+    and v are three projections, q and k normed over each head before GroupQueryAttention rotates them;
+    so are q, k and v whose weights are stored unlike (a GGUF's Q4_K q and k beside a Q6_K v)."""
     if hasattr(attn, "q_norm"):
-        q, k, v = (g.linear(normed, f"layers.{i}.{name}", getattr(attn, name)) for name in ("q_proj", "k_proj", "v_proj"))
+        q, k, v = (linear(g, weights, f"{prefix}.{proj}", getattr(attn, proj), normed)
+                   for proj in ("q_proj", "k_proj", "v_proj"))
         eps = float(config.rms_norm_eps)
-        qkv = [_head_norm(g, q, attn.q_norm, f"layers.{i}.q_norm", attn.head_dim, attn.q_proj.out_features, eps),
-               _head_norm(g, k, attn.k_norm, f"layers.{i}.k_norm", attn.head_dim, attn.k_proj.out_features, eps), v]
+        qkv = [_head_norm(g, weights, q, f"{prefix}.q_norm", attn.head_dim, attn.q_proj.out_features, eps),
+               _head_norm(g, weights, k, f"{prefix}.k_norm", attn.head_dim, attn.k_proj.out_features, eps), v]
     elif hasattr(attn, "qkv_proj"):
-        qkv = g.linear(normed, f"layers.{i}.qkv_proj", attn.qkv_proj)
+        qkv = linear(g, weights, f"{prefix}.qkv_proj", attn.qkv_proj, normed)
     else:
-        weight = np.concatenate([_np(p.weight).T for p in (attn.q_proj, attn.k_proj, attn.v_proj)], axis=1)
-        qkv = g.node("MatMul", [normed, g.weight(f"layers.{i}.qkv_proj.weight", weight)])[0]
-        if attn.q_proj.bias is not None:
-            bias = np.concatenate([_np(p.bias) for p in (attn.q_proj, attn.k_proj, attn.v_proj)])
-            qkv = g.node("Add", [qkv, g.weight(f"layers.{i}.qkv_proj.bias", bias)])[0]
+        projections = [f"{prefix}.{proj}" for proj in ("q_proj", "k_proj", "v_proj")]
+        matrices = [weights.matrix(f"{p}.weight") for p in projections]
+        biases = [weights.array(f"{p}.bias") if attn.q_proj.bias is not None else None for p in projections]
+        stacked = _stacked(matrices)
+        if stacked is None:
+            qkv = [g.linear(normed, graph_name(p), m, b) for p, m, b in zip(projections, matrices, biases)]
+        else:
+            bias = None if biases[0] is None else np.concatenate(biases)
+            qkv = g.linear(normed, graph_name(f"{prefix}.qkv_proj"), stacked, bias)
     if isinstance(qkv, str):  # packed: GroupQueryAttention splits it
         qkv = [qkv, "", ""]
     heads = config.num_attention_heads
@@ -358,29 +338,34 @@ def _attention(g: _Graph, i: int, attn, normed: str, lengths: tuple[str, str], r
     )[0]
 
 
-def _head_norm(g: _Graph, x: str, module, name: str, head_dim: int, width: int, eps: float) -> str:
+def _head_norm(g: Graph, weights, x: str, prefix: str, head_dim: int, width: int, eps: float) -> str:
     """Gemma's RMS norm (weight + 1) over each head of x [batch, seq, width = heads * head_dim], as
     onnxruntime-genai emits it: Reshape [batch, seq * heads, head_dim] -> SimplifiedLayerNormalization
     -> Reshape back."""
+    name = graph_name(prefix)
     split = g.node("Reshape", [x, g.weight(f"{name}.split_shape", np.array([0, -1, head_dim], dtype=np.int64))])[0]
-    weight = g.weight(f"{name}.weight", _np(module.weight) + np.float32(1.0))
+    weight = g.weight(f"{name}.weight", weights.norm(f"{prefix}.weight", 1.0))
     normed = g.node("SimplifiedLayerNormalization", [split, weight], epsilon=eps, axis=-1, stash_type=1)[0]
     return g.node("Reshape", [normed, g.weight(f"{name}.join_shape", np.array([0, -1, width], dtype=np.int64))])[0]
 
 
-def _mlp(g: _Graph, i: int, mlp, normed: str, gelu_tanh: bool = False) -> str:
-    """down(SiLU(gate(x)) * up(x)) of layer i (Phi-3 stores gate and up as one matrix); gelu_tanh
-    (Gemma 3's gelu_pytorch_tanh) in place of SiLU."""
-    if hasattr(mlp, "gate_up_proj"):
-        weight = _np(mlp.gate_up_proj.weight)
-        half = weight.shape[0] // 2
-        gate = g.node("MatMul", [normed, g.weight(f"layers.{i}.gate_proj.weight", weight[:half].T)])[0]
-        up = g.node("MatMul", [normed, g.weight(f"layers.{i}.up_proj.weight", weight[half:].T)])[0]
+def mlp(g: Graph, weights, prefix: str, module, normed: str, gelu_tanh: bool = False) -> str:
+    """down(SiLU(gate(x)) * up(x)) (Phi-3 stores gate and up as one matrix); gelu_tanh (Gemma 3's
+    gelu_pytorch_tanh) in place of SiLU."""
+    name = graph_name(prefix)
+    if hasattr(module, "gate_up_proj"):
+        weight = weights.matrix(f"{prefix}.gate_up_proj.weight")
+        half = weight.rows // 2 if isinstance(weight, BlockMatrix) else weight.shape[0] // 2
+        gate_rows, up_rows = np.arange(half), np.arange(half, 2 * half)
+        parts = ((weight.take(gate_rows), weight.take(up_rows)) if isinstance(weight, BlockMatrix)
+                 else (weight[:half], weight[half:]))
+        gate = g.linear(normed, f"{name}.gate_proj", parts[0])
+        up = g.linear(normed, f"{name}.up_proj", parts[1])
     else:
-        gate = g.linear(normed, f"layers.{i}.gate_proj", mlp.gate_proj)
-        up = g.linear(normed, f"layers.{i}.up_proj", mlp.up_proj)
+        gate = linear(g, weights, f"{prefix}.gate_proj", module.gate_proj, normed)
+        up = linear(g, weights, f"{prefix}.up_proj", module.up_proj, normed)
     if gelu_tanh:
         act = g.node("FastGelu", [gate], domain=MS)[0]  # 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
     else:
         act = g.node("Mul", [gate, g.node("Sigmoid", [gate])[0]])[0]  # SiLU; ONNX Runtime fuses this into QuickGelu
-    return g.linear(g.node("Mul", [act, up])[0], f"layers.{i}.down_proj", mlp.down_proj)
+    return linear(g, weights, f"{prefix}.down_proj", module.down_proj, g.node("Mul", [act, up])[0])

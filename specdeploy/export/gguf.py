@@ -1,12 +1,15 @@
-"""GGUF checkpoints in: a .gguf file read through transformers' GGUF loader into a Hugging Face folder.
+"""GGUF checkpoints in: a .gguf file's metadata as a Hugging Face folder (config, generation config,
+tokenizer), its weights read from the file itself.
 
-The weights are dequantized to fp32 and saved with the tokenizer, config and generation config in
-the export's work folder; the rest of the export reads that folder like any other checkpoint.
-transformers' converted tokenizer and config do not carry the GGUF's special tokens faithfully
-(its tokenizer takes BOS for EOS; its config holds the model class's defaults), so the special
-tokens are read from the GGUF metadata itself and passed on as the authority the special-token
-check repairs the folder from (special_tokens.py). Where its tokenizer splits text otherwise than
-llama.cpp (SentencePiece vocabularies, Llama 3's split), gguf_vocab.py rebuilds those parts.
+For the architectures gguf_weights.py reads in place (Llama, Qwen 2, Gemma 3) the folder holds no
+weights: export keeps the file's quantized blocks or dequantizes one tensor at a time from it. Any
+other architecture transformers' GGUF loader reads is dequantized to fp32 by that loader and saved in
+the folder, which the rest of the export reads like any other checkpoint. transformers' converted
+tokenizer and config do not carry the GGUF's special tokens faithfully (its tokenizer takes BOS for
+EOS; its config holds the model class's defaults), so the special tokens are read from the GGUF
+metadata itself and passed on as the authority the special-token check repairs the folder from
+(special_tokens.py). Where its tokenizer splits text otherwise than llama.cpp (SentencePiece
+vocabularies, Llama 3's split), gguf_vocab.py rebuilds those parts.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 
 from ..errors import SpecdeployError, install_hint
 from .convert import release_freed_memory
+from .gguf_file import transformers_view
 from .gguf_vocab import CONTROL, UNKNOWN, GgufVocab, read_vocab, rebuild_tokenizer
 
 MAGIC = b"GGUF"
@@ -58,37 +62,41 @@ def _first_line(exc: Exception) -> str:
     return text.splitlines()[0][:300] if text else type(exc).__name__
 
 
-def read_tokens(path: Path, role: str) -> tuple[str, GgufTokens, GgufVocab]:
-    """The architecture, the special-token metadata and the vocabulary, read with gguf's GGUFReader."""
+def open_gguf(path: Path, role: str):
+    """The file's header, read once (gguf_file.GgufFile); one error line for anything that is not a readable GGUF."""
+    from .gguf_file import GgufFile
+
     try:
-        from gguf import GGUFReader
+        import gguf  # noqa: F401  (its type tables and dequantization)
     except ImportError:
         raise SpecdeployError(f"--{role} {path}: reading GGUF needs the gguf package ({install_hint('export')})") from None
     with open(path, "rb") as handle:
         if handle.read(4) != MAGIC:
             raise SpecdeployError(f"--{role} {path}: not a GGUF file (no GGUF magic at its start)")
     try:
-        reader = GGUFReader(str(path))
-    except Exception as exc:  # noqa: BLE001 - a truncated or corrupt file fails anywhere in the parser
+        return GgufFile(path)
+    except SpecdeployError as exc:
+        detail = str(exc).removeprefix(f"{path}: ")
+        raise SpecdeployError(f"--{role} {path}: cannot read the GGUF file: {detail}") from None
+    except (ValueError, UnicodeDecodeError, OverflowError, MemoryError) as exc:  # a corrupt header fails anywhere
         raise SpecdeployError(f"--{role} {path}: cannot read the GGUF file: {_first_line(exc)}") from None
 
-    def value(key: str):
-        field = reader.get_field(key)
-        if field is None:
-            return None
-        try:
-            return field.contents()
-        except Exception:  # noqa: BLE001
-            raise SpecdeployError(f"--{role} {path}: cannot read the GGUF metadata key {key}") from None
+
+def read_tokens(file, role: str) -> tuple[str, GgufTokens, GgufVocab]:
+    """The architecture, the special-token metadata and the vocabulary of a GgufFile."""
+    path, value = file.path, file.metadata.get
 
     def token_id(key: str) -> int | None:
         raw = value(key)
-        return None if raw is None else int(raw)
+        try:
+            return None if raw is None else int(raw)
+        except (TypeError, ValueError):
+            raise SpecdeployError(f"--{role} {path}: the GGUF metadata key {key} is not a token id") from None
 
     architecture = value("general.architecture")
     if not isinstance(architecture, str):
         raise SpecdeployError(f"--{role} {path}: the GGUF file has no general.architecture")
-    _check_whole_model(path, role, value, len(reader.tensors))
+    _check_whole_model(path, role, value, len(file.tensors))
     add_bos = value("tokenizer.ggml.add_bos_token")
     if add_bos is None:  # llama.cpp's default for the tokenizer's kind
         add_bos = llama_cpp_add_bos(value("tokenizer.ggml.model"), value("tokenizer.ggml.pre"))
@@ -173,54 +181,54 @@ def _without_conversion_bar():
 
 
 def gguf_to_folder(path: Path, role: str, work_dir: Path) -> tuple[Path, GgufTokens]:
-    """Dequantize the GGUF into a Hugging Face folder under work_dir (once per file); returns it and the metadata.
+    """The GGUF's metadata as a Hugging Face folder under work_dir (once per file); returns it and the special tokens.
 
-    The folder's config.json and generation_config.json take their special tokens from the GGUF
-    metadata; the tokenizer files are transformers' conversion, rebuilt where it tokenizes otherwise than
-    llama.cpp (gguf_vocab.py) and left for the special-token check.
+    config.json (naming the model class) and generation_config.json take their special tokens from the
+    GGUF metadata; the tokenizer files are transformers' conversion, rebuilt where it tokenizes
+    otherwise than llama.cpp (gguf_vocab.py) and left for the special-token check. The folder holds
+    weights only for an architecture gguf_weights.py does not read (transformers' fp32 dequantization).
 
     Every read of a GGUF parses all its metadata, every token of the vocabulary included, so this
-    module reads the file once (the special tokens and control tokens together), the model's config
-    comes with the model, and the same file as draft reuses the folder and the metadata. The model
-    goes before the tokenizer, and what each leaves freed goes back to the system before the next
-    (release_freed_memory), so the conversion's peak is transformers' dequantization of the model."""
+    module reads the file once (the special tokens and control tokens together), and the same file as
+    draft reuses the folder and the metadata. What each step leaves freed goes back to the system
+    before the next (release_freed_memory)."""
     path = path.resolve()
     key = hashlib.sha256(str(path).encode()).hexdigest()[:12]
     folder, saved_tokens = work_dir / f"gguf-{key}", work_dir / f"gguf-{key}.tokens.json"
     if (folder / "config.json").is_file() and saved_tokens.is_file():  # the same file as target and draft
         return folder, GgufTokens(**{k: tuple(v) if isinstance(v, list) else v
                                      for k, v in json.loads(saved_tokens.read_text(encoding="utf-8")).items()})
-    architecture, tokens, vocab = read_tokens(path, role)
-    release_freed_memory()
+    file = open_gguf(path, role)
+    try:
+        architecture, tokens, vocab = read_tokens(file, role)
+    finally:
+        file.close()
     if not _supported(architecture):
         raise SpecdeployError(
             f"--{role} {path}: transformers' GGUF loader does not read the architecture '{architecture}'"
         )
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from . import gguf_weights
 
-    where, name = path.parent, path.name
     ids = {"bos_token_id": tokens.bos_token_id, "eos_token_id": tokens.eos_token_id,
            "pad_token_id": tokens.pad_token_id}
     partial = work_dir / f"gguf-{key}.partial"
     try:
-        with _without_conversion_bar():
-            model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32,
-                                                         local_files_only=True)
-        for name_, value in ids.items():  # the config's own values are the model class's defaults
-            setattr(model.config, name_, value)
-        stops = [i for i in (tokens.eos_token_id, *tokens.end_token_ids) if i is not None]
-        generation = {**{k: v for k, v in ids.items() if v is not None},
-                      **({"eos_token_id": list(dict.fromkeys(stops))} if len(set(stops)) > 1 else {})}
-        model.generation_config = GenerationConfig(**generation)
-        model.save_pretrained(partial)  # config.json: the loaded config, with architectures and the ids above
-        del model
-        release_freed_memory()
-        tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name, local_files_only=True)
+        view = transformers_view(file)
+        config = config_from_metadata(view, ids)
+        if architecture in gguf_weights.ARCHITECTURES:
+            config.architectures = [type(gguf_weights.skeleton(config)).__name__]
+            config.save_pretrained(partial)
+        else:
+            _dequantized_checkpoint(path.parent, path.name, ids, partial)
+        _generation_config(tokens, ids).save_pretrained(partial)
+        tokenizer = tokenizer_from_metadata(view, config)
+    except SpecdeployError:
+        raise
     except Exception as exc:  # noqa: BLE001 - transformers raises many kinds for a GGUF it cannot convert
         raise SpecdeployError(f"--{role} {path}: transformers cannot load the GGUF: {_first_line(exc)}") from None
+    release_freed_memory()
     _keep_control_tokens(tokens.control_tokens, tokenizer)
-    tokenizer.save_pretrained(partial)
+    save_tokenizer(tokenizer, partial)
     del tokenizer
     rebuild_tokenizer(partial / "tokenizer.json", vocab)  # where transformers' reading is not llama.cpp's
     release_freed_memory()
@@ -229,6 +237,82 @@ def gguf_to_folder(path: Path, role: str, work_dir: Path) -> tuple[Path, GgufTok
     partial.rename(folder)
     saved_tokens.write_text(json.dumps(dataclasses.asdict(tokens)))
     return folder, tokens
+
+
+def _generation_config(tokens: GgufTokens, ids: dict):
+    """generation_config.json: the GGUF's special tokens, and every token llama.cpp ends generation at as EOS."""
+    from transformers import GenerationConfig
+
+    stops = [i for i in (tokens.eos_token_id, *tokens.end_token_ids) if i is not None]
+    return GenerationConfig(**{**{k: v for k, v in ids.items() if v is not None},
+                               **({"eos_token_id": list(dict.fromkeys(stops))} if len(set(stops)) > 1 else {})})
+
+
+def config_from_metadata(view: dict, ids: dict | None = None):
+    """The config transformers' GGUF loader makes of the metadata (AutoConfig.for_model over its `config` dict),
+    its special tokens the GGUF's own (the class's defaults otherwise)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(**view["config"])
+    for name, value in (ids or {}).items():
+        setattr(config, name, value)
+    return config
+
+
+def tokenizer_from_metadata(view: dict, config):
+    """The tokenizer transformers' GGUF loader makes of the metadata: its converter for the architecture, in the
+    fast tokenizer class AutoTokenizer picks for the config, with the GGUF's tokenizer settings. The loader
+    hands the converter's `legacy` to no class (Llama's keeps its default), so neither does this."""
+    from transformers.integrations.ggml import convert_gguf_tokenizer
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+
+    backend, extra = convert_gguf_tokenizer(view["config"]["model_type"], view["tokenizer"])
+    fast_class = TOKENIZER_MAPPING[type(config)][1]
+    extra = {key: value for key, value in extra.items() if key != "legacy"}
+    with _quiet_transformers():  # Llama's class notes its default `legacy`, as it does for every GGUF
+        return fast_class(tokenizer_object=backend, **{**view["tokenizer_config"], **extra})
+
+
+def save_tokenizer(tokenizer, folder: Path, **options) -> None:
+    """The tokenizer's files (save_pretrained's options), its class named as transformers names a tokenizer read
+    from a GGUF (the slow class's name: the GGUF was the vocabulary file it could save)."""
+    tokenizer.save_pretrained(folder, **options)
+    config_file = folder / "tokenizer_config.json"
+    data = json.loads(config_file.read_text(encoding="utf-8"))
+    if str(data.get("tokenizer_class", "")).endswith("Fast"):
+        data["tokenizer_class"] = data["tokenizer_class"][: -len("Fast")]
+        config_file.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def _dequantized_checkpoint(where: Path, name: str, ids: dict, out: Path) -> None:
+    """transformers' fp32 dequantization of the whole GGUF, saved as a checkpoint (its config names the model class)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with _without_conversion_bar():
+        model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32, local_files_only=True)
+    for name_, value in ids.items():
+        setattr(model.config, name_, value)
+    model.save_pretrained(out)
+    del model
+    release_freed_memory()
+
+
+def weights_in_file(folder: Path) -> bool:
+    """Whether a folder gguf_to_folder made reads its weights from the GGUF itself (it holds none of its own)."""
+    return (folder / "config.json").is_file() and not any(folder.glob("*.safetensors"))
 
 
 def _set_template(tokenizer_config: Path, template: str) -> None:

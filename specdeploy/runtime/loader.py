@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from ..bundle import load_manifest
-from ..manifest import check_kv_memory
+from ..manifest_rules import check_kv_memory
 from ..errors import SpecdeployError
 from .chat import load_chat_template
 from .drafters import MAX_NGRAM, HybridDrafter, ModelDrafter, PromptLookupDrafter, read_vocab_ids
