@@ -4,7 +4,7 @@ A bundle is a folder:
 
     BUNDLE/specdeploy.json   the manifest (specdeploy.manifest: its dataclasses and rules)
     BUNDLE/target/           the target model's ONNX file(s)
-    BUNDLE/draft/            the draft model's ONNX file(s)
+    BUNDLE/draft/            the draft model's ONNX file(s), where the bundle has one
     BUNDLE/tokenizer/        tokenizer.json and its config
     BUNDLE/accept/           the accept step as ONNX graphs (greedy.onnx, sampled.onnx)
     BUNDLE/genai_config.json the same folder as an onnxruntime-genai model (see GenaiSpec)
@@ -22,16 +22,16 @@ from pathlib import Path
 
 from . import swap
 from .errors import SpecdeployError
-from .manifest import (FORMAT_VERSION, ITEMSIZE, KV_DTYPES, MANIFEST_NAME, MAX_CONTEXT, MAX_MANIFEST_BYTES, MAX_VOCAB,
+from .manifest import (FORMAT_VERSION, FORMAT_VERSIONS, ITEMSIZE, KV_DTYPES, MANIFEST_NAME, MAX_CONTEXT, MAX_MANIFEST_BYTES, MAX_VOCAB,
                        ONNX_TYPES, ROLES, TENSOR_DTYPES, TOKENIZER_HOST_STATUSES, AcceptGraphSpec, AcceptSpec, EagleSpec, FileEntry,
                        GenaiSpec, GgufSpec, HostTokenizerCheck, KVCacheSpec, Manifest, ModelSpec, ParityReport, TensorSpec,
-                       TokenizerSpec)
+                       TokenizerSpec, format_version_for)
 from .manifest_rules import kv_cache_bytes, manifest_from_dict, read_manifest_file, validate_manifest
 
-__all__ = ["FORMAT_VERSION", "ITEMSIZE", "KV_DTYPES", "MANIFEST_NAME", "MAX_CONTEXT", "MAX_MANIFEST_BYTES", "MAX_VOCAB",
+__all__ = ["FORMAT_VERSION", "FORMAT_VERSIONS", "ITEMSIZE", "KV_DTYPES", "MANIFEST_NAME", "MAX_CONTEXT", "MAX_MANIFEST_BYTES", "MAX_VOCAB",
            "ONNX_TYPES", "ROLES", "TENSOR_DTYPES", "TOKENIZER_HOST_STATUSES", "AcceptGraphSpec", "AcceptSpec", "EagleSpec", "FileEntry",
            "GenaiSpec", "GgufSpec", "HostTokenizerCheck", "KVCacheSpec", "Manifest", "ModelSpec", "ParityReport", "TensorSpec",
-           "TokenizerSpec", "check_graph_io", "file_entry", "file_problems", "kv_cache_bytes", "listed_files",
+           "TokenizerSpec", "check_graph_io", "file_entry", "file_problems", "format_version_for", "kv_cache_bytes", "listed_files",
            "load_manifest", "manifest_from_dict", "read_manifest", "read_manifest_file", "save_manifest", "sha256_file",
            "validate_manifest"]
 
@@ -99,9 +99,9 @@ def read_manifest(bundle_dir: str | Path) -> Manifest:
 
 
 def listed_files(manifest: Manifest) -> tuple[FileEntry, ...]:
-    """Every file the manifest lists: both models, the tokenizer, the accept graphs, the genai configs."""
+    """Every file the manifest lists: each model, the tokenizer, the accept graphs, the genai configs."""
     extra = [*(manifest.accept.files if manifest.accept else ()), *(manifest.genai.files if manifest.genai else ())]
-    return (*manifest.target.files, *manifest.draft.files, *manifest.tokenizer.files, *extra)
+    return (*(entry for spec in manifest.models for entry in spec.files), *manifest.tokenizer.files, *extra)
 
 
 def file_problems(bundle_dir: Path, manifest: Manifest, hashes: bool) -> list[str]:

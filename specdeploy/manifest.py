@@ -16,8 +16,19 @@ from typing import Any
 
 from .schema import bounded, one_of, relative_path, sha256_hex, template
 
-FORMAT_VERSION = 1
+# 1: a target and a draft. 2: the draft may be null, a bundle of the target alone (the runtime drafts by
+# prompt lookup). Export writes the lowest version that describes the bundle, so every bundle with a
+# draft stays readable by hosts that read 1, and such a host refuses a draft-less bundle by its version.
+FORMAT_VERSIONS = (1, 2)
+FORMAT_VERSION = FORMAT_VERSIONS[-1]  # the newest this specdeploy reads and writes
 MANIFEST_NAME = "specdeploy.json"
+
+
+def format_version_for(has_draft: bool) -> int:
+    """The format_version a bundle is written with: 1 with a draft model, 2 without one."""
+    return FORMAT_VERSIONS[0] if has_draft else FORMAT_VERSIONS[1]
+
+
 ROLES = ("target", "draft")
 MAX_MANIFEST_BYTES = 16 << 20  # a real manifest is a few tens of KB; refuse to parse anything near this
 MAX_CONTEXT = 1 << 20  # positions; the KV-memory check below is the real limit on a given machine
@@ -219,20 +230,25 @@ class AcceptSpec:
 
 @dataclass(frozen=True)
 class Manifest:
-    format_version: int = one_of(FORMAT_VERSION)
+    format_version: int = one_of(*FORMAT_VERSIONS)
     specdeploy_version: str
     created: str
     max_context: int = bounded(2, MAX_CONTEXT)
     target: ModelSpec
-    draft: ModelSpec
+    draft: ModelSpec | None  # None (format_version 2): no draft model, the runtime drafts by prompt lookup
     tokenizer: TokenizerSpec
     export_options: dict[str, Any] = field(default_factory=dict)  # free-form: what the export was asked
     tool_versions: dict[str, str] = field(default_factory=dict)  # free-form: package -> version
     genai: GenaiSpec | None = None  # None: no onnxruntime-genai config written (or an older bundle)
     accept: AcceptSpec | None = None  # None: bundles written before the accept graphs
 
-    def model(self, role: str) -> ModelSpec:
+    def model(self, role: str) -> ModelSpec | None:
         return self.target if role == "target" else self.draft
+
+    @property
+    def models(self) -> tuple[ModelSpec, ...]:
+        """The models the bundle holds: the target, then the draft where it has one."""
+        return (self.target,) if self.draft is None else (self.target, self.draft)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON types (tuples become lists), exactly what specdeploy.json holds."""

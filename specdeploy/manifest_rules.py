@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from .errors import SpecdeployError
-from .manifest import (FORMAT_VERSION, ITEMSIZE, MAX_MANIFEST_BYTES, ROLES, Manifest, ModelSpec, TensorSpec)
+from .manifest import (FORMAT_VERSIONS, ITEMSIZE, MAX_MANIFEST_BYTES, ROLES, Manifest, ModelSpec, TensorSpec,
+                       format_version_for)
 from .schema import build
 
 
@@ -21,11 +22,15 @@ def manifest_from_dict(data: Any) -> Manifest:
     if not isinstance(data, dict):
         raise SpecdeployError("manifest: expected a JSON object")
     version = data.get("format_version")
-    if version != FORMAT_VERSION or isinstance(version, bool):
+    if version not in FORMAT_VERSIONS or isinstance(version, bool):
+        readable = " and ".join(str(v) for v in FORMAT_VERSIONS)
         raise SpecdeployError(
-            f"manifest format_version {version!r} is not supported (this specdeploy reads {FORMAT_VERSION}); "
+            f"manifest format_version {version!r} is not supported (this specdeploy reads {readable}); "
             "re-export the bundle with this version"
         )
+    if data.get("draft", {}) is None and version < format_version_for(has_draft=False):
+        raise SpecdeployError(f"manifest: 'draft' is null, which format_version {version} does not allow "
+                              f"(a bundle without a draft is format_version {format_version_for(has_draft=False)})")
     manifest = build(Manifest, data, "")
     validate_manifest(manifest)
     return manifest
@@ -35,20 +40,22 @@ def validate_manifest(manifest: Manifest) -> None:
     """Cross-field checks a runtime relies on; fail with a message a user can act on."""
     target, draft, tokenizer = manifest.target, manifest.draft, manifest.tokenizer
     for role in ROLES:
-        if manifest.model(role).role != role:
-            raise SpecdeployError(f"manifest: '{role}.role' is '{manifest.model(role).role}'")
-    if target.vocab_size != draft.vocab_size:
+        spec = manifest.model(role)
+        if spec is not None and spec.role != role:
+            raise SpecdeployError(f"manifest: '{role}.role' is '{spec.role}'")
+    if draft is not None and target.vocab_size != draft.vocab_size:
         raise SpecdeployError(f"manifest: target vocab_size {target.vocab_size} != draft vocab_size {draft.vocab_size}")
     if tokenizer.vocab_size > target.vocab_size:
         raise SpecdeployError(f"manifest: the tokenizer's {tokenizer.vocab_size} tokens exceed the models' vocab_size {target.vocab_size}")
     _check_token_ids("tokenizer", tokenizer, target.vocab_size)
     if f"{tokenizer.path}/tokenizer.json" not in {f.path for f in tokenizer.files}:
         raise SpecdeployError(f"manifest: '{tokenizer.path}/tokenizer.json' is not listed in 'tokenizer.files'")
-    for spec in (target, draft):
+    for spec in manifest.models:
         _check_model(spec)
         if spec.max_context < manifest.max_context:
             raise SpecdeployError(f"manifest: the {spec.role} model's max_context is below the bundle's")
-    _check_eagle_pair(target, draft)
+    if draft is not None:
+        _check_eagle_pair(target, draft)
     if manifest.accept is not None:
         listed = {f.path for f in manifest.accept.files}
         for graph in (manifest.accept.greedy, manifest.accept.sampled):
@@ -160,9 +167,9 @@ def _check_kv_tensor(spec: ModelSpec, tensor: TensorSpec) -> None:
 
 
 def kv_cache_bytes(manifest: Manifest) -> int:
-    """Both models' KV caches at the bundle's max context (the runtime preallocates them)."""
+    """Every model's KV cache at the bundle's max context (the runtime preallocates them)."""
     return sum(2 * m.num_layers * m.num_kv_heads * m.head_dim * manifest.max_context * ITEMSIZE[m.kv_cache.dtype]
-               for m in (manifest.target, manifest.draft))
+               for m in manifest.models)
 
 
 def check_kv_memory(manifest: Manifest, slots: int = 1) -> None:

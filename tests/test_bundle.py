@@ -47,7 +47,7 @@ def test_manifest_records_everything_a_host_needs(bundles):
 @pytest.mark.parametrize(
     "corrupt, message",
     [
-        (lambda d: d.update(format_version=2), "format_version 2 is not supported"),
+        (lambda d: d.update(format_version=3), r"format_version 3 is not supported \(this specdeploy reads 1 and 2\)"),
         (lambda d: d.pop("target"), "'target' is missing"),
         (lambda d: d["draft"].update(vocab_size=7), "vocab_size"),
         (lambda d: d["target"]["files"][0].update(size=1), "corrupt"),
