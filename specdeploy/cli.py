@@ -47,7 +47,7 @@ PENALTY_OPTIONS = combine_options(
 # How `run`, `bench` and `serve` load a bundle.
 DEVICE_OPTION = click.option("--device", default="cpu", show_default=True, help="cpu | cuda | tensorrt")
 DRAFTER_OPTION = click.option("--drafter", default=defaults.DRAFTER, show_default=True,
-                              help="hybrid (prompt lookup when the text repeats, else the draft model) | model | prompt-lookup")
+                              help="hybrid (prompt lookup when the text repeats, else the draft model, if any) | model | prompt-lookup")
 VERIFY_OPTION = click.option("--verify", is_flag=True, help="Re-hash every bundle file before loading (sizes are always checked).")
 
 
@@ -55,7 +55,7 @@ VERIFY_OPTION = click.option("--verify", is_flag=True, help="Re-hash every bundl
 @click.version_option(package_name="specdeploy")
 @click.option("--debug", is_flag=True, expose_value=False, is_eager=True, callback=note_debug, help=DEBUG_HELP)
 def main() -> None:
-    """Speculative decoding bundles for ONNX Runtime: export a draft/target pair, then run it.
+    """Speculative decoding bundles for ONNX Runtime: export a target (and a draft), then run it.
 
     Without BUNDLE, every command uses the default bundle ($SPECDEPLOY_HOME/demo-bundle, default
     ~/.cache/specdeploy/demo-bundle, where export writes without --out) or, until one is exported
@@ -70,7 +70,8 @@ def main() -> None:
                    "Default: the demo pair.")
 @click.option("--draft", default=None,
               help="Draft: a Hugging Face folder or a .gguf file (same tokenizer as the target), or a folder "
-                   "`specdeploy distill` wrote (either kind).")
+                   "`specdeploy distill` wrote (either kind). Without it the bundle holds the target alone, drafted "
+                   "by prompt lookup.")
 @click.option("--out", default=None, type=click.Path(), help="Bundle folder to create. Default: the default bundle.")
 @click.option("--dtype", default="fp32", show_default=True, help="fp32 | fp16")
 @click.option("--quantize", default="auto", show_default=True,
@@ -101,9 +102,10 @@ def main() -> None:
               help="Keep a quantized or fp16 target whose greedy agreement with fp32 is below 0.95 (recorded in the manifest).")
 def export(target, draft, out, dtype, quantize, draft_quantize, max_context, draft_window, draft_vocab, graph, force,
            trust_remote_code, allow_pickle, allow_lossy) -> None:
-    """Export a draft and a target checkpoint into a validated bundle."""
-    if (target is None) != (draft is None):
-        raise SpecdeployError("pass both --target and --draft, or neither (to export the embedded demo pair)")
+    """Export a target checkpoint, and a draft if given (else prompt lookup drafts), into a validated bundle."""
+    if target is None and draft is not None:
+        raise SpecdeployError("--draft needs --target: pass --target (with or without --draft), or neither "
+                              "(to export the embedded demo pair)")
     require_export_extra("exporting")
     if target is None:
         target, draft = defaults.demo_checkpoints()
@@ -341,7 +343,7 @@ def bench(bundle, prompts_file, prompt_file, max_new_tokens, prompt_tokens, num_
                              repeat=repeat, seed=seed, stop_token_ids=stop_token_ids)
         with console.status("bench") as status:
             report = run_bench(generator, config, progress=lambda message: status.update(f"{length or ''} {message}"))
-        report["drafter"] = drafter
+        report["drafter"] = drafter if generator.manifest.draft is not None else "prompt-lookup"  # what load ran
         report["prompt_tokens"] = length
         report["chat"] = chat
         reports.append(report)

@@ -381,7 +381,7 @@ def parse_prompt_tokens(value: str | None, max_new_tokens: int, max_context: int
     return lengths
 
 
-def export_with_progress(target: str, draft: str, out: str, **options) -> None:
+def export_with_progress(target: str, draft: str | None, out: str, **options) -> None:
     """Run the export stage with a progress display and the parity figures at the end (stderr)."""
     from rich.console import Console
 
@@ -398,7 +398,7 @@ def export_with_progress(target: str, draft: str, out: str, **options) -> None:
             console.log(f"[bold]{stage:<8}[/bold] {detail}")
 
         manifest = export_bundle(config, report)
-    for spec in (manifest.target, manifest.draft):
+    for spec in manifest.models:
         p = spec.parity
         console.print(
             f"{spec.role:<6} ({spec.graph} graph) parity: prefill max|diff| {p.prefill_max_abs_diff:.2e}, verify max|diff| "

@@ -171,7 +171,7 @@ def test_unexpected_errors_are_one_line_and_debug_shows_them(bundle, monkeypatch
 
 def test_export_and_inspect_bad_input(tmp_path):
     assert_one_line(*invoke("export", "--out", str(tmp_path / "no" / "bundle"))[::2], "does not exist")
-    assert_one_line(*invoke("export", "--target", str(tmp_path))[::2], "pass both --target and --draft")
+    assert_one_line(*invoke("export", "--draft", str(tmp_path))[::2], "--draft needs --target: pass --target")
     assert_one_line(*invoke("export", "--max-context", "1")[::2], "--max-context must be at least 2")
     assert_one_line(*invoke("inspect", str(tmp_path))[::2], "not a specdeploy bundle")
     (tmp_path / "specdeploy.json").write_bytes(b"\xff\xfe{}")

@@ -21,7 +21,7 @@ QUANTIZE = ("gguf", "none", "int8", "int4")
 @dataclass(frozen=True)
 class ExportConfig:
     target: str  # checkpoint folder (or a hub id already in the local cache)
-    draft: str
+    draft: str | None  # None: a bundle of the target alone, which the runtime drafts by prompt lookup
     out: str  # the bundle folder to create
     dtype: str = "fp32"  # fp32 | fp16
     # Both models' weights. gguf: a .gguf checkpoint's own quantized blocks, kept as they are (blocks.py);
@@ -82,6 +82,13 @@ def check_options(config: ExportConfig) -> Path:
                               "use them with --dtype fp32")
     if config.draft_vocab is not None and config.draft_vocab < 0:
         raise SpecdeployError(f"--draft-vocab {config.draft_vocab}: must be a count of tokens (0: the whole vocabulary)")
+    if config.draft is None:
+        given = [flag for flag, value in (("--draft-quantize", config.draft_quantize != "auto"),
+                                          ("--draft-window", config.draft_window is not None),
+                                          ("--draft-vocab", bool(config.draft_vocab))) if value]
+        if given:
+            raise SpecdeployError(f"{given[0]} describes the draft model, and no --draft was given: pass --draft too, "
+                                  f"or leave {given[0]} out")
     if config.max_context is not None and config.max_context < 2:
         raise SpecdeployError("--max-context must be at least 2")
     out = Path(config.out).expanduser().resolve()

@@ -9,6 +9,9 @@ family (GroupQueryAttention, `past_key_values.%d.key` -> `present.%d.key`, the v
                                       speculative.max_draft_tokens = K: og.Model(BUNDLE) decodes speculatively
     BUNDLE/target/genai_config.json   the target alone: og.Model(BUNDLE/target)
 
+A bundle without a draft model gets the target-only config alone (no speculative section); the
+manifest's genai.unsupported says so.
+
 Field names are those of onnxruntime-genai's src/config.h (0.18), whose parser rejects unknown ones.
 Model paths are relative to the config's folder and may not go through '..', hence the target-only
 config beside the target's model.onnx. genai reads the tokenizer beside the config, so each folder
@@ -65,7 +68,7 @@ def write_genai_config(manifest: Manifest, root: Path) -> Manifest:
         return dataclasses.replace(manifest, genai=GenaiSpec(None, None, MAX_DRAFT_TOKENS, (), target_problem))
     target_only = PurePosixPath(manifest.target.onnx_path).parent.as_posix()  # beside the target's model.onnx
     files = _write(root, root / target_only, _config(manifest, target_only, draft=False), manifest)
-    draft_problem = _unsupported(manifest.draft)
+    draft_problem = _unsupported(manifest.draft) if manifest.draft is not None else "the bundle has no draft model"
     speculative = None
     if draft_problem is None:
         files += _write(root, root, _config(manifest, ".", draft=True), manifest)

@@ -1,4 +1,4 @@
-"""`specdeploy export`: two checkpoints -> a validated bundle, written atomically.
+"""`specdeploy export`: a target checkpoint, and a draft's where one is given -> a validated bundle, written atomically.
 
 Stages: load, export, optimize (fp16 / weight-only quantization), validate (parity), write.
 Everything is built in a temporary folder beside the output and swapped into place at the end
@@ -14,8 +14,8 @@ import tempfile
 from pathlib import Path
 
 from .. import __version__, swap
-from ..bundle import (FORMAT_VERSION, MAX_CONTEXT, ROLES, FileEntry, Manifest, ModelSpec, TokenizerSpec, file_entry,
-                      load_manifest, save_manifest)
+from ..bundle import (MAX_CONTEXT, ROLES, FileEntry, Manifest, ModelSpec, TokenizerSpec, file_entry,
+                      format_version_for, load_manifest, save_manifest)
 from ..errors import SpecdeployError
 from . import checkpoint as ckpt, convert, eagle, fused, genai
 from .accept import write_accept_graphs
@@ -62,22 +62,30 @@ def export_bundle(config: ExportConfig, report: Reporter | None = None) -> Manif
         work = Path(tempfile.mkdtemp(prefix=f".{out.name}{swap.PARTIAL}", dir=out.parent))
         try:
             report("load", "reading checkpoints")
-            draft_folder = Path(config.draft).expanduser()
-            eagle_draft = (eagle.draft_kind(draft_folder) or {}).get("kind") == "eagle" if draft_folder.is_dir() else False
-            # An eagle head reads the target's tokens and runs on its weights: the target's checkpoint is its own.
-            checkpoints = {role: ckpt.load_checkpoint(getattr(config, role), role, config.trust_remote_code,
-                                                      config.allow_pickle, work_dir=work)
-                           for role in (("target",) if eagle_draft else ROLES)}
-            if eagle_draft:
-                checkpoints["draft"] = dataclasses.replace(checkpoints["target"], role="draft")
+            checkpoints, eagle_draft = _load_checkpoints(config, work)
             max_context = _max_context(config, checkpoints)
-            chosen = {role: weights_for(role, config, checkpoints, eagle_draft) for role in ROLES}
+            chosen = {role: weights_for(role, config, checkpoints, eagle_draft) for role in checkpoints}
             manifest = _build_bundle(config, checkpoints, max_context, work, report, chosen)
             _check_out(out, config.force)  # again: another writer may have put something there meanwhile
             swap.replace(work / "bundle", out)
             return manifest
         finally:
             shutil.rmtree(work, ignore_errors=True)  # with the old bundle, if one was exchanged for the new
+
+
+def _load_checkpoints(config: ExportConfig, work: Path) -> tuple[dict, bool]:
+    """role -> Checkpoint for each model the bundle will hold (the target alone without --draft), and
+    whether the draft is an eagle head: that reads the target's tokens and runs on its weights, so the
+    target's checkpoint is its own."""
+    draft_folder = Path(config.draft).expanduser() if config.draft is not None else None
+    eagle_draft = draft_folder is not None and draft_folder.is_dir() and \
+        (eagle.draft_kind(draft_folder) or {}).get("kind") == "eagle"
+    roles = ("target",) if config.draft is None or eagle_draft else ROLES
+    checkpoints = {role: ckpt.load_checkpoint(getattr(config, role), role, config.trust_remote_code,
+                                              config.allow_pickle, work_dir=work) for role in roles}
+    if eagle_draft:
+        checkpoints["draft"] = dataclasses.replace(checkpoints["target"], role="draft")
+    return checkpoints, eagle_draft
 
 
 def _check_out(out: Path, force: bool) -> None:
@@ -106,48 +114,26 @@ def _max_context(config: ExportConfig, checkpoints: dict) -> int:
 
 def _build_bundle(config: ExportConfig, checkpoints: dict, max_context: int, work: Path, report: Reporter,
                   chosen: dict) -> Manifest:
-    """Both models, the tokenizer and the manifest, in work/bundle; chosen: each role's weights (config.weights_for)."""
+    """Each model (the target, and the draft where there is one), the tokenizer and the manifest, in
+    work/bundle; chosen: each role's weights (config.weights_for)."""
     root = work / "bundle"
     root.mkdir()
     tokenizer_dirs = {role: ckpt.load_tokenizer_json(c, work) for role, c in checkpoints.items()}
     repairs = {}
-    for role in ROLES:  # the special tokens each checkpoint states, agreed (or repaired) before anything is built
-        checked = check_special_tokens(checkpoints[role], tokenizer_dirs[role], work, report)
+    for role, checkpoint in checkpoints.items():  # the special tokens each states, agreed (or repaired) before anything is built
+        checked = check_special_tokens(checkpoint, tokenizer_dirs[role], work, report)
         checkpoints[role], tokenizer_dirs[role], repairs[role] = checked.checkpoint, checked.tokenizer_dir, checked.repairs
-    ckpt.check_pair(checkpoints["target"], checkpoints["draft"], tokenizer_dirs["target"], tokenizer_dirs["draft"])
-    specs: dict[str, ModelSpec] = {}
-    draft_path = Path(config.draft).expanduser() if Path(config.draft).expanduser().is_dir() else checkpoints["draft"].path
-    shapes = eagle.graph_shapes(config.draft, draft_path, config.draft_vocab, int(checkpoints["target"].config.vocab_size))
-    if shapes["draft"].eagle is not None and (config.dtype != "fp32" or config.draft_window is not None):
-        raise SpecdeployError("an eagle draft exports with --dtype fp32 and no --draft-window (its feature rows are "
-                              "float32 and it attends to its whole context); quantize with --quantize int8|int4")
-    sources = {role: model_source(checkpoints[role], role, config.trust_remote_code) for role in ROLES}
-    eagle_draft = shapes["draft"].eagle is not None
-    if eagle_draft:
-        sources["draft"] = sources["target"]  # an eagle head runs on the target's own weights
-    for role in ROLES:
-        checkpoint = checkpoints[role]
-        report("load", f"{role}: {Path(checkpoint.source or checkpoint.path).name}")  # a GGUF's, not its folder's
-        quantize, chosen_by_auto = chosen[role]
-        keep_blocks = quantize == "gguf" or (role == "draft" and eagle_draft and chosen["target"][0] == "gguf")
-        graph, num_parameters = _graph_for(role, sources[role], shapes[role], config, max_context, keep_blocks)
-        specs[role] = build_model(role, quantize, sources[role], checkpoint, root, config, max_context, num_parameters,
-                                   graph, tokenizer_dirs["target"], report, fallback_to_fp32=chosen_by_auto,
-                                   shape=shapes[role], keep_blocks=keep_blocks)
-        parity = specs[role].parity
-        if not parity.passed and role == "target" and config.allow_lossy and parity.check == "greedy_agreement":
-            report("validate", f"target: {parity_failure(parity)}; kept (--allow-lossy)")
-        elif not parity.passed:
-            hint = " (--allow-lossy keeps it anyway)" if role == "target" and parity.check == "greedy_agreement" else ""
-            raise SpecdeployError(f"parity check failed for the {role}: {parity_failure(parity)}{hint}; nothing was written")
+    if "draft" in checkpoints:
+        ckpt.check_pair(checkpoints["target"], checkpoints["draft"], tokenizer_dirs["target"], tokenizer_dirs["draft"])
+    specs = _build_models(config, checkpoints, max_context, root, report, chosen, tokenizer_dirs["target"])
     report("write", "tokenizer and manifest")
     manifest = Manifest(
-        format_version=FORMAT_VERSION,
+        format_version=format_version_for(has_draft="draft" in specs),
         specdeploy_version=__version__,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         max_context=max_context,
         target=specs["target"],
-        draft=specs["draft"],
+        draft=specs.get("draft"),
         tokenizer=_copy_tokenizer(tokenizer_dirs["target"], root, checkpoints["target"]),
         export_options={**_export_options(config, max_context),
                         "special_token_repairs": {role: list(lines) for role, lines in repairs.items()}},
@@ -158,6 +144,44 @@ def _build_bundle(config: ExportConfig, checkpoints: dict, max_context: int, wor
     save_manifest(manifest, root)
     load_manifest(root)  # what the runtime will read, read back through the same checks (files hashed above)
     return manifest
+
+
+def _graph_shapes(config: ExportConfig, checkpoints: dict) -> dict[str, eagle.GraphShape]:
+    """Each role's GraphShape (eagle.graph_shapes); the target alone has the plain one."""
+    if "draft" not in checkpoints:
+        return {"target": eagle.GraphShape()}
+    draft_path = Path(config.draft).expanduser() if Path(config.draft).expanduser().is_dir() else checkpoints["draft"].path
+    shapes = eagle.graph_shapes(config.draft, draft_path, config.draft_vocab, int(checkpoints["target"].config.vocab_size))
+    if shapes["draft"].eagle is not None and (config.dtype != "fp32" or config.draft_window is not None):
+        raise SpecdeployError("an eagle draft exports with --dtype fp32 and no --draft-window (its feature rows are "
+                              "float32 and it attends to its whole context); quantize with --quantize int8|int4")
+    return shapes
+
+
+def _build_models(config: ExportConfig, checkpoints: dict, max_context: int, root: Path, report: Reporter,
+                  chosen: dict, tokenizer_dir: Path) -> dict[str, ModelSpec]:
+    """role -> ModelSpec of each model built into root and checked against PyTorch (parity)."""
+    shapes = _graph_shapes(config, checkpoints)
+    sources = {role: model_source(checkpoints[role], role, config.trust_remote_code) for role in checkpoints}
+    eagle_draft = "draft" in shapes and shapes["draft"].eagle is not None
+    if eagle_draft:
+        sources["draft"] = sources["target"]  # an eagle head runs on the target's own weights
+    specs: dict[str, ModelSpec] = {}
+    for role, checkpoint in checkpoints.items():
+        report("load", f"{role}: {Path(checkpoint.source or checkpoint.path).name}")  # a GGUF's, not its folder's
+        quantize, chosen_by_auto = chosen[role]
+        keep_blocks = quantize == "gguf" or (role == "draft" and eagle_draft and chosen["target"][0] == "gguf")
+        graph, num_parameters = _graph_for(role, sources[role], shapes[role], config, max_context, keep_blocks)
+        specs[role] = build_model(role, quantize, sources[role], checkpoint, root, config, max_context, num_parameters,
+                                   graph, tokenizer_dir, report, fallback_to_fp32=chosen_by_auto,
+                                   shape=shapes[role], keep_blocks=keep_blocks)
+        parity = specs[role].parity
+        if not parity.passed and role == "target" and config.allow_lossy and parity.check == "greedy_agreement":
+            report("validate", f"target: {parity_failure(parity)}; kept (--allow-lossy)")
+        elif not parity.passed:
+            hint = " (--allow-lossy keeps it anyway)" if role == "target" and parity.check == "greedy_agreement" else ""
+            raise SpecdeployError(f"parity check failed for the {role}: {parity_failure(parity)}{hint}; nothing was written")
+    return specs
 
 
 def _graph_for(role: str, source, shape: eagle.GraphShape, config: ExportConfig, max_context: int,
