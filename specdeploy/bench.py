@@ -217,8 +217,9 @@ def model_memory(spec, max_context: int) -> dict:
 
 
 def memory_budget(manifest) -> dict:
-    """Per model (target, draft): the bytes model_memory counts; total_mb is both together, in MiB."""
-    models = {spec.role: model_memory(spec, manifest.max_context) for spec in (manifest.target, manifest.draft)}
+    """Per model (target, and draft where the bundle has one): the bytes model_memory counts; total_mb is
+    all of them together, in MiB."""
+    models = {spec.role: model_memory(spec, manifest.max_context) for spec in manifest.models}
     total = sum(model["weights_bytes"] + model["kv_cache_bytes"] for model in models.values())
     return {**models, "total_mb": total / 2**20}
 

@@ -62,7 +62,7 @@ def memory_line(report: dict) -> str:
     """Peak RSS against the floor it is held to: each model's weights as stored, in their dtype, and KV caches."""
     budget = report["memory_budget"]
     parts = [f"{role} {budget[role]['dtype']} weights {budget[role]['weights_bytes'] / 2**20:.1f} + KV "
-             f"{budget[role]['kv_cache_bytes'] / 2**20:.1f}" for role in ("target", "draft")]
+             f"{budget[role]['kv_cache_bytes'] / 2**20:.1f}" for role in ("target", "draft") if role in budget]
     return (f"peak RSS {report['peak_rss_mb']:.0f} MB (bundle weights as stored + KV caches at max context, MiB: "
             f"{', '.join(parts)}; {budget['total_mb']:.0f} MB in all)")
 

@@ -47,34 +47,18 @@ def inspect_lines(bundle: str, manifest, chat_template: str | None) -> list[str]
     lines = [f"bundle: {bundle}",
              f"format {manifest.format_version}, specdeploy {manifest.specdeploy_version}, created {manifest.created}",
              f"max context: {manifest.max_context} tokens", ""]
-    table = [
-        ("", "target", "draft"),
-        ("architecture", t.architecture, d.architecture + (" (eagle)" if d.eagle else "")),
-        ("parameters", f"{t.num_parameters / 1e6:.1f}M", f"{d.num_parameters / 1e6:.1f}M"),
-        ("layers x KV heads x head dim", f"{t.num_layers} x {t.num_kv_heads} x {t.head_dim}",
-         f"{d.num_layers} x {d.num_kv_heads} x {d.head_dim}"),
-        ("vocab", str(t.vocab_size), str(d.vocab_size) + (f", proposes from {d.vocab_subset}" if d.vocab_subset else "")),
-        ("dtype / quantize", f"{t.dtype} / {t.quantize}", f"{d.dtype} / {d.quantize}"),
-        ("graph", t.graph, d.graph),
-        ("KV cache", *(("shared buffer" if s.kv_cache.shared_buffer else "concat")
-                       + (f", window {s.attention_window}" if s.attention_window else "") for s in (t, d))),
-        ("inputs / outputs", f"{len(t.inputs)} / {len(t.outputs)}", f"{len(d.inputs)} / {len(d.outputs)}"),
-        ("stored size", format_size(sum(f.size for f in t.files)), format_size(sum(f.size for f in d.files))),
-        ("parity prefill", f"max|diff| {t.parity.prefill_max_abs_diff:.2e}", f"max|diff| {d.parity.prefill_max_abs_diff:.2e}"),
-        ("parity verify", f"max|diff| {t.parity.verify_max_abs_diff:.2e}", f"max|diff| {d.parity.verify_max_abs_diff:.2e}"),
-        ("greedy agreement", *(f"{s.parity.prefill_greedy_agreement:.2f} prefill, {s.parity.verify_greedy_agreement:.2f} "
-                               f"verify" for s in (t, d))),
-        ("parity check", _parity_check(t), _parity_check(d)),
-    ]
-    for row in table:
+    for row in _model_table(t, d):
         lines += _rows(*row)
+    if d is None:
+        lines += textwrap.wrap("draft: none; the runtime drafts by prompt lookup (exact, faster where the text "
+                               "repeats its context)", WIDTH, subsequent_indent="    ")
     lines += ["", "files:"]
-    entries = [*t.files, *d.files]
+    entries = [entry for spec in manifest.models for entry in spec.files]
     name_width = min(max(len(entry.path) for entry in entries), WIDTH - 14)
     lines += [f"  {entry.path:<{name_width}}  {format_size(entry.size):>9}" for entry in entries]
-    lines += ["sources:", f"  target: {t.source}", f"  draft:  {d.source}"]
-    for role, spec in (("target", t), ("draft", d)):
-        lines += gguf_lines(role, spec.gguf)
+    lines += ["sources:", f"  target: {t.source}", f"  draft:  {d.source if d is not None else 'none'}"]
+    for spec in manifest.models:
+        lines += gguf_lines(spec.role, spec.gguf)
     tok = manifest.tokenizer
     lines.append(f"tokenizer: {tok.vocab_size} tokens, bos {tok.bos_token_id}, eos {list(tok.eos_token_ids)}, "
                  f"pad {tok.pad_token_id}")
@@ -82,6 +66,31 @@ def inspect_lines(bundle: str, manifest, chat_template: str | None) -> list[str]
                            "chat template: none (chat, run --chat and /v1/chat/completions need one)",
                            WIDTH, subsequent_indent="    ")
     return lines + tokenizer_host_lines(tok.hosts)
+
+
+def _model_table(t, d) -> list[tuple[str, str, str]]:
+    """(label, target, draft) rows; the draft's cells read "-" in a bundle without one."""
+    def cells(value) -> tuple[str, str]:
+        return value(t), (value(d) if d is not None else "-")
+
+    return [
+        ("", "target", "draft" if d is not None else "draft (none)"),
+        ("architecture", *cells(lambda s: s.architecture + (" (eagle)" if s.eagle else ""))),
+        ("parameters", *cells(lambda s: f"{s.num_parameters / 1e6:.1f}M")),
+        ("layers x KV heads x head dim", *cells(lambda s: f"{s.num_layers} x {s.num_kv_heads} x {s.head_dim}")),
+        ("vocab", *cells(lambda s: str(s.vocab_size) + (f", proposes from {s.vocab_subset}" if s.vocab_subset else ""))),
+        ("dtype / quantize", *cells(lambda s: f"{s.dtype} / {s.quantize}")),
+        ("graph", *cells(lambda s: s.graph)),
+        ("KV cache", *cells(lambda s: ("shared buffer" if s.kv_cache.shared_buffer else "concat")
+                            + (f", window {s.attention_window}" if s.attention_window else ""))),
+        ("inputs / outputs", *cells(lambda s: f"{len(s.inputs)} / {len(s.outputs)}")),
+        ("stored size", *cells(lambda s: format_size(sum(f.size for f in s.files)))),
+        ("parity prefill", *cells(lambda s: f"max|diff| {s.parity.prefill_max_abs_diff:.2e}")),
+        ("parity verify", *cells(lambda s: f"max|diff| {s.parity.verify_max_abs_diff:.2e}")),
+        ("greedy agreement", *cells(lambda s: f"{s.parity.prefill_greedy_agreement:.2f} prefill, "
+                                              f"{s.parity.verify_greedy_agreement:.2f} verify")),
+        ("parity check", *cells(_parity_check)),
+    ]
 
 
 def gguf_lines(role: str, gguf, width: int = WIDTH) -> list[str]:

@@ -1,4 +1,4 @@
-"""`load(bundle)`: a manifest, two ONNX Runtime sessions and a tokenizer become a Generator."""
+"""`load(bundle)`: a manifest, an ONNX Runtime session per model and a tokenizer become a Generator."""
 
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verif
 
     drafter: "hybrid" (default: prompt lookup when an n-gram of `lookup_ngram` tokens recurs, of 3
     when sampling (see HybridDrafter), the draft model otherwise), "model" (the draft model every
-    round) or "prompt-lookup" (no model). lookup_ngram is 1 to MAX_NGRAM, the shortest n-gram the
+    round) or "prompt-lookup" (no model). A bundle without a draft model drafts by prompt lookup under
+    "hybrid" too, and refuses "model". lookup_ngram is 1 to MAX_NGRAM, the shortest n-gram the
     lookup drafts from (it tries MAX_NGRAM down to it). All three are exact: they change speed, never the output.
 
     Every file the manifest lists is checked for its place and size; verify=True also re-hashes
@@ -67,6 +68,7 @@ def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verif
         # The generate loop reads each pass's logits before the next pass: they may share one buffer.
         return OrtEngine(bundle / spec.onnx_path, spec, config, scratch_logits=True, features=features)
 
+    drafter = _drafter_for(manifest, drafter, bundle)
     eagle = manifest.draft.eagle if drafter != "prompt-lookup" else None
     target = engine(manifest.target, eagle.target_feature if eagle is not None else None)
     lookup = PromptLookupDrafter(manifest.target.vocab_size, min_ngram=lookup_ngram)
@@ -87,6 +89,17 @@ def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verif
     if warm_up:
         generator.warm_up()
     return generator
+
+
+def _drafter_for(manifest, drafter: str, bundle: Path) -> str:
+    """The drafter that runs: a bundle without a draft model drafts by prompt lookup ("hybrid" falls back
+    to it, which is what hybrid does wherever the draft model is not used); asking for "model" there is refused."""
+    if manifest.draft is not None:
+        return drafter
+    if drafter == "model":
+        raise SpecdeployError(f"the bundle {bundle} has no draft model, so drafter 'model' cannot run: use 'hybrid' or "
+                              "'prompt-lookup' (both draft by prompt lookup here), or export it again with --draft")
+    return "prompt-lookup"
 
 
 def _check_arguments(drafter: str, lookup_ngram: int, max_batch: int, **flags: bool) -> None:
