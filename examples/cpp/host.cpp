@@ -3,7 +3,8 @@
 //   specdeploy-host BUNDLE PROMPT_FILE MAX_NEW_TOKENS
 //
 // BUNDLE is a folder holding genai_config.json: the bundle root decodes speculatively (the draft
-// proposes, the target verifies), BUNDLE/target runs the target alone. The prompt file is read as
+// proposes, the target verifies), BUNDLE/target runs the target alone (a bundle without a draft
+// model has only that one). The prompt file is read as
 // is (no newline stripped). Only the generated text goes to stdout, streamed as it is accepted;
 // statistics go to stderr. Bad input: one "error: ..." line and exit status 2; a failure while
 // generating: exit status 1.
@@ -61,7 +62,7 @@ Options parse_arguments(int argc, char** argv) {
   options.bundle = argv[1];
   if (!std::ifstream(options.bundle + "/genai_config.json"))
     throw BadInput(options.bundle + " has no genai_config.json (export it with specdeploy; the manifest's "
-                   "genai section says why a bundle has none)");
+                   "genai section says why a bundle has none, and BUNDLE/target runs the target alone)");
   std::ifstream prompt_file(argv[2], std::ios::binary);
   if (!prompt_file) throw BadInput(std::string("cannot read the prompt file ") + argv[2]);
   std::ostringstream prompt;

@@ -15,7 +15,8 @@ import { performance } from "node:perf_hooks";
 import { Tokenizer } from "@huggingface/tokenizers";
 import * as ort from "onnxruntime-node";
 
-const FORMAT_VERSION = 1;
+// 1: a target and a draft; 2: the draft may be null (the target alone).
+const FORMAT_VERSIONS = [1, 2];
 const NUM_DRAFT_TOKENS = 4; // k: tokens the draft proposes per round, as `specdeploy run`'s default
 const PREFILL_CHUNK = 64; // prompt tokens per pass: the graphs return logits at every position
 
@@ -38,11 +39,11 @@ function readManifest(bundle) {
   } catch (error) {
     throw new UsageError(`manifest ${file} is not valid JSON: ${error.message}`);
   }
-  if (manifest.format_version !== FORMAT_VERSION) {
-    throw new UsageError(`manifest format_version ${manifest.format_version} is not supported (this host reads ${FORMAT_VERSION})`);
+  if (!FORMAT_VERSIONS.includes(manifest.format_version)) {
+    throw new UsageError(`manifest format_version ${manifest.format_version} is not supported (this host reads ${FORMAT_VERSIONS.join(" and ")})`);
   }
   if (!manifest.accept) throw new UsageError("the bundle has no accept graphs; re-export it with this specdeploy");
-  for (const entry of [manifest.target, manifest.draft, manifest.tokenizer, manifest.accept].flatMap((s) => s.files)) {
+  for (const entry of [manifest.target, manifest.draft, manifest.tokenizer, manifest.accept].filter(Boolean).flatMap((s) => s.files)) {
     const file = path.join(bundle, entry.path);
     if (!fs.existsSync(file)) throw new UsageError(`bundle is incomplete: ${entry.path} is listed in the manifest but missing`);
     const size = fs.statSync(file).size;
@@ -294,14 +295,18 @@ async function main() {
   // Spinning threads of two sessions that alternate fight over the same cores (as in the Python runtime).
   const options = { executionProviders: ["cpu"], graphOptimizationLevel: "all", extra: { session: { intra_op: { allow_spinning: "0" } } } };
   // An eagle head reads the target's features, and a vocabulary-subset draft needs its logits widened:
-  // this host runs neither, so such a bundle decodes with the target alone (the same output, slower).
-  const draftless = manifest.draft.kind === "eagle" || manifest.draft.vocab_ids;
-  if (draftless) {
-    process.stderr.write(`note: the draft is ${manifest.draft.kind === "eagle" ? "an eagle head" : "over a vocabulary subset"}, which this host does not run; decoding with the target alone\n`);
+  // this host runs neither, so such a bundle decodes with the target alone (the same output, slower), as
+  // does a bundle without a draft model.
+  const draft = manifest.draft;
+  const draftless = !draft || draft.kind === "eagle" || draft.vocab_ids;
+  if (!draft) {
+    process.stderr.write("note: the bundle has no draft model; decoding with the target alone\n");
+  } else if (draftless) {
+    process.stderr.write(`note: the draft is ${draft.kind === "eagle" ? "an eagle head" : "over a vocabulary subset"}, which this host does not run; decoding with the target alone\n`);
   }
   const models = {
     target: await CachedModel.load(bundle, manifest.target, maxContext, options),
-    draft: draftless ? null : await CachedModel.load(bundle, manifest.draft, maxContext, options),
+    draft: draftless ? null : await CachedModel.load(bundle, draft, maxContext, options),
     accept: await ort.InferenceSession.create(path.join(bundle, manifest.accept.greedy.path), options),
   };
   const tokenizer = loadTokenizer(bundle, manifest.tokenizer);
