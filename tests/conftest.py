@@ -247,6 +247,16 @@ def demo_bundle(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="session")
+def draftless_bundle(tmp_path_factory, trained_pair):
+    """The trained Llama target alone (`export --target` without `--draft`): drafted by prompt lookup."""
+    from specdeploy.export import ExportConfig, export_bundle
+
+    out = tmp_path_factory.mktemp("draftless") / "bundle"
+    export_bundle(ExportConfig(target=str(trained_pair["target"]), draft=None, out=str(out)))
+    return out
+
+
 DISTILLED_VOCAB = 192  # of VOCAB: the distilled drafts' head covers half the tokens
 
 

@@ -109,3 +109,12 @@ def test_host_stops_at_the_bundles_max_context(host, bundles, tmp_path):
     result = run_host(host, bundle, prompt, tmp_path)
     assert result.returncode == 0, result.stderr.decode()
     assert new_tokens_reported(result.stderr) == len(ours["token_ids"])
+
+
+def test_host_runs_a_bundle_without_a_draft_from_its_target_folder(host, draftless_bundle, tmp_path):
+    """No speculative config at the root: one error line naming BUNDLE/target, which runs `run`'s text."""
+    result = run_host(host, draftless_bundle, PROMPTS[0], tmp_path)
+    assert result.returncode == 2 and result.stdout == b"" and result.stderr.decode().count("\n") == 1
+    assert "BUNDLE/target runs the target alone" in result.stderr.decode()
+    target_only = draftless_bundle / load_manifest(draftless_bundle).genai.target_only
+    assert_host_matches_run(host, draftless_bundle, target_only, (), tmp_path, always_text=True)

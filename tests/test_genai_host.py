@@ -185,3 +185,11 @@ def test_genai_runs_an_fp16_bundle(tmp_path):
     export_bundle(ExportConfig(target=target, draft=draft, out=str(bundle), dtype="fp16"))
     assert load_manifest(bundle).genai.speculative == "."
     assert_matches_specdeploy_run(bundle, bundle, (), speculative=True)
+
+
+def test_genai_runs_a_bundle_without_a_draft_from_its_target_only_config(draftless_bundle):
+    """The target-only config is the one written (no speculative section); its greedy tokens are `run`'s, which
+    drafts such a bundle by prompt lookup."""
+    genai = load_manifest(draftless_bundle).genai
+    assert genai.speculative is None and not (draftless_bundle / "genai_config.json").exists()
+    assert_matches_specdeploy_run(draftless_bundle, draftless_bundle / genai.target_only, (), speculative=False)

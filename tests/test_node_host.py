@@ -111,6 +111,12 @@ def test_node_host_runs_an_eagle_bundle_with_the_target_alone(node, eagle_bundle
     assert "the draft is an eagle head, which this host does not run; decoding with the target alone" in result.stderr
 
 
+def test_node_host_runs_a_bundle_without_a_draft_with_the_target_alone(node, draftless_bundle, tmp_path):
+    assert_same_text(node, draftless_bundle, tmp_path, prompts=PROMPTS[:1])
+    result = run_node(node, draftless_bundle, PROMPTS[0], 4, tmp_path)
+    assert "the bundle has no draft model; decoding with the target alone" in result.stderr
+
+
 def test_node_host_zero_new_tokens_is_an_empty_completion(node, bundles, tmp_path):
     """MAX_NEW_TOKENS 0 is allowed ('a whole number >= 0'): an empty completion and exit 0, not an error."""
     result = run_node(node, bundles("llama"), "def f(x):", 0, tmp_path)
