@@ -315,7 +315,7 @@ def bench(bundle, prompts_file, prompt_file, max_new_tokens, prompt_tokens, num_
     from .bench import BenchConfig, context_sweep, lengthen_prompts, run_bench
     from .bench_output import machine_description, plot_file
     from .cli_support import bench_prompts
-    from .runtime import load
+    from .runtime.loader import drafter_for, load
 
     if repeat < 1 or max_new_tokens < 1:
         raise SpecdeployError("--repeat and --max-new-tokens must be at least 1")
@@ -343,7 +343,7 @@ def bench(bundle, prompts_file, prompt_file, max_new_tokens, prompt_tokens, num_
                              repeat=repeat, seed=seed, stop_token_ids=stop_token_ids)
         with console.status("bench") as status:
             report = run_bench(generator, config, progress=lambda message: status.update(f"{length or ''} {message}"))
-        report["drafter"] = drafter if generator.manifest.draft is not None else "prompt-lookup"  # what load ran
+        report["drafter"] = drafter_for(generator.manifest, drafter, bundle)  # what load ran
         report["prompt_tokens"] = length
         report["chat"] = chat
         reports.append(report)

@@ -178,3 +178,10 @@ def test_a_gguf_exports_alone(tmp_path):
     assert_greedy_is_the_targets(generator, PROMPT, max_new_tokens=24)
     chat = generator.generate(messages=[{"role": "user", "content": "hi"}], max_new_tokens=8, temperature=0.7, seed=1)
     assert chat.stats.new_tokens >= 1
+
+
+def test_serve_refuses_the_model_drafter_before_listening(bundle):
+    result = CliRunner().invoke(main, ["serve", str(bundle), "--port", "0", "--drafter", "model"])
+    assert result.exit_code == 2 and result.stderr.strip().splitlines() == [
+        f"error: the bundle {bundle} has no draft model, so drafter 'model' cannot run: use 'hybrid' or "
+        "'prompt-lookup' (both draft by prompt lookup here), or export it again with --draft"]

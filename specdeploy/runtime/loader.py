@@ -68,7 +68,7 @@ def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verif
         # The generate loop reads each pass's logits before the next pass: they may share one buffer.
         return OrtEngine(bundle / spec.onnx_path, spec, config, scratch_logits=True, features=features)
 
-    drafter = _drafter_for(manifest, drafter, bundle)
+    drafter = drafter_for(manifest, drafter, bundle)
     eagle = manifest.draft.eagle if drafter != "prompt-lookup" else None
     target = engine(manifest.target, eagle.target_feature if eagle is not None else None)
     lookup = PromptLookupDrafter(manifest.target.vocab_size, min_ngram=lookup_ngram)
@@ -91,9 +91,9 @@ def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verif
     return generator
 
 
-def _drafter_for(manifest, drafter: str, bundle: Path) -> str:
-    """The drafter that runs: a bundle without a draft model drafts by prompt lookup ("hybrid" falls back
-    to it, which is what hybrid does wherever the draft model is not used); asking for "model" there is refused."""
+def drafter_for(manifest, drafter: str, bundle: Path | str) -> str:
+    """The drafter that runs for the one asked: a bundle without a draft model drafts by prompt lookup ("hybrid"
+    falls back to it, which is what hybrid does wherever the draft model is not used); "model" is refused there."""
     if manifest.draft is not None:
         return drafter
     if drafter == "model":

@@ -19,7 +19,7 @@ import uvicorn
 
 from ..bundle import load_manifest
 from ..errors import SpecdeployError
-from ..runtime.loader import DRAFTERS
+from ..runtime.loader import DRAFTERS, drafter_for
 from ..runtime.session import SessionConfig, check_device, providers_for
 from .app import create_app
 from .config import ServeConfig
@@ -35,6 +35,7 @@ def check_config(config: ServeConfig) -> None:
     check_device(config.device)  # here too for Ray, whose replicas' machines find their own providers
     if config.drafter not in DRAFTERS:
         raise SpecdeployError(f"unknown drafter '{config.drafter}' (choose from {', '.join(DRAFTERS)})")
+    drafter_for(manifest, config.drafter, config.bundle)  # 'model' on a bundle without a draft model is refused here
     try:  # the options a request that sets none starts from, through the requests' own validation
         parse_request({"prompt": ""}, "completion", config.num_draft_tokens, manifest.max_context)
     except ApiError as exc:
