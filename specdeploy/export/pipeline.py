@@ -78,8 +78,8 @@ def _load_checkpoints(config: ExportConfig, work: Path) -> tuple[dict, bool]:
     whether the draft is an eagle head: that reads the target's tokens and runs on its weights, so the
     target's checkpoint is its own."""
     draft_folder = Path(config.draft).expanduser() if config.draft is not None else None
-    eagle_draft = draft_folder is not None and draft_folder.is_dir() and \
-        (eagle.draft_kind(draft_folder) or {}).get("kind") == "eagle"
+    eagle_draft = (draft_folder is not None and draft_folder.is_dir()
+                   and (eagle.draft_kind(draft_folder) or {}).get("kind") == "eagle")
     roles = ("target",) if config.draft is None or eagle_draft else ROLES
     checkpoints = {role: ckpt.load_checkpoint(getattr(config, role), role, config.trust_remote_code,
                                               config.allow_pickle, work_dir=work) for role in roles}
