@@ -49,6 +49,7 @@ demo-bundle: $(VENV)/.installed
 # the time of one on two cores. TEST_WORKERS=0 runs everything in this process.
 TEST_WORKERS ?= 2
 test: $(VENV)/.installed
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest tests $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
 bench: $(VENV)/.installed

@@ -48,7 +48,8 @@ def print_costs(policy) -> None:
     print("| pass | " + " | ".join(f"{n}" for n in range(1, 9)) + " |")
     print("|---|" + "---:|" * 8)
     print("| batched one-token step, n rows | " + " | ".join(f"{policy.target_ms.get(n, float('nan')):.1f}" for n in range(1, 9)) + " |")
-    print("| verify pass of one row, n tokens | " + " | ".join(f"{policy.verify_ms[n]:.1f}" if n in policy.verify_ms else "" for n in range(1, 9)) + " |")
+    verify = [f"{policy.verify_ms[n]:.1f}" if n in policy.verify_ms else "" for n in range(1, 9)]
+    print("| verify pass of one row, n tokens | " + " | ".join(verify) + " |")
     for size, table in sorted(policy.rows_ms.items()):
         print(f"| {size}-row graph, n tokens per row | " + " | ".join(f"{table[size * n]:.1f}" if size * n in table else ""
                                                                     for n in range(1, 9)) + " |")
@@ -106,8 +107,8 @@ def main() -> None:
         base = medians[(size, name, "sequential speculative")]
         print(f"{size:>3} {name:<10} {label:<24} {value:8.1f} {value / base:12.2f}")
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps([{"batch": s, "setting": n, "system": l, "tokens_per_s": v}
-                                                   for (s, n, l), v in medians.items()], indent=1))
+        Path(args.json_out).write_text(json.dumps([{"batch": s, "setting": n, "system": system, "tokens_per_s": v}
+                                                   for (s, n, system), v in medians.items()], indent=1))
 
 
 if __name__ == "__main__":

@@ -80,8 +80,9 @@ def main() -> int:
                             runs.append({"bundle": name, "kind": kind, "setting": setting, "repeat": repeat, **run})
     table = _summarize(runs, list(generators), args.settings.split(","), args.num_draft_tokens)
     print(_markdown(table), file=sys.stderr)
-    result = {"bundles": {label: path for label, (path, _) in labels.items()}, "policies": policies, "settings": args.settings, "max_new_tokens": args.max_new_tokens,
-              "k": args.num_draft_tokens, "draft_confidence": args.draft_confidence, "drafter": args.drafter, "summary": table, "runs": runs}
+    result = {"bundles": {label: path for label, (path, _) in labels.items()}, "policies": policies, "settings": args.settings,
+              "max_new_tokens": args.max_new_tokens, "k": args.num_draft_tokens, "draft_confidence": args.draft_confidence,
+              "drafter": args.drafter, "summary": table, "runs": runs}
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     print(json.dumps({"summary": table}))

@@ -62,7 +62,7 @@ def main() -> None:
         later = [statistics.median(item["times_s"][1:]) * 1000 for item in items]
         report[name] = {"load_ms": statistics.median(item["load_s"] * 1000 for item in items),
                         "first_ms": statistics.median(first), "later_ms": statistics.median(later),
-                        "first_over_later": statistics.median(f / l for f, l in zip(first, later)),
+                        "first_over_later": statistics.median(f / rest for f, rest in zip(first, later)),
                         "first_prefill_ms": statistics.median(item["prefill_ms"][0] for item in items),
                         "later_prefill_ms": statistics.median(statistics.median(item["prefill_ms"][1:]) for item in items)}
     report["load_average"] = os.getloadavg()[0]

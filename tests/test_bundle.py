@@ -3,12 +3,10 @@
 import dataclasses
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
-import specdeploy
 
 from specdeploy.bundle import MANIFEST_NAME, load_manifest, manifest_from_dict, save_manifest
 from specdeploy.cli import main

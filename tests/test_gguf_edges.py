@@ -3,7 +3,6 @@ derives (its add_bos default, its end-of-generation tokens found by their text).
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 

@@ -2,9 +2,7 @@
 cannot fit, a per-session pool after the shared one, bad SessionConfig fields, calibrate's arguments, and
 load's flags."""
 
-import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap

@@ -496,7 +496,7 @@ def test_health_is_503_while_the_model_loads(agreeing_bundle):
 def test_full_queue_answers_429_and_health_answers_meanwhile(gated_server):
     url, model = gated_server.url, gated_server.model
     model.allow(1)
-    with long_stream(gated_server) as lines:
+    with long_stream(gated_server):
         model.wait(lambda m: m.held == 1, "the stream to wait for its second piece")  # generating now
         queued = {}
         waiter = threading.Thread(target=lambda: queued.update(response=httpx.post(

@@ -17,7 +17,7 @@ import pytest
 import specdeploy
 from specdeploy.errors import SpecdeployError
 from specdeploy.serve import ServeConfig
-from specdeploy.serve.backend import SchedulerBackend, Update
+from specdeploy.serve.backend import SchedulerBackend
 from test_serve import MESSAGES, PROMPT, GatedModel, LiveServer, chat_bundle, wait_for  # noqa: F401 (a fixture)
 
 WAITING = "specdeploy:num_requests_waiting"

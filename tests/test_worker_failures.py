@@ -16,7 +16,7 @@ from specdeploy.serve import ServeConfig
 from specdeploy.serve.metrics import Metrics
 from specdeploy.serve.protocol import ApiError
 from specdeploy.serve.worker import Finished, Job, ModelWorker, shutting_down
-from test_serve import PROMPT, GatedModel, LiveServer, wait_for
+from test_serve import PROMPT, GatedModel, LiveServer
 from test_serve_worker import WorkerKilled, post_in_thread
 
 RUNNING = "specdeploy:num_requests_running"

@@ -126,7 +126,7 @@ def measure(kind, heldout: list[HeldOut], vocab_ids: torch.Tensor, num_draft_tok
     for item in heldout:
         logits, _ = kind.logits(item.input_ids, item.teaching, steps)
         target_choice = item.teaching.argmax[0, kind.offset:]
-        rows = [(vocab_ids.to(l.device)[l[0].argmax(-1)] == target_choice).cpu().numpy() for l in logits]
+        rows = [(vocab_ids.to(row.device)[row[0].argmax(-1)] == target_choice).cpu().numpy() for row in logits]
         by_kind.setdefault(item.kind, []).append(np.stack(rows))
     kind.module().train()
     return evaluate(by_kind, num_draft_tokens)
