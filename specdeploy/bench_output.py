@@ -26,7 +26,8 @@ def print_bench(report: dict) -> None:
     rows = report["by_num_draft_tokens"]
     context = f"{report['prompt_tokens']}-token prompts" if report.get("prompt_tokens") else "prompts"
     table = Table(title=f"{report['prompts']} {context} x {report['max_new_tokens']} new tokens, {sampling_label(report)}, "
-                        f"repeat {report['repeat']}, drafter {report.get('drafter', '')}")
+                        f"repeat {report['repeat']}, drafter {report.get('drafter', '')}"
+                        f"{', exact' if report.get('exact') else ''}")
     table.add_column("")
     table.add_column("target-only", justify="right")
     for row in rows:
@@ -104,7 +105,8 @@ def plot_title(report: dict) -> str:
     from pathlib import Path
 
     context = f" ({report['prompt_tokens']}-token prompts)" if report.get("prompt_tokens") else ""
-    first = (f"{Path(report.get('bundle', 'bundle')).name}: {sampling_label(report)}, drafter {report.get('drafter', '?')}, "
+    first = (f"{Path(report.get('bundle', 'bundle')).name}: {sampling_label(report)}, drafter {report.get('drafter', '?')}"
+             f"{', exact' if report.get('exact') else ''}, "
              f"{report['prompts']} prompts{context} x {report['max_new_tokens']} new tokens, repeat {report['repeat']}")
     return f"{first}\n{report.get('date', '')[:10]}, {report.get('machine', '')}".rstrip(", \n")
 

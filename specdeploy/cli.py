@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from . import defaults
-from .cli_support import (DEBUG_HELP, EXIT_INTERRUPTED, ErrorMappingGroup, Utf8Text, checked_generation, combine_options,
+from .cli_support import (DEBUG_HELP, EXACT_HELP, EXIT_INTERRUPTED, ErrorMappingGroup, Utf8Text, checked_generation, combine_options,
                           end_text, format_stats, note_debug, parse_draft_tokens, parse_prompt_tokens,
                           require_chat_template, require_export_extra, return_freed_memory, run_request, stream_text,
                           export_with_progress as _export)
@@ -49,6 +49,8 @@ DEVICE_OPTION = click.option("--device", default="cpu", show_default=True, help=
 DRAFTER_OPTION = click.option("--drafter", default=defaults.DRAFTER, show_default=True,
                               help="hybrid (prompt lookup when the text repeats, else the draft model, if any) | model | prompt-lookup")
 VERIFY_OPTION = click.option("--verify", is_flag=True, help="Re-hash every bundle file before loading (sizes are always checked).")
+EXACT_OPTION = click.option("--exact", is_flag=True, default=False, help=EXACT_HELP)
+LOAD_OPTIONS = combine_options(DEVICE_OPTION, DRAFTER_OPTION, VERIFY_OPTION, EXACT_OPTION)  # run, chat, bench
 
 
 @click.group(cls=ErrorMappingGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -181,16 +183,14 @@ def verify(bundle) -> None:
 @click.option("--num-draft-tokens", "-k", type=int, default=DEFAULTS.num_draft_tokens, show_default=True)
 @click.option("--no-speculative", is_flag=True, help="Target-only decoding (the baseline).")
 @click.option("--stop", multiple=True, type=TEXT, help="Stop before this string (repeatable).")
-@DEVICE_OPTION
-@DRAFTER_OPTION
-@VERIFY_OPTION
+@LOAD_OPTIONS
 @click.option("--stream/--no-stream", default=True, show_default=True, help="Print text as it is accepted.")
 @click.option("--json", "as_json", is_flag=True, help='Print one JSON object {"text", "token_ids", "stats"}.')
 @click.option("--logprobs", type=int, default=None,
               help="With --json: each token's log-probability under the target and the N most likely tokens (0-20).")
 def run(bundle, prompt, prompt_file, chat, system, messages_file, max_new_tokens, temperature, top_k, top_p, min_p,
         repetition_penalty, seed, num_draft_tokens, draft_confidence, no_speculative, stop, device, drafter, verify,
-        stream, as_json, logprobs, presence_penalty, frequency_penalty) -> None:
+        exact, stream, as_json, logprobs, presence_penalty, frequency_penalty) -> None:
     """Generate from a prompt (--prompt, --prompt-file) or a conversation (--chat, --messages) with
     speculative decoding (BUNDLE defaults to the demo bundle).
 
@@ -207,7 +207,7 @@ def run(bundle, prompt, prompt_file, chat, system, messages_file, max_new_tokens
                    speculative=not no_speculative, stop=stop, logprobs=logprobs, presence_penalty=presence_penalty,
                    frequency_penalty=frequency_penalty)
     checked_generation(**options)
-    generator = load(bundle := resolve_bundle(bundle), device=device, drafter=drafter, verify=verify)
+    generator = load(bundle := resolve_bundle(bundle), device=device, drafter=drafter, verify=verify, exact=exact)
     if "messages" in request:
         require_chat_template(generator, bundle, "use --prompt or --prompt-file")
     interrupted, shown = False, []
@@ -250,12 +250,10 @@ def run(bundle, prompt, prompt_file, chat, system, messages_file, max_new_tokens
 @click.option("--num-draft-tokens", "-k", type=int, default=DEFAULTS.num_draft_tokens, show_default=True)
 @click.option("--no-speculative", is_flag=True, help="Target-only decoding (the baseline).")
 @click.option("--stop", multiple=True, type=TEXT, help="End a reply before this string (repeatable).")
-@DEVICE_OPTION
-@DRAFTER_OPTION
-@VERIFY_OPTION
+@LOAD_OPTIONS
 @click.option("--stats", is_flag=True, help="Print the stats line (stderr) after each reply.")
 def chat(bundle, system, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed,
-         num_draft_tokens, draft_confidence, no_speculative, stop, device, drafter, verify, stats, presence_penalty,
+         num_draft_tokens, draft_confidence, no_speculative, stop, device, drafter, verify, exact, stats, presence_penalty,
          frequency_penalty) -> None:
     """Chat with a bundle on its tokenizer's chat template, the reply streaming as it decodes
     (BUNDLE defaults to the demo bundle).
@@ -273,7 +271,7 @@ def chat(bundle, system, max_new_tokens, temperature, top_k, top_p, min_p, repet
                                     speculative=not no_speculative, stop=stop, presence_penalty=presence_penalty,
                                     frequency_penalty=frequency_penalty)
     bundle = resolve_bundle(bundle)
-    generator = load(bundle, device=device, drafter=drafter, verify=verify)
+    generator = load(bundle, device=device, drafter=drafter, verify=verify, exact=exact)
     require_chat_template(generator, bundle, "use run --prompt")
     interactive = sys.stdin.isatty()
     if interactive:
@@ -299,17 +297,14 @@ def chat(bundle, system, max_new_tokens, temperature, top_k, top_p, min_p, repet
 @click.option("--repeat", type=int, default=1, show_default=True)
 @click.option("--chat", is_flag=True,
               help="Send each prompt as a user message through the bundle's chat template (replies end at its end of turn).")
-@DEVICE_OPTION
-@DRAFTER_OPTION
-@VERIFY_OPTION
+@LOAD_OPTIONS
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on the last line of stdout.")
 @click.option("--plot", type=click.Path(), default=None, help="Draw speedup vs k and acceptance by position (PNG).")
 def bench(bundle, prompts_file, prompt_file, max_new_tokens, prompt_tokens, num_draft_tokens, temperature, top_k, top_p, min_p,
-          repetition_penalty, draft_confidence, repeat, chat, seed, device, drafter, verify, as_json, plot) -> None:
+          repetition_penalty, draft_confidence, repeat, chat, seed, device, drafter, verify, exact, as_json, plot) -> None:
     """Target-only vs speculative decoding on the same prompts: speed, acceptance, cost model.
 
-    Each k is measured as given (policy "always", as the cost model assumes): `run` and `serve` may
-    draft fewer on an fp16 or quantized target's greedy rounds."""
+    Each k is measured as given (policy "always", as the cost model assumes); `serve` may draft fewer."""
     from rich.console import Console
 
     from .bench import BenchConfig, context_sweep, lengthen_prompts, run_bench
@@ -325,7 +320,7 @@ def bench(bundle, prompts_file, prompt_file, max_new_tokens, prompt_tokens, num_
     plot = plot_file(plot) if plot else None  # checked before the benchmark, not after it
     prompts = bench_prompts(prompts_file, prompt_file)
     bundle = resolve_bundle(bundle)
-    generator = load(bundle, device=device, drafter=drafter, verify=verify, policy="always")
+    generator = load(bundle, device=device, drafter=drafter, verify=verify, policy="always", exact=exact)
     lengths = parse_prompt_tokens(prompt_tokens, max_new_tokens, generator.max_context)
     texts, encode, stop_token_ids = prompts, generator.codec.encode, ()
     if chat:  # each prompt's ids through the template, rendered before any run
@@ -343,9 +338,8 @@ def bench(bundle, prompts_file, prompt_file, max_new_tokens, prompt_tokens, num_
                              repeat=repeat, seed=seed, stop_token_ids=stop_token_ids)
         with console.status("bench") as status:
             report = run_bench(generator, config, progress=lambda message: status.update(f"{length or ''} {message}"))
-        report["drafter"] = drafter_for(generator.manifest, drafter, bundle)  # what load ran
-        report["prompt_tokens"] = length
-        report["chat"] = chat
+        report.update(drafter=drafter_for(generator.manifest, drafter, bundle), exact=exact, prompt_tokens=length,
+                      chat=chat)  # the drafter load ran
         reports.append(report)
     report = reports[0] if len(reports) == 1 else context_sweep(reports)
     from datetime import datetime
@@ -379,6 +373,7 @@ def bench(bundle, prompts_file, prompt_file, max_new_tokens, prompt_tokens, num_
               help="k for requests that do not set num_draft_tokens.")
 @DRAFTER_OPTION
 @DEVICE_OPTION
+@EXACT_OPTION
 @click.option("--api-key", envvar="SPECDEPLOY_API_KEY", default=None,
               help="Require 'Authorization: Bearer KEY' on /v1/* (also read from $SPECDEPLOY_API_KEY).")
 @click.option("--max-body-bytes", type=int, default=defaults.SERVE_MAX_BODY_BYTES, show_default=True,
@@ -392,7 +387,7 @@ def bench(bundle, prompts_file, prompt_file, max_new_tokens, prompt_tokens, num_
 @click.option("--threads-per-replica", type=int, default=None,
               help="ONNX Runtime threads (and Ray CPUs) per replica. Default: the cores / the most replicas.")
 @click.option("--ray-address", default=None, help="Join this Ray cluster (default: start a local one).")
-def serve(bundle, host, port, max_queue, max_batch, num_draft_tokens, drafter, device, api_key, max_body_bytes,
+def serve(bundle, host, port, max_queue, max_batch, num_draft_tokens, drafter, device, exact, api_key, max_body_bytes,
           drain_timeout, model_name, replicas, min_replicas, max_replicas, threads_per_replica, ray_address) -> None:
     """Serve a bundle over an OpenAI-compatible HTTP API (BUNDLE defaults to the demo bundle)."""
     try:
@@ -400,7 +395,7 @@ def serve(bundle, host, port, max_queue, max_batch, num_draft_tokens, drafter, d
     except ImportError as exc:
         raise SpecdeployError(f"serving needs the serve extra ({install_hint('serve')}): {exc}") from None
     config = ServeConfig(bundle=resolve_bundle(bundle), host=host, port=port, max_queue=max_queue, max_batch=max_batch,
-                         num_draft_tokens=num_draft_tokens, drafter=drafter, device=device, api_key=api_key,
+                         num_draft_tokens=num_draft_tokens, drafter=drafter, device=device, exact=exact, api_key=api_key,
                          max_body_bytes=max_body_bytes, drain_timeout_s=drain_timeout, model_name=model_name)
     ray_options = (replicas, min_replicas, max_replicas, threads_per_replica, ray_address)
     if all(option is None for option in ray_options):

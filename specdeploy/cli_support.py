@@ -279,6 +279,11 @@ def stream_text(pieces, shown: list[str]) -> None:
         raise
 
 
+EXACT_HELP = ("Every target pass computes a token as a multi-token pass does: greedy text the same with and without "
+              "speculation at any k and batch, a seed's sample the same whatever the batch. Slower (a quantized "
+              "target's target-only steps by about a quarter).")
+
+
 def format_stats(stats) -> str:
     """The one stats line of a generation (stderr): speed, acceptance, where the time went, why it ended."""
     line = (f"{stats.new_tokens} tokens in {stats.decode_ms:.0f} ms ({stats.tokens_per_s:.1f} tok/s, prefill "
@@ -286,7 +291,9 @@ def format_stats(stats) -> str:
     if stats.drafted:
         line += (f", acceptance {stats.acceptance_rate:.2f}, {stats.mean_accepted_tokens:.2f} tokens/round over "
                  f"{stats.rounds} rounds, by position {stats.accepted_by_position}")
-    return line + f"; draft {stats.draft_ms:.0f} ms, target {stats.target_ms:.0f} ms, other {stats.other_ms:.0f} ms [{stats.finish_reason}]"
+    exact = ", exact" if stats.exact else ""
+    return line + (f"; draft {stats.draft_ms:.0f} ms, target {stats.target_ms:.0f} ms, other {stats.other_ms:.0f} ms "
+                   f"[{stats.finish_reason}{exact}]")
 
 
 def return_freed_memory() -> None:

@@ -137,7 +137,7 @@ class SpecdeployServer:
         self.replica = serve.get_replica_context().replica_id.unique_id
         session = SessionConfig(device=config.device, shared_threads=True, intra_op_threads=threads)
         generator = await asyncio.to_thread(load, config.bundle, device=config.device, drafter=config.drafter,
-                                            session=session, max_batch=config.max_batch)
+                                            session=session, max_batch=config.max_batch, exact=config.exact)
         self.board = board
         self.server_app = create_app(config, load=lambda: generator, metric_labels={"replica": self.replica},
                                      render_metrics=self._merged_metrics)

@@ -143,7 +143,8 @@ def test_long_catch_up_goes_in_chunks(bundles):
 def test_a_failed_pass_leaves_tokens_and_cache_in_step(bundles, monkeypatch, arch):
     bundle = bundles(arch)
     spec = load_manifest(bundle).target
-    engine = OrtEngine(bundle / spec.onnx_path, spec, min_pass_tokens=2)  # the re-run path shortens the cache first
+    exact = arch == "llama"  # the re-run path (the previous token again) shortens the cache first
+    engine = OrtEngine(bundle / spec.onnx_path, spec, exact=exact)
     cache = engine.new_cache(64)
     engine.prefill([5, 9, 13, 40, 50, 51], cache)
     cache.truncate(5)  # a rejection: the concat cache cuts its stale position on the next pass
@@ -156,7 +157,7 @@ def test_a_failed_pass_leaves_tokens_and_cache_in_step(bundles, monkeypatch, arc
     monkeypatch.setattr(engine, "_run", interrupted)
     with pytest.raises(KeyboardInterrupt):
         engine.logits_after([5, 9, 13, 40, 50, 41], cache)
-    assert len(cache.tokens) == cache.length == 4
+    assert len(cache.tokens) == cache.length == (4 if exact else 5)
     monkeypatch.setattr(engine, "_run", real_run)
     fresh = engine.new_cache(64)
     context = [5, 9, 13, 60, 61]  # diverges before the failed pass: a second cut, of the first cut's copies
@@ -395,3 +396,13 @@ def test_a_caches_memory_grows_with_the_positions_written():
 def _resident_bytes() -> int:
     with open("/proc/self/status") as status:
         return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+
+def test_exact_needs_a_cache_written_in_place(bundles):
+    """An exact target runs a single token again beside the previous one, which a concatenating graph could
+    only do by copying its whole cache each step: refused, saying what to export instead."""
+    bundle = bundles("gpt2")
+    spec = load_manifest(bundle).target
+    with pytest.raises(SpecdeployError, match="fused"):
+        OrtEngine(bundle / spec.onnx_path, spec, exact=True)
+    assert OrtEngine(bundle / spec.onnx_path, spec).min_pass_tokens == 1

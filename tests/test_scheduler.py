@@ -58,8 +58,8 @@ def test_greedy_batched_equals_alone(agreeing_bundle, alone, policy, drafter):
 
 def test_sampled_batched_equals_alone_with_the_same_choices(self_draft_bundle):
     """With an fp32 draft, batched draft passes are bit-equal to single ones: the same seed and the
-    same draft lengths give the same sample, token for token."""
-    alone = specdeploy.load(self_draft_bundle, drafter="model")
+    same draft lengths (every round the request's k) give the same sample, token for token."""
+    alone = specdeploy.load(self_draft_bundle, drafter="model", policy="always")
     for policy, speculative in (("always", True), ("never", False)):
         generator = batched(self_draft_bundle, policy, drafter="model")
         settings = dict(max_new_tokens=24, temperature=0.8, top_p=0.95, speculative=speculative)
@@ -69,11 +69,12 @@ def test_sampled_batched_equals_alone_with_the_same_choices(self_draft_bundle):
         assert [o.token_ids for o in outputs] == expected, policy
 
 
-def test_a_sampled_row_keeps_its_draft_length_whatever_the_policy_chooses(self_draft_bundle):
-    """The policy limits greedy rows only: with a policy that would run every round target-only, a sampled
-    request still drafts its own k, so its seed gives the sample it gives alone, beside greedy neighbours."""
-    alone = specdeploy.load(self_draft_bundle, drafter="model")
-    generator = batched(self_draft_bundle, "auto", drafter="model", max_batch=4)
+def test_an_exact_targets_sampled_row_keeps_its_draft_length_whatever_the_policy_chooses(self_draft_bundle):
+    """Exact: the policy limits greedy rows only. With a policy that would run every round target-only, a
+    sampled request still drafts its own k, so its seed gives the sample it gives alone, beside greedy
+    neighbours."""
+    alone = specdeploy.load(self_draft_bundle, drafter="model", exact=True)
+    generator = specdeploy.load(self_draft_bundle, max_batch=4, policy="auto", drafter="model", exact=True)
     limits = []
     generator.scheduler.policy.draft_limit = lambda rows, max_k: limits.append(len(rows)) or 0
     sampled = dict(max_new_tokens=24, temperature=0.8, top_p=0.95)
@@ -85,6 +86,18 @@ def test_a_sampled_row_keeps_its_draft_length_whatever_the_policy_chooses(self_d
     assert [outputs[0].token_ids, outputs[2].token_ids] == expected
     assert limits and max(limits) == 1  # asked about the greedy row only
     assert outputs[0].stats.drafted > 0 and outputs[1].stats.drafted == 0
+    assert all(output.stats.exact for output in outputs)
+
+
+def test_without_exact_the_policy_chooses_a_sampled_rows_draft_length_too(self_draft_bundle):
+    """Not exact (the default): the policy limits a batch's sampled rows as it does greedy ones."""
+    generator = specdeploy.load(self_draft_bundle, max_batch=3, policy="auto", drafter="model")
+    assert not generator.exact and not generator.scheduler.policy.exact
+    limits = []
+    generator.scheduler.policy.draft_limit = lambda rows, max_k: limits.append(len(rows)) or 0
+    outputs = generator.generate_many(PROMPTS[:3], max_new_tokens=12, temperature=0.8, seeds=[0, 1, 2])
+    assert limits and max(limits) == 3
+    assert all(output.stats.drafted == 0 and not output.stats.exact for output in outputs)
 
 
 def test_a_sequence_joining_mid_flight(agreeing_bundle, alone):
@@ -183,7 +196,7 @@ def test_a_failure_at_a_rows_round_start_or_in_its_drafting_fails_that_row_alone
     """Two sampled rows draft together; one row's sampler raises as its round starts (sync) or as it picks its
     first draft token in the batched drafting (sample), or its drafter as it readies a batched step's input
     (step_features) or its logits (widen): that sequence fails, the other is what it is alone."""
-    alone = specdeploy.load(self_draft_bundle, drafter="model")
+    alone = specdeploy.load(self_draft_bundle, drafter="model", policy="always")
     settings = dict(max_new_tokens=16, temperature=0.8, seed=5)
     expected = alone.generate(PROMPTS[1], **settings).token_ids
     generator = batched(self_draft_bundle, "always", drafter="model")
@@ -234,8 +247,8 @@ def test_the_policy_speculates_where_it_pays():
     def Row():  # acceptance 0.8 so far: 20 rounds kept all 4 drafts, 5 kept none
         return FakeRow([(4, 4)] * 20 + [(4, 0)] * 5)
 
-    assert policy.draft_limit([Row()], 4) == 4  # alone: the request's own k, as generate runs it
-    assert policy.draft_limit([FakeRow([(4, 0)] * 40)], 4) == 4  # an fp32 target: even a draft that never agrees
+    assert policy.draft_limit([Row()], 4) == 4  # alone, not exact: the request's own k, the same run after run
+    assert policy.draft_limit([FakeRow([(4, 0)] * 40)], 4) == 4  # even for a draft that never agrees
     assert policy.draft_limit([Row(), Row()], 4) > 0  # two rows: ~3.4 tokens each per verify pass still pay
     assert policy.draft_limit([Row() for _ in range(8)], 4) == 0  # 8 verify passes lose to one batched step
     assert SpeculationPolicy("always").draft_limit([Row() for _ in range(8)], 4) == 4
@@ -266,7 +279,6 @@ def test_draft_steps_are_timed_without_the_catch_ups_before_them(agreeing_bundle
 
     generator = specdeploy.load(agreeing_bundle, max_batch=4, drafter="model")
     slots = generator.scheduler.slots
-    params = SamplingParams()
     contexts = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14]]
     drafters = [slots[0].drafter, slots[1].drafter]
     for drafter, context in zip(drafters, contexts):
@@ -378,19 +390,28 @@ def test_caches_outside_one_pool_are_stepped_one_by_one_with_their_own_logits(ag
         assert np.array_equal(row, one)
 
 
-def test_an_fp32_targets_lone_row_keeps_its_request_k(alone):
-    """fp32 verify passes round differently from one-token passes: a lone greedy row keeps its k, so its
-    output is the same run after run."""
-    assert alone.target.min_pass_tokens == 1 and not alone.scheduler.policy.exact_lengths
-    assert not alone.scheduler.policy.draft_ms  # nothing timed at load for a choice it never makes
+def test_only_an_exact_target_runs_its_single_tokens_beside_the_previous_one(agreeing_bundle):
+    """exact=True: every target pass runs two tokens or more (fp32 too: its one-token kernels round
+    differently in the last bits), the draft's as it likes. Not exact: one token a step."""
+    fast, exact = specdeploy.load(agreeing_bundle), specdeploy.load(agreeing_bundle, exact=True)
+    assert fast.target.min_pass_tokens == 1 and not fast.exact
+    assert exact.target.min_pass_tokens == 2 and exact.exact and exact.drafter.model_drafter.engine.min_pass_tokens == 1
+    # an exact target's lone greedy row takes the policy's k (its passes timed at load); else it keeps its own
+    assert exact.scheduler.policy.exact and exact.scheduler.policy.draft_ms and not fast.scheduler.policy.draft_ms
+    for prompt in PROMPTS[:3]:  # the same bits: target-only steps and verify passes of every k
+        plain = exact.generate(prompt, max_new_tokens=20, speculative=False, logprobs=0)
+        for k in (1, 4):
+            output = exact.generate(prompt, max_new_tokens=20, num_draft_tokens=k, logprobs=0)
+            assert output.stats.exact and output.token_ids == plain.token_ids
+            assert [e.logprob for e in output.logprobs] == [e.logprob for e in plain.logprobs]
 
 
 def test_a_lone_greedy_row_of_an_exact_target_takes_the_policys_choice():
-    """A quantized or fp16 target's passes agree bit for bit whatever their length (exact_lengths), so
-    the policy picks a lone greedy row's k as it does a batch's: none for a draft that never agrees,
-    the request's k for one that mostly does."""
+    """An exact target's passes agree bit for bit whatever their length, so the policy picks a lone greedy
+    row's k as it does a batch's: none for a draft that never agrees, the request's k for one that mostly
+    does."""
     policy = SpeculationPolicy("auto")
-    policy.exact_lengths = True
+    policy.exact = True
     policy.target_ms[1] = 10.0  # a quantized target's step runs two tokens: a short verify pass costs as much
     policy.verify_ms.update({k + 1: 10.0 + 1.5 * (k - 1) for k in range(1, 5)})
     policy.draft_ms[1] = 1.0
@@ -411,10 +432,10 @@ def int8_bundle(tmp_path_factory, checkpoints):
 def test_a_lone_greedy_row_of_a_quantized_target_keeps_its_output_at_any_draft_length(int8_bundle):
     """The policy's k for a lone greedy row of an int8 target, whatever it is from round to round
     (target-only rounds included), leaves the output that of target-only decoding."""
-    generator = specdeploy.load(int8_bundle, drafter="model")
+    generator = specdeploy.load(int8_bundle, drafter="model", exact=True)
     policy = generator.scheduler.policy
     # timed at load: a lone row's own rounds never time a batched draft step (propose_many runs it alone)
-    assert policy.mode == "auto" and policy.exact_lengths and policy.draft_ms and set(policy.verify_ms) >= {2, 3, 4, 5}
+    assert policy.mode == "auto" and policy.exact and policy.draft_ms and set(policy.verify_ms) >= {2, 3, 4, 5}
     expected = [generator.generate(p, max_new_tokens=30, speculative=False).token_ids for p in PROMPTS[:3]]
     choices, asked = iter([0, 3, 1, 0, 0, 4, 2] * 30), []
     policy.draft_limit = lambda rows, max_k: asked.append(len(rows)) or next(choices)
@@ -429,14 +450,14 @@ def test_a_lone_greedy_row_of_a_quantized_target_keeps_its_output_at_any_draft_l
     assert len(asked) == before  # a sampled row keeps its request's k: its seed's sample depends on it
 
 
-def test_a_quantized_target_keeps_its_two_token_steps_under_batching(int8_bundle):
-    """An int8 target runs single tokens beside the previous one (min_pass_tokens 2); batched target-only
+def test_an_exact_quantized_target_keeps_its_two_token_steps_under_batching(int8_bundle):
+    """An exact int8 target runs single tokens beside the previous one (min_pass_tokens 2); batched target-only
     rounds must keep that arithmetic, so greedy outputs equal decoding each prompt alone."""
     out = int8_bundle
-    alone = specdeploy.load(out)
+    alone = specdeploy.load(out, exact=True)
     assert alone.target.min_pass_tokens == 2
     expected = [alone.generate(p, max_new_tokens=20, speculative=False).token_ids for p in PROMPTS[:3]]
-    generator = specdeploy.load(out, max_batch=3, policy="never")
+    generator = specdeploy.load(out, max_batch=3, policy="never", exact=True)
     assert [o.token_ids for o in generator.generate_many(PROMPTS[:3], max_new_tokens=20, speculative=False)] == expected
 
 
@@ -511,7 +532,7 @@ SHARED = "def f(x):\n    return x + 1\n\nclass A:\n    def __init__(self):\n    
 
 @pytest.fixture(scope="module")
 def fresh_int8(int8_bundle):
-    generator = specdeploy.load(int8_bundle)
+    generator = specdeploy.load(int8_bundle, exact=True)
 
     def run(prompt, **settings):
         generator.reset()  # a fresh generator's output: no earlier request's positions in its cache
@@ -522,7 +543,7 @@ def fresh_int8(int8_bundle):
 
 def _joined_beside(bundle, first_prompt, first_settings, second_prompt, second_settings):
     """second_prompt joins while first_prompt's sequence decodes in the other slot; returns second's output."""
-    generator = specdeploy.load(bundle, max_batch=2, policy="always")
+    generator = specdeploy.load(bundle, max_batch=2, policy="always", exact=True)
     scheduler = generator.scheduler
     first = generator._sequence(first_prompt, generator._config(dict(first_settings)), streaming=False)
     scheduler.submit(first)

@@ -125,20 +125,11 @@ class CachedModel {
     // attention mask's. Otherwise pasts grow: present = past + the new positions, a new tensor each pass.
     this.past = this.layers.map(() => [0, 1].map(() => this.kvTensor(this.shared ? maxContext : 0)));
     this.ones = new BigInt64Array(maxContext).fill(1n); // attention_mask views: ones over past + new
-    this.minPassTokens = this.minimumPass();
   }
 
   kvTensor(length, data) {
     const dims = [1, this.spec.num_kv_heads, length, this.spec.head_dim];
     return new ort.Tensor(this.kvType, data ?? new this.KvArray(dims.reduce((a, b) => a * b)), dims);
-  }
-
-  // fp16 or quantized fused targets never run a one-token pass: their logits differ from a longer
-  // pass's by more than greedy near-ties can take, so the previous token is run again beside it
-  // (the same rule as the Python runtime, which keeps both hosts' tokens identical).
-  minimumPass() {
-    const rounded = this.spec.quantize !== "none" || this.spec.dtype !== "fp32";
-    return rounded && this.shared && this.spec.role === "target" ? 2 : 1;
   }
 
   truncate(length) {
@@ -166,20 +157,9 @@ class CachedModel {
     return context.slice(shared);
   }
 
-  // Appends tokens to the cache; returns the logits tensor [n, vocab].
+  // Appends tokens to the cache; returns the logits tensor [n, vocab]. Each pass runs the tokens it is
+  // given, one for a target-only step, as `specdeploy run` does without --exact.
   async extend(tokens) {
-    if (tokens.length < this.minPassTokens && this.tokens.length > 0) {
-      const previous = this.tokens[this.tokens.length - 1];
-      this.truncate(this.tokens.length - 1);
-      const logits = await this.extend([previous, ...tokens]);
-      return new ort.Tensor(logits.type, logits.data.subarray(this.vocab), [tokens.length, this.vocab]);
-    }
-    if (tokens.length < this.minPassTokens && tokens.length > 0) {
-      // nothing before it: a copy behind it, dropped again (causal: it changes nothing before)
-      const logits = await this.extend([...tokens, ...tokens]);
-      this.truncate(tokens.length);
-      return new ort.Tensor(logits.type, logits.data.subarray(0, tokens.length * this.vocab), [tokens.length, this.vocab]);
-    }
     const count = tokens.length;
     const past = this.tokens.length;
     const feeds = { input_ids: new ort.Tensor("int64", ids(tokens), [1, count]) };

@@ -126,6 +126,7 @@ class GenerationStats:
     decode_ms: float = 0.0
     finish_reason: str = ""  # eos | length (max_new_tokens or the context limit) | stop | interrupted
     note: str = ""  # why generation ended, in words, when the reason alone does not say (the context limit)
+    exact: bool = False  # the target ran exactly (load(exact=True)): greedy text independent of k and the batch
 
     @property
     def acceptance_rate(self) -> float:

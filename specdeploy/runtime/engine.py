@@ -34,20 +34,19 @@ class OrtEngine:
     land in one buffer that the next pass overwrites: no array, OrtValue or binding to make per
     pass. For callers that read the logits before the next pass, as the generate loop does.
 
-    min_pass_tokens (None: the rule below): ONNX Runtime's kernels take a separate path for a single
-    row, whose logits differ from a multi-token pass's in the last bits in fp32 and by far more in
-    fp16, and the int8-compute MatMulNBits kernels of a quantized model fall back to fp32 for one
-    row: enough to flip greedy near-ties between target-only decoding (one token per pass) and
-    verification (k + 1). Passes of two or more tokens agree bit for bit whatever their length, so
-    an fp16 or quantized target never runs a single-token pass: the previous token is run again
-    beside it (its keys and values are rewritten with the same bits). The rule needs a free
-    rollback: with optimum's concatenating graphs, stepping back one position copies the whole
-    cache (on a GPU through the host) every step, so those keep single-token passes and only
-    near-ties may differ. A draft's numbers never reach the output, so drafts keep them too.
+    exact: ONNX Runtime's kernels take a separate path for a single row, whose logits differ from a
+    multi-token pass's (in the last bits in fp32, far more in fp16 and in int8-compute MatMulNBits,
+    which falls back to fp32 for one row): enough to flip greedy near-ties between target-only
+    decoding and verification. Passes of two or more tokens agree bit for bit whatever their length,
+    so an exact target never runs a single-token pass (min_pass_tokens 2): the previous token runs
+    again beside it (its keys and values rewritten with the same bits). It costs a quantized target
+    about a quarter of its target-only speed, so it is an option. It needs a free rollback, a cache
+    written in place: with optimum's concatenating graphs, stepping back one position copies the
+    whole cache every step, so an exact engine refuses them. Drafts run single tokens regardless.
     """
 
     def __init__(self, model_path: Path, spec: ModelSpec, config: SessionConfig = SessionConfig(),
-                 scratch_logits: bool = False, min_pass_tokens: int | None = None, features: str | None = None):
+                 scratch_logits: bool = False, exact: bool = False, features: str | None = None):
         """features: an output of [batch, seq, F] rows (a target's `hidden_states` for an eagle draft, an
         eagle draft's `next_hidden_states`) that each pass writes into its cache's feature buffer, row p
         for position p (shared-buffer graphs only). An eagle draft's feature input is `run`'s `features`."""
@@ -74,10 +73,11 @@ class OrtEngine:
         self._logits_dtype = np.dtype(next(t.dtype for t in spec.outputs if t.name == "logits"))
         self._float32_logits = self._logits_dtype == np.float32
         self.scratch_logits = scratch_logits
-        if min_pass_tokens is None:
-            rounded = spec.quantize != "none" or spec.dtype != "fp32"
-            min_pass_tokens = 2 if rounded and kv.shared_buffer and spec.role == "target" else 1
-        self.min_pass_tokens = min_pass_tokens
+        if exact and spec.role == "target" and not kv.shared_buffer:
+            raise SpecdeployError("exact decoding needs a target graph whose KV cache is written in place (a fused "
+                                  "graph: export --graph fused); this bundle's target concatenates its cache")
+        self.exact = exact
+        self.min_pass_tokens = 2 if exact and spec.role == "target" else 1  # see the class docstring
         self.seconds = 0.0  # time spent inside session.run, for the stats
         self.calls = 0
         self._binding = self.session.io_binding()  # bound NumPy arrays must outlive the run
@@ -156,7 +156,7 @@ class OrtEngine:
         highest one given): a row that is not given writes its pending slot (the position at its
         length, past its valid ones) and keeps its length. A pass of n rows computes each row as a
         one-token pass of that row alone would, bit for bit; so an engine whose single tokens run
-        beside another (min_pass_tokens > 1: fp16 and quantized targets, see the class docstring)
+        beside another (min_pass_tokens > 1: an exact target, see the class docstring)
         runs one pass per cache instead, as does anything else. The rows are valid until the next pass."""
         pool = getattr(caches[0], "pool", None)
         rows = 1 + max(cache.slot_index for cache in caches) if pool is not None else 0

@@ -97,6 +97,12 @@ class Generator:
         self.drafter = self.slots[0].drafter
         self.scheduler = Scheduler(target, self.slots, SpeculationPolicy(policy))
 
+    @property
+    def exact(self) -> bool:
+        """Whether the target runs exactly (load(exact=True), OrtEngine): greedy output is then the same
+        token for token whatever k, the drafter and the batch, and a seed gives one sample."""
+        return self.target.exact
+
     @staticmethod
     def _make_slots(target, drafter, max_context: int, max_batch: int) -> list[Slot]:
         """max_batch slots; their caches are rows of one KVSlots per model where the engine can batch
@@ -130,7 +136,7 @@ class Generator:
         steps (target-only decoding), draft steps and verify passes of the default k (speculative
         decoding, greedy and sampled), so a first request runs as fast as the ones after it. A
         generator whose speculation policy chooses draft lengths (batching, or a lone greedy row of an
-        fp16 or quantized target: SpeculationPolicy) also times its passes for it (calibrate)."""
+        exact target: SpeculationPolicy) also times its passes for it (calibrate)."""
         vocab, k = self.target.spec.vocab_size, GenerationConfig.num_draft_tokens
         new_tokens = 2 * (k + 1)
         length = max(1, min(WARM_UP_PROMPT_TOKENS, self.max_context - new_tokens - 1))  # a context of 2 takes 1
@@ -141,7 +147,7 @@ class Generator:
             self.generate(prompt, max_new_tokens=k + 1, num_draft_tokens=k, temperature=1.0)
         policy = self.scheduler.policy
         k = min(k, self.max_context - length - 1)  # a short context times the passes it can run
-        if k >= 1 and (self.max_batch > 1 or (policy.picks_lone_k and self.drafter is not None)):
+        if k >= 1 and (self.max_batch > 1 or (policy.mode == "auto" and policy.exact and self.drafter is not None)):
             self.calibrate(prompt, k)
         self.reset()
 
@@ -269,8 +275,10 @@ class Generator:
         return self._sequence(prompt, self._config(kwargs), streaming)
 
     def _sequence(self, prompt, config: GenerationConfig, streaming: bool) -> Sequence:
-        return Sequence(self.prompt_ids(prompt), config, self.codec, self.eos_token_ids, self.max_context,
-                        self.target.spec.vocab_size, streaming=streaming)
+        sequence = Sequence(self.prompt_ids(prompt), config, self.codec, self.eos_token_ids, self.max_context,
+                            self.target.spec.vocab_size, streaming=streaming)
+        sequence.stats.exact = self.exact
+        return sequence
 
     def stream(self, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,
                **kwargs) -> Stream:
@@ -306,9 +314,9 @@ class Generator:
 
     def generate_many(self, prompts: list, *, seeds: list[int | None] | None = None, **kwargs) -> list[GenerationOutput]:
         """Generate from several prompts (texts or id lists) with the same settings, decoding up to
-        max_batch of them together; outputs in the prompts' order. Each is what generate gives it
-        alone: greedy token for token, sampled an exact sample (the same one while the rounds'
-        draft lengths are the same; see scheduler.py). seeds: one per prompt (default: the seed
+        max_batch of them together; outputs in the prompts' order. Each is an exact sample of what
+        generate gives it alone; on an exact generator greedy text is the same token for token, and
+        a seed gives the same sample (scheduler.py). seeds: one per prompt (default: the seed
         argument for every prompt)."""
         config = self._config(dict(kwargs))
         if not isinstance(prompts, (list, tuple)) or (seeds is not None and not isinstance(seeds, (list, tuple))):

@@ -35,38 +35,43 @@ def _session_config(bundle: Path, device: str, session: SessionConfig | None) ->
 
 def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verify: bool = False,
          session: SessionConfig | None = None, lookup_ngram: int = 2, warm_up: bool = True, max_batch: int = 1,
-         policy: str = "auto") -> Generator:
+         policy: str = "auto", exact: bool = False) -> Generator:
     """Load a bundle for generation on `device` (cpu | cuda | tensorrt).
 
     drafter: "hybrid" (default: prompt lookup when an n-gram of `lookup_ngram` tokens recurs, of 3
     when sampling (see HybridDrafter), the draft model otherwise), "model" (the draft model every
-    round) or "prompt-lookup" (no model). A bundle without a draft model drafts by prompt lookup under
-    "hybrid" too, and refuses "model". lookup_ngram is 1 to MAX_NGRAM, the shortest n-gram the
-    lookup drafts from (it tries MAX_NGRAM down to it). All three are exact: they change speed, never the output.
+    round) or "prompt-lookup" (no model; "hybrid" on a bundle without a draft model, which refuses
+    "model"). lookup_ngram (1 to MAX_NGRAM) is the shortest n-gram the lookup drafts from. All three
+    change speed, never the distribution.
 
-    Every file the manifest lists is checked for its place and size; verify=True also re-hashes
-    each one against its sha256 (a same-size corrupted weights file is caught only then).
+    Every file the manifest lists is checked for its place and size; verify=True also re-hashes each
+    one against its sha256 (a same-size corrupted weights file is caught only then).
 
-    By default ONNX Runtime runs on one process-wide thread pool (fastest when draft and target
-    alternate); set SPECDEPLOY_SHARED_THREADS=0, or pass a SessionConfig with shared_threads=False,
-    in a process whose other ONNX Runtime sessions need their own pools.
+    ONNX Runtime runs on one process-wide thread pool (fastest when draft and target alternate), unless
+    SPECDEPLOY_SHARED_THREADS=0 or SessionConfig(shared_threads=False) gives each session its own.
 
     max_batch: sequences that decode together (generate_many, a server's requests). The speculation
     policy ("auto": speculate where the measured costs say it pays, "always", "never") picks each
-    round's draft length up to the request's k: for several rows, and for a lone greedy row of an fp16
-    or quantized target (its passes agree bit for bit at every length: policy.SpeculationPolicy).
+    round's draft length up to the request's k: for several rows, and for a lone greedy row of an
+    exact target (policy.SpeculationPolicy).
 
-    warm_up=True (the default) runs each kind of pass once before returning (Generator.warm_up), so
-    that the first request runs as fast as later ones; False returns sooner, the first request slower."""
+    exact=False (the default): each target pass runs the fastest kernels for its shape; output is an
+    exact sample of the target's distribution as the pass that checks each token computes it, greedy
+    text may differ from target-only's where two tokens tie within rounding, and a seed's sample may
+    change with a batch's neighbours. exact=True (a fused graph; OrtEngine): greedy text the same
+    with and without speculation, at any k, drafter and batch, a seed's sample whatever the batch.
+
+    warm_up=True (the default) runs each kind of pass once before returning (Generator.warm_up): the
+    first request runs as fast as later ones."""
     bundle = Path(bundle)
-    _check_arguments(drafter, lookup_ngram, max_batch, verify=verify, warm_up=warm_up)
+    _check_arguments(drafter, lookup_ngram, max_batch, verify=verify, warm_up=warm_up, exact=exact)
     manifest = load_manifest(bundle, verify=verify)
     check_kv_memory(manifest, slots=max_batch)  # every slot's caches are mapped at load
     config = _session_config(bundle, device, session)
 
     def engine(spec, features: str | None = None) -> OrtEngine:
         # The generate loop reads each pass's logits before the next pass: they may share one buffer.
-        return OrtEngine(bundle / spec.onnx_path, spec, config, scratch_logits=True, features=features)
+        return OrtEngine(bundle / spec.onnx_path, spec, config, scratch_logits=True, exact=exact, features=features)
 
     drafter = drafter_for(manifest, drafter, bundle)
     eagle = manifest.draft.eagle if drafter != "prompt-lookup" else None

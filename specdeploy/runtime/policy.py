@@ -31,11 +31,14 @@ class SpeculationPolicy:
     millisecond wins. Engine costs come from `calibrate` (passes timed at load) and are refreshed
     as rounds run; a row's acceptance is its own running mean, starting from the
     scheduler's. After PROBE_EVERY target-only rounds in a row, one round drafts a single token,
-    so that the estimates follow the text. A row alone keeps its request's k, as generate always
-    did, unless the target's passes of every length give each token the same bits (exact_lengths:
-    an fp16 or quantized target never runs a single token, OrtEngine): then the choice cannot
-    change a greedy output, and a lone greedy row takes it too. "always" speculates with each
-    request's k, "never" never does."""
+    so that the estimates follow the text. An exact target's passes of every length give each token
+    the same bits (OrtEngine's `exact`), so the choice cannot change a greedy output: a lone greedy row
+    takes it too, and a sampled row, whose random numbers depend on its draft lengths, keeps its
+    request's k (the scheduler asks the policy for greedy rows only, Scheduler._decode), so that a
+    seed gives one sample. Otherwise a row alone keeps its request's k, so that its output is the same
+    run after run, and the rows of a batch, sampled ones too, take the choice: each round is still
+    an exact sample of the target's distribution as its verify pass computes it. "always"
+    speculates with each request's k, "never" never does."""
 
     def __init__(self, mode: str = "auto"):
         if mode not in POLICIES:
@@ -50,9 +53,8 @@ class SpeculationPolicy:
         # Target-only rows join rows passes: a target whose single tokens never run alone (fp16, quantized)
         # has rows graphs with a spare attention row (rows.py), where its batched step runs a pass per row.
         self.single_rows = False
-        # Passes of every length compute each token with the same bits (OrtEngine.min_pass_tokens > 1), so
-        # a lone greedy row's output is the same whatever k the policy picks.
-        self.exact_lengths = False
+        # The target is exact (OrtEngine): a sampled row keeps its request's k, so that a seed gives one sample.
+        self.exact = False
         # round kind ("target", "speculative") -> rows -> one round's time outside the engines
         self.outside_ms: dict[str, dict[int, float]] = {"target": {}, "speculative": {}}
         self.acceptance = 0.6  # the running mean over every round, a new row's starting estimate
@@ -62,7 +64,7 @@ class SpeculationPolicy:
         if self.mode != "auto" or max_k == 0:
             return max_k if self.mode != "never" else 0
         count = len(rows)
-        if count == 1 and not self.picks_lone_k:  # decodes as it always did alone: with its own k
+        if count == 1 and not self.exact:  # alone: its request's k, so that its output is the same run after run
             return max_k
         target = self.round_plan(0, count, 1)[0]  # a target-only round's passes
         if target <= 0:  # nothing measured yet
@@ -86,11 +88,6 @@ class SpeculationPolicy:
             self.target_rounds = 0
             return 1
         return best_k
-
-    @property
-    def picks_lone_k(self) -> bool:
-        """Whether a lone greedy row drafts the policy's k (auto, on an exact_lengths target), not its request's."""
-        return self.mode == "auto" and self.exact_lengths
 
     def round_plan(self, verify_rows: int, plain_rows: int, tokens: int) -> tuple[float, bool, bool, bool]:
         """The cheapest target passes for a round of verify rows (`tokens` each, the longest) and plain rows

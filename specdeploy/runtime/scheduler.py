@@ -15,21 +15,23 @@ One `step` is one iteration:
      then one rows pass (OrtEngine.run_rows, rows.py) verifies them all: the target's graph with
      one attention node per slot, since ONNX Runtime's CPU GroupQueryAttention refuses a batch of
      several rows with several tokens each over a past; each row computes as its own verify pass,
-     bit for bit. A quantized or fp16 target's target-only rows run in a rows pass too (its rows
-     graphs compute a single token as its two-token pass alone does), beside the verify rows or in
-     one of their own. The policy's measured costs choose (round_plan): a pass per verify row
+     bit for bit. An exact target's target-only rows run in a rows pass too (its rows graphs
+     compute a single token as its two-token pass alone does), beside the verify rows or in one of
+     their own. The policy's measured costs choose (round_plan): a pass per verify row
      where that is cheaper (a tiny model, or few rows beside many idle slots). Acceptance is per row;
   4. finished sequences leave; their slots keep their caches for a later prompt's prefix.
 
 Whether a round speculates, and with how many draft tokens, is the policy's choice
 (SpeculationPolicy): at a large batch a verify pass per row can cost more than it saves, where
 one batched target pass serves every row. A batched row computes as a one-token pass alone
-does, bit for bit; a verify row as a multi-token pass, which in fp32 differs from it in the last
-bits (see OrtEngine: fp16 and quantized targets run every row as a multi-token pass for that reason).
-So the choice changes speed, and a greedy output only where fp32 rounding splits a near-tie, as
-speculative against target-only decoding alone can. The policy chooses for greedy rows only: a
-sampled row's random numbers depend on its draft lengths, so it always drafts its request's k,
-and the same seed gives the sample it gives alone, whatever its neighbours.
+does, bit for bit; a verify row as a multi-token pass, which differs from it in the last bits
+(more for fp16 and quantized targets). So the choice changes speed, and a greedy output only where
+that rounding splits a near-tie, as speculative against target-only decoding alone can; every
+round samples the target's distribution as its pass computes it. An exact target (OrtEngine's
+`exact`) runs every row as a multi-token pass, so that nothing about the batch or k changes a
+greedy output; there the policy chooses for greedy rows only, since a sampled row's random numbers
+depend on its draft lengths: it drafts its request's k, and the same seed gives the sample it gives
+alone, whatever its neighbours.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ class Scheduler:
         rows = getattr(getattr(slots[0].target_cache, "pool", None), "rows_pass", None)
         self.policy.rows_sizes = rows.sizes if rows is not None else []
         self.policy.single_rows = bool(rows is not None and rows.spare)
-        self.policy.exact_lengths = getattr(target, "min_pass_tokens", 1) > 1
+        self.policy.exact = getattr(target, "exact", False)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # the last round: (kind, its rows' ids, its start, engine seconds then, the rows its costs are filed under)
@@ -195,13 +197,14 @@ class Scheduler:
             return
         speculative = [row for row in rows if wanted[row] > 0]
         start = self._observe_period(rows)
-        # The policy limits the greedy rows' drafts only: a sampled row's random numbers depend on its
-        # draft lengths, so it keeps its request's k and a seed gives the sample it gives alone.
-        # ("never" still means never.)
-        greedy = [row for row in speculative if row.sampler.greedy]
+        # On an exact target the policy limits the greedy rows' drafts only: a sampled row's random numbers
+        # depend on its draft lengths, so it keeps its request's k and a seed gives the sample it gives
+        # alone. Otherwise it limits every row's. ("never" still means never.)
+        limited = [row for row in speculative if row.sampler.greedy or not self.policy.exact]
         own = self.policy.mode != "never"
-        limit = self.policy.draft_limit(greedy, max(wanted.values())) if greedy or not own else None
-        ks = {row: row.num_draft_tokens(None if own and not row.sampler.greedy else limit) for row in speculative}
+        limit = self.policy.draft_limit(limited, max(wanted.values())) if limited or not own else None
+        chosen = {id(row) for row in limited}
+        ks = {row: row.num_draft_tokens(limit if id(row) in chosen or not own else None) for row in speculative}
         drafting = [row for row in speculative if ks[row] > 0]
         plain = [row for row in rows if row not in drafting]
         verifying = []

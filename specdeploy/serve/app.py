@@ -121,7 +121,8 @@ def create_app(config: ServeConfig, load: Callable[[], object] | None = None,
         from ..runtime import load as load_bundle
 
         def load():
-            return load_bundle(config.bundle, device=config.device, drafter=config.drafter, max_batch=config.max_batch)
+            return load_bundle(config.bundle, device=config.device, drafter=config.drafter, max_batch=config.max_batch,
+                               exact=config.exact)
 
     service = Service(config, load, metric_labels)
 
