@@ -9,6 +9,7 @@ transformers and llama.cpp, and time target-only decoding beside onnxruntime-gen
     python scripts/real_models.py exact --work WORK              # each GGUF's blocks as the bundle holds them, vs gguf's
     python scripts/real_models.py bytes --work WORK              # weight bytes a decode step reads, ours and llama.cpp's
     python scripts/real_models.py steps --work WORK              # a 1-token and a 2-token pass of the graph alone
+    python scripts/real_models.py exactness --work WORK --model smollm2   # greedy text with and without exact=True
     python scripts/real_models.py bench --work WORK --model smollm2 --rounds 3 \\
         --genai fp32=GENAI_FP32 --genai int8=GENAI_INT8 --genai int4=GENAI_INT4 \\
         --llama-bench LLAMA_CPP/build/bin/llama-bench --gguf f32=F32.gguf --gguf q8_0=Q8.gguf --gguf q4_1=Q41.gguf
@@ -151,7 +152,10 @@ def hf_folder(args) -> None:
     import shutil
     import tempfile
 
+    from transformers import AutoConfig
+
     from specdeploy.export import checkpoint as ckpt
+    from specdeploy.export.sources import GgufSource
     from specdeploy.export.special_tokens import TOKENIZER_FILES, check_special_tokens
 
     args.hf_out.mkdir(parents=True, exist_ok=True)
@@ -167,6 +171,9 @@ def hf_folder(args) -> None:
             for name in TOKENIZER_FILES:  # the repaired copy, where anything was repaired
                 if checked.tokenizer_dir != checkpoint.path and (checked.tokenizer_dir / name).is_file():
                     shutil.copy2(checked.tokenizer_dir / name, checkpoint.path / name)
+            # the weights: every tensor of the file dequantized, one at a time (export reads them in place)
+            config = AutoConfig.from_pretrained(checkpoint.path, local_files_only=True)
+            GgufSource(gguf_file(args.work, model), config).load().save_pretrained(checkpoint.path)
             checkpoint.path.rename(out)
         print(f"{model}: Hugging Face folder {out}", flush=True)
 
@@ -227,6 +234,40 @@ def quality(args) -> None:
     print(f"{model}: greedy text equal to transformers' (of {len(report)} prompts): {summary}")
     agreement = {p: float(np.mean([g.manifest.target.parity.prefill_greedy_agreement])) for p, g in generators.items()}
     print(f"{model}: export's teacher-forced greedy agreement with fp32: {agreement}")
+
+
+def exactness(args) -> None:
+    """How often greedy text depends on the passes without `exact`: for each bundle of the model, each of the
+    prompts (chat ones through the chat template, where the model has one), `--tokens` greedy tokens
+    target-only and speculative (the bundle's draft, k = 4), with load(exact=False), the default, and with
+    exact=True; each pair's text is equal or the position where it first differs is given."""
+    import specdeploy
+
+    model = args.model[0]
+    bundles = {p: bundle_dir(args.work, model, p) for p in args.precision if bundle_dir(args.work, model, p).exists()}
+    for precision, bundle in bundles.items():
+        runs = {exact: specdeploy.load(bundle, drafter="model", exact=exact) for exact in (False, True)}
+        kinds = [("code", CODE_PROMPTS)] + ([("chat", CHAT_PROMPTS)] if runs[False].chat_template is not None else [])
+        pairs = {"target-only vs speculative": [], "exact: target-only vs speculative": [],
+                 "target-only vs exact target-only": []}
+        for kind, prompts in kinds:
+            for prompt in prompts:
+                request = ({"messages": [{"role": "user", "content": prompt}]} if kind == "chat" else {"prompt": prompt})
+                options = dict(max_new_tokens=args.tokens, temperature=0, num_draft_tokens=4, **request)
+                text = {(exact, speculative): runs[exact].generate(speculative=speculative, **options).token_ids
+                        for exact in (False, True) for speculative in (False, True)}
+                for name, (a, b) in zip(pairs, (((False, False), (False, True)), ((True, False), (True, True)),
+                                                 ((False, False), (True, False)))):
+                    first, second = text[a], text[b]
+                    differs = next((i for i, (x, y) in enumerate(zip(first, second)) if x != y), None)
+                    if differs is None and len(first) != len(second):
+                        differs = min(len(first), len(second))
+                    pairs[name].append(differs)
+        for name, results in pairs.items():
+            equal = sum(result is None for result in results)
+            where = sorted(result for result in results if result is not None)
+            print(f"{model} {precision}: {name}: {equal} of {len(results)} prompts equal over {args.tokens} tokens"
+                  + (f"; the others first differ at tokens {where}" if where else ""), flush=True)
 
 
 def llama_logits_child(args) -> None:
@@ -374,15 +415,15 @@ def step_times(args) -> None:
         print(json.dumps({model: row}), flush=True)
 
 
-def time_ours(bundle: Path, ids: list[int], tokens: int, drafter: str | None = None) -> float:
+def time_ours(bundle: Path, ids: list[int], tokens: int, drafter: str | None = None, exact: bool = False) -> float:
     """New tokens over decode time, exactly `tokens` of them (EOS does not end the run, as it ends no peer's:
     genai's min_length, llama-bench -n). drafter None: the target alone; model / hybrid: speculative with the
-    bundle's draft, k = 4."""
+    bundle's draft, k = 4. exact: load(exact=True)."""
     import specdeploy
     from specdeploy.runtime import SessionConfig
 
     # the default shared pool, of 2 threads as every peer here (genai's config, llama-bench -t 2)
-    generator = specdeploy.load(bundle, drafter=drafter or "hybrid",
+    generator = specdeploy.load(bundle, drafter=drafter or "hybrid", exact=exact,
                                 session=SessionConfig(intra_op_threads=2, shared_threads=True))
     output = generator.generate(ids, max_new_tokens=tokens, temperature=0, speculative=drafter is not None,
                                 ignore_eos=True)
@@ -436,6 +477,7 @@ def child(args) -> None:
     """One timing in a fresh process (no system's threads or allocations outlive its own run)."""
     ids = json.loads(args.ids)
     rate = {"ours": lambda: time_ours(Path(args.path), ids, args.tokens),
+            "ours-exact": lambda: time_ours(Path(args.path), ids, args.tokens, exact=True),
             "ours-model": lambda: time_ours(Path(args.path), ids, args.tokens, "model"),
             "ours-hybrid": lambda: time_ours(Path(args.path), ids, args.tokens, "hybrid"),
             "genai": lambda: time_genai(Path(args.path), ids, args.tokens),
@@ -447,8 +489,9 @@ def child(args) -> None:
 
 def bench(args) -> None:
     model = args.model[0]
-    systems = [(f"specdeploy {p}", "ours", str(bundle_dir(args.work, model, p)), p) for p in PRECISIONS
-               if bundle_dir(args.work, model, p).exists()]
+    systems = [(f"specdeploy {p}{suffix}", system, str(bundle_dir(args.work, model, p)), p) for p in args.precision
+               if bundle_dir(args.work, model, p).exists()
+               for suffix, system in [("", "ours")] + ([(" exact", "ours-exact")] if args.with_exact else [])]
     systems += [(f"onnxruntime-genai {name}", "genai", path, name) for name, path in (g.split("=", 1) for g in args.genai)]
     systems += [(f"llama.cpp {name}", "llama", path, name) for name, path in (g.split("=", 1) for g in args.gguf)]
     for name, path in (g.split("=", 1) for g in args.spec):  # our bundles with a draft, speculative
@@ -479,12 +522,15 @@ def bench(args) -> None:
             print(f"| {label} | {medians[label]:.1f} | {', '.join(f'{v:.0f}' for v in values)} |")
     matched = {"none": ("fp32", "f32"), "int8": ("int8", "q8_0"), "int4": ("int4", "q4_1"), "gguf": ("gguf",)}
     for precision, peer_names in matched.items():
-        ours = medians.get(f"specdeploy {precision}")
-        for peer in ("onnxruntime-genai", "llama.cpp"):
-            for name in peer_names:
-                theirs = medians.get(f"{peer} {name}")
-                if ours and theirs:
-                    print(f"specdeploy {precision} / {peer} {name}: {ours / theirs:.2f}x")
+        for suffix in ("", " exact"):
+            ours = medians.get(f"specdeploy {precision}{suffix}")
+            for peer in ("onnxruntime-genai", "llama.cpp"):
+                for name in peer_names:
+                    theirs = medians.get(f"{peer} {name}")
+                    if ours and theirs:
+                        print(f"specdeploy {precision}{suffix} / {peer} {name}: {ours / theirs:.2f}x")
+        if medians.get(f"specdeploy {precision}") and medians.get(f"specdeploy {precision} exact"):
+            print(f"specdeploy {precision} / its exact: {medians[f'specdeploy {precision}'] / medians[f'specdeploy {precision} exact']:.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps({"model": model, "tokens": args.tokens, "rates": rates}, indent=1))
 
@@ -492,7 +538,7 @@ def bench(args) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=("prepare", "hf", "quality", "agreement", "exact", "bytes", "steps", "bench", "child",
-                                            "llama-logits"))
+                                            "llama-logits", "exactness"))
     parser.add_argument("--work", type=Path, default=Path("real-models"))
     parser.add_argument("--model", action="append", choices=tuple(WHEELS), default=None)
     parser.add_argument("--precision", action="append", choices=PRECISIONS, default=None)
@@ -505,6 +551,7 @@ def main() -> int:
     parser.add_argument("--llama-spec", action="append", default=[],
                         help="NAME=TARGET.gguf,DRAFT.gguf: llama-speculative-simple (beside --llama-bench)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--with-exact", action="store_true", help="bench: time each bundle of ours with load(exact=True) too")
     parser.add_argument("--llama-python", type=Path, default=None, help="agreement: a Python with llama-cpp-python")
     parser.add_argument("--llama-lib", type=Path, default=None, help="agreement: the folder of its libllama.so")
     parser.add_argument("--hf-out", type=Path, default=Path("real-models/hf"), help="hf: where the folders go")
@@ -513,7 +560,7 @@ def main() -> int:
     args.model = args.model or list(WHEELS)
     args.precision = args.precision or list(PRECISIONS)
     {"prepare": prepare, "hf": hf_folder, "quality": quality, "agreement": agreement, "exact": exact, "bytes": step_bytes, "steps": step_times,
-     "bench": bench,
+     "bench": bench, "exactness": exactness,
      "child": child, "llama-logits": llama_logits_child}[args.command](args)
     return 0
 
