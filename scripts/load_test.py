@@ -17,7 +17,9 @@ number of prompts and that prompt's index as its seed. Reported per cell:
   stream_options.continuous_usage_stats; a server that sends none is counted one token a chunk);
 - failures: an answer other than 200, an error in the stream, or (with --ignore-eos) fewer tokens than
   max_tokens; altered: a greedy output (or a seeded sampled one) that differs from the runtime's own
-  `specdeploy.load(bundle).generate(...)` for the same prompt and seed.
+  `specdeploy.load(bundle).generate(...)` for the same prompt and seed. Without --exact a sampled row in
+  a batch takes the policy's draft lengths, and a greedy one the batch's arithmetic, so only an --exact
+  server owes the runtime's own text; without it `altered` says how often the text moved.
 
 The clients read the streams with aiohttp, whose HTTP parser is C: on a machine the client shares with
 the server, what the client spends per chunk comes out of the server's cores (httpx's pure-Python
@@ -94,6 +96,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, default=0.8, help="Temperature of the sampled mode.")
     parser.add_argument("--speculative", choices=("on", "off"), default="on")
     parser.add_argument("--num-draft-tokens", type=int, default=4)
+    parser.add_argument("--exact", action="store_true", help="Serve (and make the reference generations) with --exact: "
+                        "then a seeded sampled output is the runtime's own whatever the batch, and `altered` counts it.")
     parser.add_argument("--prompts", default=None, help="JSON list or JSONL of code prompts (default: the built-in ones).")
     parser.add_argument("--num-prompts", type=int, default=None, help="Use the first N prompts of each kind "
                         "(fewer reference generations on a slow model).")
@@ -333,7 +337,7 @@ def reference_outputs(kind: str, prompts: list, mode: str, args, timed: int) -> 
     """The runtime's own text for each prompt (seeded by its index), and run's end-to-end tokens/s over the
     first `timed` prompts (those of the one-stream cell), each timed from the call to the output; made in a
     child process (reference_child) with `specdeploy run`'s default session."""
-    job = {"bundle": args.bundle, "kind": kind, "prompts": prompts, "timed": timed,
+    job = {"bundle": args.bundle, "kind": kind, "prompts": prompts, "timed": timed, "exact": args.exact,
            "options": dict(max_new_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
                            temperature=0.0 if mode == "greedy" else args.temperature,
                            speculative=args.speculative == "on", num_draft_tokens=args.num_draft_tokens)}
@@ -358,7 +362,7 @@ def reference_child() -> int:
 
     job = json.loads(sys.stdin.read())
     try:
-        generator = specdeploy.load(job["bundle"])
+        generator = specdeploy.load(job["bundle"], exact=job.get("exact", False))
     except specdeploy.SpecdeployError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -474,7 +478,8 @@ def main(argv=None) -> None:
     try:
         if args.bundle and args.max_batch != "none":
             for value in args.max_batch:
-                process, url = start_server(args.bundle, max(levels) * args.requests_per_stream + 8, value)
+                process, url = start_server(args.bundle, max(levels) * args.requests_per_stream + 8, value,
+                                            ("--exact",) if args.exact else ())
                 processes.append(process)
                 servers.append(("sequential (1)" if value == 1 else f"batched ({value})", value, url))
         names = args.name + args.url[len(args.name):]

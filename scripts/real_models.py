@@ -249,7 +249,7 @@ def exactness(args) -> None:
         runs = {exact: specdeploy.load(bundle, drafter="model", exact=exact) for exact in (False, True)}
         kinds = [("code", CODE_PROMPTS)] + ([("chat", CHAT_PROMPTS)] if runs[False].chat_template is not None else [])
         pairs = {"target-only vs speculative": [], "exact: target-only vs speculative": [],
-                 "target-only vs exact target-only": []}
+                 "target-only vs exact target-only": [], "speculative vs exact speculative": []}
         for kind, prompts in kinds:
             for prompt in prompts:
                 request = ({"messages": [{"role": "user", "content": prompt}]} if kind == "chat" else {"prompt": prompt})
@@ -257,7 +257,7 @@ def exactness(args) -> None:
                 text = {(exact, speculative): runs[exact].generate(speculative=speculative, **options).token_ids
                         for exact in (False, True) for speculative in (False, True)}
                 for name, (a, b) in zip(pairs, (((False, False), (False, True)), ((True, False), (True, True)),
-                                                 ((False, False), (True, False)))):
+                                                 ((False, False), (True, False)), ((False, True), (True, True)))):
                     first, second = text[a], text[b]
                     differs = next((i for i, (x, y) in enumerate(zip(first, second)) if x != y), None)
                     if differs is None and len(first) != len(second):
