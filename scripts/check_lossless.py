@@ -3,7 +3,8 @@
     python scripts/check_lossless.py BUNDLE [--runs 4000]
 
 (1) Greedy, without and with repetition penalty 1.1: for every prompt, drafter (model, hybrid) and
-k in {1, 2, 4, 8}, the speculative token ids must equal target-only's. (2) Sampled (temperature 1,
+k in {1, 2, 4, 8}, the speculative token ids must equal target-only's, with load(exact=True) (without
+it a quantized target's one-token target-only steps round otherwise: docs/performance.md, "Exactness"). (2) Sampled (temperature 1,
 top-k 3): over `runs` seeded generations of 3 tokens with k = 2, the frequencies of every 3-token
 continuation are compared (chi-square) with the exact target probabilities, computed from the
 target alone. (3) Every sampling setting of docs/performance.md's table (temperature 0.8 with
@@ -48,7 +49,7 @@ def greedy_equivalence(bundle: str, prompts: list[str], max_new_tokens: int, rep
     checked = 0
     options = dict(max_new_tokens=max_new_tokens, repetition_penalty=repetition_penalty)
     for drafter in ("model", "hybrid"):
-        generator = specdeploy.load(bundle, drafter=drafter)
+        generator = specdeploy.load(bundle, drafter=drafter, exact=True)
         for prompt in prompts:
             baseline = generator.generate(prompt, speculative=False, **options).token_ids
             for k in (1, 2, 4, 8):

@@ -9,11 +9,11 @@ seconds apart on this noisy host; `--repeat` runs the whole loop again.
 
     python scripts/draft_bench.py --bundle NAME=BUNDLE [--bundle ...] [--settings greedy,t0.7-p0.9]
         [--max-new-tokens 128] [--repeat 2] [--drafter model] [-k 4] [--draft-confidence P]
-        [--policies auto,always] [--json OUT]
+        [--policies auto,always] [--exact] [--json OUT]
 
 --policies loads each bundle once per speculation policy (named "NAME POLICY"): "always" drafts k
-tokens every round; "auto" (the default) lets a greedy row of a quantized target draft fewer, or
-none, where the costs measured at load say that pays (runtime/policy.py).
+tokens every round; "auto" (the default) lets a greedy row draft fewer (at least one, or with
+--exact, load(exact=True), none) where the costs measured at load say that pays (runtime/policy.py).
 
 Prompts: `specdeploy bench`'s code prompts (specdeploy/data/code_prompts.json) as text, and CHAT below
 through the bundle's chat template (skipped without one); none is a seed prompt of `specdeploy
@@ -58,6 +58,7 @@ def main() -> int:
     parser.add_argument("--draft-confidence", type=float, default=0.0,
                         help="the speculative runs stop drafting once the draft's top probability falls below this")
     parser.add_argument("--policies", default="auto", help="speculation policies, comma-separated (auto, always)")
+    parser.add_argument("--exact", action="store_true", help="load every bundle with exact=True")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     seeds = set(seed_prompts.CHAT) | set(seed_prompts.CODE) | set(seed_prompts.HELDOUT_CHAT) | set(seed_prompts.HELDOUT_CODE)
@@ -68,7 +69,8 @@ def main() -> int:
     policies = args.policies.split(",")
     labels = {(name if len(policies) == 1 else f"{name} {policy}"): (path, policy) for name, path in bundles.items()
               for policy in policies}
-    generators = {label: specdeploy.load(path, drafter=args.drafter, policy=policy) for label, (path, policy) in labels.items()}
+    generators = {label: specdeploy.load(path, drafter=args.drafter, policy=policy, exact=args.exact)
+                  for label, (path, policy) in labels.items()}
     runs: list[dict] = []
     for repeat in range(args.repeat):
         for kind, texts in (("chat", chat), ("code", code)):

@@ -28,7 +28,6 @@ $OUT/gpu_check.json and $OUT/gpu_check.log. Back here: `python scripts/gpu_check
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -38,16 +37,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the device machine runs the tree before anything is installed
+
+from specdeploy.bundle import sha256_file as sha256  # noqa: E402  (imports neither numpy nor onnxruntime)
+
 DEMO, PARKED = ROOT / "specdeploy" / "demo", ROOT / ".device" / "parked"
 MANIFEST = "parts.json"
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def pack(files: list[Path], out: Path, part_bytes: int) -> dict:

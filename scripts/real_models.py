@@ -383,8 +383,8 @@ def exact(args) -> None:
 
 def step_times(args) -> None:
     """Each gguf bundle's target graph alone (a plain InferenceSession, 2 threads, a 64-position past): the median
-    time of a 1-token and of a 2-token pass, the second the shape the runtime's target-only steps take on a
-    quantized target (its exactness rule)."""
+    time of a 1-token and of a 2-token pass, the second the shape an exact target's target-only steps take
+    (load(exact=True))."""
     import numpy as np
     import onnxruntime as ort
 

@@ -50,7 +50,7 @@ def inspect_lines(bundle: str, manifest, chat_template: str | None) -> list[str]
     for row in _model_table(t, d):
         lines += _rows(*row)
     if d is None:
-        lines += textwrap.wrap("draft: none; the runtime drafts by prompt lookup (exact, faster where the text "
+        lines += textwrap.wrap("draft: none; the runtime drafts by prompt lookup (lossless, faster where the text "
                                "repeats its context)", WIDTH, subsequent_indent="    ")
     lines += ["", "files:"]
     entries = [entry for spec in manifest.models for entry in spec.files]

@@ -36,6 +36,30 @@ def test_run_json_matches_the_python_api(agreeing_bundle):
         assert key in stats
 
 
+def test_exact_reaches_the_runtime_from_run_bench_and_serve(agreeing_bundle, tmp_path, monkeypatch):
+    """--exact loads an exact generator: run's stats and its stats line, bench's JSON and serve's config say so."""
+    from click.testing import CliRunner
+
+    import specdeploy.serve
+    from specdeploy.cli import main
+
+    result = run(str(agreeing_bundle), "--prompt", "def f(x):", "--max-new-tokens", "8", "--json", "--exact")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["stats"]["exact"] is True and "exact]" in result.stderr
+    plain = run(str(agreeing_bundle), "--prompt", "def f(x):", "--max-new-tokens", "8", "--json")
+    assert json.loads(plain.stdout)["stats"]["exact"] is False and "exact]" not in plain.stderr
+    (tmp_path / "prompt.txt").write_text("def f(x):")
+    bench = CliRunner().invoke(main, ["bench", str(agreeing_bundle), "--prompt-file", str(tmp_path / "prompt.txt"),
+                                      "--max-new-tokens", "4", "-k", "2", "--json", "--exact"])
+    assert bench.exit_code == 0, bench.output
+    assert json.loads(bench.stdout.strip().splitlines()[-1])["exact"] is True
+    served = []
+    monkeypatch.setattr(specdeploy.serve, "serve", served.append)
+    for flags, exact in (([], False), (["--exact"], True)):
+        assert CliRunner().invoke(main, ["serve", str(agreeing_bundle), *flags]).exit_code == 0
+        assert served[-1].exact is exact
+
+
 def test_run_sampling_flags_are_the_python_apis(agreeing_bundle):
     import specdeploy
 

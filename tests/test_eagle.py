@@ -210,7 +210,7 @@ def test_batched_draft_steps_propose_what_a_sequence_alone_does(request, name):
     """Rows of a batch step their drafts together (the eagle head with each row's own feature); each row's
     proposals, and so its acceptance, are those it makes alone."""
     bundle = request.getfixturevalue(name)
-    alone = specdeploy.load(bundle, drafter="model")
+    alone = specdeploy.load(bundle, drafter="model", policy="always")  # k = 4 every round, as the batch
     batched = specdeploy.load(bundle, drafter="model", max_batch=3, policy="always")
     prompts = [alone.codec.encode(p) for p in PROMPTS[:3]]
     singles = [alone.generate(ids, max_new_tokens=40, num_draft_tokens=4) for ids in prompts]

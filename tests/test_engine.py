@@ -406,3 +406,9 @@ def test_exact_needs_a_cache_written_in_place(bundles):
     with pytest.raises(SpecdeployError, match="fused"):
         OrtEngine(bundle / spec.onnx_path, spec, exact=True)
     assert OrtEngine(bundle / spec.onnx_path, spec).min_pass_tokens == 1
+    from click.testing import CliRunner
+
+    from specdeploy.cli import main
+
+    served = CliRunner().invoke(main, ["serve", str(bundle), "--port", "0", "--exact"])  # refused before it listens
+    assert served.exit_code == 2 and served.stderr.startswith("error: exact decoding needs a target graph")

@@ -100,9 +100,8 @@ def test_fp16_and_weight_only_quantization(trained_pair, tmp_path, dtype, quanti
         expected = generator.generate(prompt, max_new_tokens=40, speculative=False).token_ids
         for k in (2, 4):
             assert generator.generate(prompt, max_new_tokens=40, num_draft_tokens=k).token_ids == expected
-    # exact fp16 and quantized targets never take a single-token pass (the one-row kernels differ by
-    # ~5e-3 in fp16, ~3e-2
-    # in int8 compute): decoding step by step gives the bits of one verify pass.
+    # an exact fp16 or quantized target never takes a single-token pass (the one-row kernels differ by
+    # ~5e-3 in fp16, ~3e-2 in int8 compute): decoding step by step gives the bits of one verify pass.
     from specdeploy.runtime.engine import OrtEngine
 
     engine = OrtEngine(out / target.onnx_path, target, exact=True)

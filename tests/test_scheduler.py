@@ -247,8 +247,9 @@ def test_the_policy_speculates_where_it_pays():
     def Row():  # acceptance 0.8 so far: 20 rounds kept all 4 drafts, 5 kept none
         return FakeRow([(4, 4)] * 20 + [(4, 0)] * 5)
 
-    assert policy.draft_limit([Row()], 4) == 4  # alone, not exact: the request's own k, the same run after run
-    assert policy.draft_limit([FakeRow([(4, 0)] * 40)], 4) == 4  # even for a draft that never agrees
+    assert policy.draft_limit([Row()], 4) > 0  # alone: a draft that mostly agrees pays
+    # alone on a target that is not exact: never a target-only round (its one-token pass rounds otherwise)
+    assert policy.draft_limit([FakeRow([(4, 0)] * 40)], 4) == 1
     assert policy.draft_limit([Row(), Row()], 4) > 0  # two rows: ~3.4 tokens each per verify pass still pay
     assert policy.draft_limit([Row() for _ in range(8)], 4) == 0  # 8 verify passes lose to one batched step
     assert SpeculationPolicy("always").draft_limit([Row() for _ in range(8)], 4) == 4
@@ -396,8 +397,8 @@ def test_only_an_exact_target_runs_its_single_tokens_beside_the_previous_one(agr
     fast, exact = specdeploy.load(agreeing_bundle), specdeploy.load(agreeing_bundle, exact=True)
     assert fast.target.min_pass_tokens == 1 and not fast.exact
     assert exact.target.min_pass_tokens == 2 and exact.exact and exact.drafter.model_drafter.engine.min_pass_tokens == 1
-    # an exact target's lone greedy row takes the policy's k (its passes timed at load); else it keeps its own
-    assert exact.scheduler.policy.exact and exact.scheduler.policy.draft_ms and not fast.scheduler.policy.draft_ms
+    # a lone greedy row takes the policy's k either way: its passes are timed at load
+    assert exact.scheduler.policy.exact and exact.scheduler.policy.draft_ms and fast.scheduler.policy.draft_ms
     for prompt in PROMPTS[:3]:  # the same bits: target-only steps and verify passes of every k
         plain = exact.generate(prompt, max_new_tokens=20, speculative=False, logprobs=0)
         for k in (1, 4):
@@ -448,6 +449,20 @@ def test_a_lone_greedy_row_of_a_quantized_target_keeps_its_output_at_any_draft_l
     before = len(asked)
     generator.generate(PROMPTS[0], max_new_tokens=10, temperature=0.8, seed=3)
     assert len(asked) == before  # a sampled row keeps its request's k: its seed's sample depends on it
+
+
+def test_a_lone_greedy_row_of_a_target_that_is_not_exact_keeps_its_text_at_any_draft_length_of_one_or_more(int8_bundle):
+    """Not exact: the policy gives a lone greedy row 1 to k drafts (no target-only round, whose one-token pass
+    rounds unlike a verify pass); verify passes of every length agree bit for bit, so the text is the one the
+    request's own k gives, whatever the choices."""
+    generator = specdeploy.load(int8_bundle, drafter="model")
+    policy = generator.scheduler.policy
+    assert not policy.exact and policy.draft_ms  # timed at load
+    policy.draft_limit = lambda rows, max_k: max_k
+    expected = [generator.generate(p, max_new_tokens=30).token_ids for p in PROMPTS[:3]]
+    choices = iter([3, 1, 1, 4, 2] * 40)
+    policy.draft_limit = lambda rows, max_k: next(choices)
+    assert [generator.generate(p, max_new_tokens=30).token_ids for p in PROMPTS[:3]] == expected
 
 
 def test_an_exact_quantized_target_keeps_its_two_token_steps_under_batching(int8_bundle):

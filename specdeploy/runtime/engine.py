@@ -19,7 +19,7 @@ from ..bundle import ModelSpec
 from ..errors import SpecdeployError
 from .kv_cache import KVCache, KVSlots, SharedKVCache, ort_value
 from .rows import RowsPass
-from .session import PREFILL_CHUNK, SessionConfig, open_session
+from .session import PREFILL_CHUNK, SessionConfig, check_exact, open_session
 
 BOUND_IDS = 64  # passes up to this many tokens bind their ids from a fixed buffer (see OrtEngine)
 # Scratch-logits passes up to this many tokens write one fixed buffer (see OrtEngine.run): every
@@ -39,8 +39,8 @@ class OrtEngine:
     which falls back to fp32 for one row): enough to flip greedy near-ties between target-only
     decoding and verification. Passes of two or more tokens agree bit for bit whatever their length,
     so an exact target never runs a single-token pass (min_pass_tokens 2): the previous token runs
-    again beside it (its keys and values rewritten with the same bits). It costs a quantized target
-    about a quarter of its target-only speed, so it is an option. It needs a free rollback, a cache
+    again beside it (its keys and values rewritten with the same bits). That costs target-only speed
+    (docs/performance.md), so it is an option. It needs a free rollback, a cache
     written in place: with optimum's concatenating graphs, stepping back one position copies the
     whole cache every step, so an exact engine refuses them. Drafts run single tokens regardless.
     """
@@ -73,11 +73,10 @@ class OrtEngine:
         self._logits_dtype = np.dtype(next(t.dtype for t in spec.outputs if t.name == "logits"))
         self._float32_logits = self._logits_dtype == np.float32
         self.scratch_logits = scratch_logits
-        if exact and spec.role == "target" and not kv.shared_buffer:
-            raise SpecdeployError("exact decoding needs a target graph whose KV cache is written in place (a fused "
-                                  "graph: export --graph fused); this bundle's target concatenates its cache")
-        self.exact = exact
-        self.min_pass_tokens = 2 if exact and spec.role == "target" else 1  # see the class docstring
+        if exact:
+            check_exact(spec)
+        self.exact = exact and spec.role == "target"  # a draft's numbers never reach the output
+        self.min_pass_tokens = 2 if self.exact else 1  # see the class docstring
         self.seconds = 0.0  # time spent inside session.run, for the stats
         self.calls = 0
         self._binding = self.session.io_binding()  # bound NumPy arrays must outlive the run
@@ -120,7 +119,7 @@ class OrtEngine:
             return None
         pool = KVSlots(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.cache_dtype, capacity, slots,
                        feature_size=self.feature_size)
-        if spec.role == "target" and slots > 1:  # verify passes (and a rounded target's steps) share one run
+        if spec.role == "target" and slots > 1:  # verify passes (and an exact target's steps) share one run
             try:
                 pool.rows_pass = RowsPass(self, pool, self.model_path, self.config)
             except SpecdeployError:  # a graph rows.py cannot split: each row runs its own passes, as exactly

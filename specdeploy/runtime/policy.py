@@ -22,8 +22,8 @@ class SpeculationPolicy:
     min(B * verify_ms[k + 1], rows_ms[R][B * (k + 1) + R - B]) + k * draft_ms[B] (a verify pass per
     row, or one pass of the smallest rows graph of R >= B rows, rows.py, whose cost is filed under the
     tokens it runs, a filler token per idle row included; and k batched draft steps), and a
-    target-only round emits B tokens in target_ms[B] (one batched pass; a quantized target's rows,
-    whose single tokens never run alone, in rows_ms[R][R] where that is less). Each kind of round also
+    target-only round emits B tokens in target_ms[B] (one batched pass; an exact target's rows, whose
+    single tokens never run alone, in rows_ms[R][R] where that is less). Each kind of round also
     costs its time outside the engines until the next round (sampling, acceptance, bookkeeping,
     and a server's detokenizing and streaming: outside_ms, measured as rounds run), which a
     target-only round pays per token and a speculative round shares among the tokens it emits;
@@ -31,14 +31,15 @@ class SpeculationPolicy:
     millisecond wins. Engine costs come from `calibrate` (passes timed at load) and are refreshed
     as rounds run; a row's acceptance is its own running mean, starting from the
     scheduler's. After PROBE_EVERY target-only rounds in a row, one round drafts a single token,
-    so that the estimates follow the text. An exact target's passes of every length give each token
-    the same bits (OrtEngine's `exact`), so the choice cannot change a greedy output: a lone greedy row
-    takes it too, and a sampled row, whose random numbers depend on its draft lengths, keeps its
-    request's k (the scheduler asks the policy for greedy rows only, Scheduler._decode), so that a
-    seed gives one sample. Otherwise a row alone keeps its request's k, so that its output is the same
-    run after run, and the rows of a batch, sampled ones too, take the choice: each round is still
-    an exact sample of the target's distribution as its verify pass computes it. "always"
-    speculates with each request's k, "never" never does."""
+    so that the estimates follow the text. A lone greedy row takes the choice too: on an exact target
+    (OrtEngine's `exact`) any k, 0 included, since its passes of every length give each token the same
+    bits; otherwise a k of 1 or more, since passes of two tokens or more agree bit for bit whatever
+    their length where a one-token pass does not, so that its text is the same run after run. A
+    sampled row's random numbers depend on its draft lengths: alone, or on an exact target, it keeps
+    its request's k, so that a seed gives one sample (the scheduler does not ask, Scheduler._decode);
+    in a batch on a target that is not exact it takes the choice, each round still an exact sample
+    of the target's distribution as its verify pass computes it. "always" speculates with each
+    request's k, "never" never does."""
 
     def __init__(self, mode: str = "auto"):
         if mode not in POLICIES:
@@ -50,10 +51,11 @@ class SpeculationPolicy:
         # graph rows -> tokens in the pass (filler tokens included) -> one pass of that rows graph (rows.py)
         self.rows_ms: dict[int, dict[int, float]] = {}
         self.rows_sizes: list[int] = []  # the target's rows graphs (none: it runs a pass per row)
-        # Target-only rows join rows passes: a target whose single tokens never run alone (fp16, quantized)
-        # has rows graphs with a spare attention row (rows.py), where its batched step runs a pass per row.
+        # Target-only rows join rows passes: an exact target, whose single tokens never run alone, has rows
+        # graphs with a spare attention row (rows.py), where its batched step would run a pass per row.
         self.single_rows = False
-        # The target is exact (OrtEngine): a sampled row keeps its request's k, so that a seed gives one sample.
+        # The target is exact (OrtEngine): every pass computes each token with the same bits, so a lone row may
+        # run target-only rounds too; the scheduler asks about greedy rows only.
         self.exact = False
         # round kind ("target", "speculative") -> rows -> one round's time outside the engines
         self.outside_ms: dict[str, dict[int, float]] = {"target": {}, "speculative": {}}
@@ -64,12 +66,15 @@ class SpeculationPolicy:
         if self.mode != "auto" or max_k == 0:
             return max_k if self.mode != "never" else 0
         count = len(rows)
-        if count == 1 and not self.exact:  # alone: its request's k, so that its output is the same run after run
-            return max_k
+        # Alone and not exact: no target-only round, whose one-token pass rounds unlike a verify pass; passes of
+        # two tokens or more agree bit for bit at every length, so the k chosen never changes the text.
+        least = 1 if count == 1 and not self.exact else 0
         target = self.round_plan(0, count, 1)[0]  # a target-only round's passes
         if target <= 0:  # nothing measured yet
             return max_k
         best_k, best_rate = 0, count / (target + (_nearest(self.outside_ms["target"], count) or 0.0))
+        if least:
+            best_rate = 0.0
         outside = _nearest(self.outside_ms["speculative"], count) or 0.0
         for k in range(1, max_k + 1):
             # no draft step measured: a drafter without a model (prompt lookup), or one not timed yet

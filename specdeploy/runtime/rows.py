@@ -7,11 +7,10 @@ pass over [rows, 1] is all a fused graph runs as it is. That is not enough for t
 - verification, k + 1 tokens per row;
 - prefill chunks, which should share the pass of the rows that decode beside them rather than stall
   them for a pass of their own;
-- a quantized (or fp16) target's single tokens (OrtEngine's min_pass_tokens): alone, such a token
-  runs beside the previous one, since one-token attention sums its values in another order (MLAS's
-  one-row kernel), which moves an int8 model's logits by up to 0.7 and splits greedy near-ties in 7
-  of 10 SmolLM2 outputs of 128 tokens, where a pass of two or more tokens matches verification bit
-  for bit.
+- an exact target's single tokens (OrtEngine's `exact`, min_pass_tokens 2): alone, such a token runs
+  beside the previous one, since a one-row pass takes other kernels (MLAS's one-row paths, fp32
+  compute in MatMulNBits) whose logits differ from verification's, where a pass of two or more tokens
+  matches it bit for bit.
 
 The rows graph is the target's own graph over one flat token axis, the rows' tokens one after another
 (no padding), with each attention node split into one node per row:

@@ -197,14 +197,14 @@ class Scheduler:
             return
         speculative = [row for row in rows if wanted[row] > 0]
         start = self._observe_period(rows)
-        # On an exact target the policy limits the greedy rows' drafts only: a sampled row's random numbers
-        # depend on its draft lengths, so it keeps its request's k and a seed gives the sample it gives
-        # alone. Otherwise it limits every row's. ("never" still means never.)
-        limited = [row for row in speculative if row.sampler.greedy or not self.policy.exact]
+        # The policy limits greedy rows' drafts; a sampled row's random numbers depend on its draft lengths, so
+        # alone or on an exact target it keeps its request's k and a seed gives one sample. In a batch on a
+        # target that is not exact the policy limits sampled rows too. ("never" still means never.)
+        batch = len(speculative) > 1 and not self.policy.exact
+        limited = [row for row in speculative if row.sampler.greedy or batch]
         own = self.policy.mode != "never"
         limit = self.policy.draft_limit(limited, max(wanted.values())) if limited or not own else None
-        chosen = {id(row) for row in limited}
-        ks = {row: row.num_draft_tokens(limit if id(row) in chosen or not own else None) for row in speculative}
+        ks = {row: row.num_draft_tokens(limit if row in limited or not own else None) for row in speculative}
         drafting = [row for row in speculative if ks[row] > 0]
         plain = [row for row in rows if row not in drafting]
         verifying = []

@@ -89,6 +89,14 @@ def check_device(device: str) -> None:
         raise SpecdeployError(f"unknown device '{device}' (choose from {', '.join(DEVICES)})")
 
 
+def check_exact(spec: ModelSpec) -> None:
+    """Refuse exact decoding (OrtEngine's `exact`) of a target whose graph concatenates its KV cache: running
+    the previous token again would copy the whole cache each step."""
+    if spec.role == "target" and not spec.kv_cache.shared_buffer:
+        raise SpecdeployError("exact decoding needs a target graph whose KV cache is written in place (a fused "
+                              "graph: export --graph fused); this bundle's target concatenates its cache")
+
+
 def providers_for(config: SessionConfig, spec: ModelSpec | None = None) -> list:
     import onnxruntime as ort
 

@@ -20,8 +20,8 @@ class ServeConfig:
     num_draft_tokens: int = GenerationConfig.num_draft_tokens  # k for requests that do not set num_draft_tokens
     drafter: str = defaults.DRAFTER  # hybrid | model | prompt-lookup
     device: str = "cpu"  # cpu | cuda | tensorrt
-    # Greedy text independent of k and the batch, a seed's sample independent of the batch (load(exact=True));
-    # costs a quantized target's target-only steps about a quarter of their speed and its batched rows.
+    # Greedy text independent of k and the batch, a seed's sample independent of the batch (load(exact=True)),
+    # for target-only speed.
     exact: bool = False
     api_key: str | None = None  # when set, /v1/* requires "Authorization: Bearer <api_key>"
     max_body_bytes: int = defaults.SERVE_MAX_BODY_BYTES  # request bodies over this answer 413

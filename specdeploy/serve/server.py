@@ -20,7 +20,7 @@ import uvicorn
 from ..bundle import load_manifest
 from ..errors import SpecdeployError
 from ..runtime.loader import DRAFTERS, drafter_for
-from ..runtime.session import SessionConfig, check_device, providers_for
+from ..runtime.session import SessionConfig, check_device, check_exact, providers_for
 from .app import create_app
 from .config import ServeConfig
 from .protocol import ApiError, parse_request
@@ -36,6 +36,8 @@ def check_config(config: ServeConfig) -> None:
     if config.drafter not in DRAFTERS:
         raise SpecdeployError(f"unknown drafter '{config.drafter}' (choose from {', '.join(DRAFTERS)})")
     drafter_for(manifest, config.drafter, config.bundle)  # 'model' on a bundle without a draft model is refused here
+    if config.exact:
+        check_exact(manifest.target)
     try:  # the options a request that sets none starts from, through the requests' own validation
         parse_request({"prompt": ""}, "completion", config.num_draft_tokens, manifest.max_context)
     except ApiError as exc:
