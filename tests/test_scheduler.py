@@ -247,9 +247,10 @@ def test_the_policy_speculates_where_it_pays():
     def Row():  # acceptance 0.8 so far: 20 rounds kept all 4 drafts, 5 kept none
         return FakeRow([(4, 4)] * 20 + [(4, 0)] * 5)
 
-    assert policy.draft_limit([Row()], 4) > 0  # alone: a draft that mostly agrees pays
-    # alone on a target that is not exact: never a target-only round (its one-token pass rounds otherwise)
-    assert policy.draft_limit([FakeRow([(4, 0)] * 40)], 4) == 1
+    assert policy.draft_limit([Row()], 4) == 4  # alone on an fp32 target: the request's own k
+    assert policy.draft_limit([FakeRow([(4, 0)] * 40)], 4) == 4
+    policy.choose_alone = True  # a rounded target: the choice, but never a target-only round (not exact)
+    assert policy.draft_limit([Row()], 4) > 0 and policy.draft_limit([FakeRow([(4, 0)] * 40)], 4) == 1
     assert policy.draft_limit([Row(), Row()], 4) > 0  # two rows: ~3.4 tokens each per verify pass still pay
     assert policy.draft_limit([Row() for _ in range(8)], 4) == 0  # 8 verify passes lose to one batched step
     assert SpeculationPolicy("always").draft_limit([Row() for _ in range(8)], 4) == 4
@@ -397,8 +398,8 @@ def test_only_an_exact_target_runs_its_single_tokens_beside_the_previous_one(agr
     fast, exact = specdeploy.load(agreeing_bundle), specdeploy.load(agreeing_bundle, exact=True)
     assert fast.target.min_pass_tokens == 1 and not fast.exact
     assert exact.target.min_pass_tokens == 2 and exact.exact and exact.drafter.model_drafter.engine.min_pass_tokens == 1
-    # a lone greedy row takes the policy's k either way: its passes are timed at load
-    assert exact.scheduler.policy.exact and exact.scheduler.policy.draft_ms and fast.scheduler.policy.draft_ms
+    # an fp32 target's lone greedy row takes the policy's k only when exact (its passes timed at load for it)
+    assert exact.scheduler.policy.exact and exact.scheduler.policy.draft_ms and not fast.scheduler.policy.draft_ms
     for prompt in PROMPTS[:3]:  # the same bits: target-only steps and verify passes of every k
         plain = exact.generate(prompt, max_new_tokens=20, speculative=False, logprobs=0)
         for k in (1, 4):
@@ -412,7 +413,7 @@ def test_a_lone_greedy_row_of_an_exact_target_takes_the_policys_choice():
     row's k as it does a batch's: none for a draft that never agrees, the request's k for one that mostly
     does."""
     policy = SpeculationPolicy("auto")
-    policy.exact = True
+    policy.exact = policy.choose_alone = True
     policy.target_ms[1] = 10.0  # a quantized target's step runs two tokens: a short verify pass costs as much
     policy.verify_ms.update({k + 1: 10.0 + 1.5 * (k - 1) for k in range(1, 5)})
     policy.draft_ms[1] = 1.0

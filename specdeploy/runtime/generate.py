@@ -135,8 +135,8 @@ class Generator:
         later one (allocations, memory patterns, threads waking). Warming runs a short prefill, target
         steps (target-only decoding), draft steps and verify passes of the default k (speculative
         decoding, greedy and sampled), so a first request runs as fast as the ones after it. A
-        generator whose speculation policy chooses draft lengths (batching, or a lone greedy row:
-        SpeculationPolicy) also times its passes for it (calibrate)."""
+        generator whose speculation policy chooses draft lengths (batching, or a lone greedy row of an
+        exact or rounded target: SpeculationPolicy) also times its passes for it (calibrate)."""
         vocab, k = self.target.spec.vocab_size, GenerationConfig.num_draft_tokens
         new_tokens = 2 * (k + 1)
         length = max(1, min(WARM_UP_PROMPT_TOKENS, self.max_context - new_tokens - 1))  # a context of 2 takes 1
@@ -147,7 +147,7 @@ class Generator:
             self.generate(prompt, max_new_tokens=k + 1, num_draft_tokens=k, temperature=1.0)
         policy = self.scheduler.policy
         k = min(k, self.max_context - length - 1)  # a short context times the passes it can run
-        if k >= 1 and (self.max_batch > 1 or (policy.mode == "auto" and self.drafter is not None)):
+        if k >= 1 and (self.max_batch > 1 or (policy.mode == "auto" and policy.choose_alone and self.drafter is not None)):
             self.calibrate(prompt, k)
         self.reset()
 

@@ -31,10 +31,11 @@ class SpeculationPolicy:
     millisecond wins. Engine costs come from `calibrate` (passes timed at load) and are refreshed
     as rounds run; a row's acceptance is its own running mean, starting from the
     scheduler's. After PROBE_EVERY target-only rounds in a row, one round drafts a single token,
-    so that the estimates follow the text. A lone greedy row takes the choice too: on an exact target
-    (OrtEngine's `exact`) any k, 0 included, since its passes of every length give each token the same
-    bits; otherwise a k of 1 or more, since passes of two tokens or more agree bit for bit whatever
-    their length where a one-token pass does not, so that its text is the same run after run. A
+    so that the estimates follow the text. A lone greedy row on an exact or a rounded target
+    (choose_alone) takes the choice too: on an exact target (OrtEngine's `exact`) any k, 0 included,
+    since its passes of every length give each token the same bits; otherwise a k of 1 or more, since
+    passes of two tokens or more agree bit for bit whatever their length where a one-token pass does
+    not, so that its text is the same run after run. A
     sampled row's random numbers depend on its draft lengths: alone, or on an exact target, it keeps
     its request's k, so that a seed gives one sample (the scheduler does not ask, Scheduler._decode);
     in a batch on a target that is not exact it takes the choice, each round still an exact sample
@@ -57,6 +58,9 @@ class SpeculationPolicy:
         # The target is exact (OrtEngine): every pass computes each token with the same bits, so a lone row may
         # run target-only rounds too; the scheduler asks about greedy rows only.
         self.exact = False
+        # A lone greedy row takes the policy's k (else its request's): on an exact or a rounded (fp16, quantized)
+        # target, where it pays (a weak draft at k = 1); on an fp32 one it measured below a fixed k = 4.
+        self.choose_alone = False
         # round kind ("target", "speculative") -> rows -> one round's time outside the engines
         self.outside_ms: dict[str, dict[int, float]] = {"target": {}, "speculative": {}}
         self.acceptance = 0.6  # the running mean over every round, a new row's starting estimate
@@ -66,6 +70,8 @@ class SpeculationPolicy:
         if self.mode != "auto" or max_k == 0:
             return max_k if self.mode != "never" else 0
         count = len(rows)
+        if count == 1 and not self.choose_alone:
+            return max_k
         # Alone and not exact: no target-only round, whose one-token pass rounds unlike a verify pass; passes of
         # two tokens or more agree bit for bit at every length, so the k chosen never changes the text.
         least = 1 if count == 1 and not self.exact else 0

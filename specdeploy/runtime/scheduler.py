@@ -61,6 +61,9 @@ class Scheduler:
         self.policy.rows_sizes = rows.sizes if rows is not None else []
         self.policy.single_rows = bool(rows is not None and rows.spare)
         self.policy.exact = getattr(target, "exact", False)
+        spec = getattr(target, "spec", None)
+        rounded = spec is not None and (spec.quantize != "none" or spec.dtype != "fp32")
+        self.policy.choose_alone = self.policy.exact or rounded
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # the last round: (kind, its rows' ids, its start, engine seconds then, the rows its costs are filed under)
