@@ -228,12 +228,12 @@ def test_a_long_prompts_head_prefill_keeps_pace_with_the_targets_chunks(eagle_bu
     alone = specdeploy.load(eagle_bundle, drafter="model")
     generator = specdeploy.load(eagle_bundle, drafter="model", max_batch=2, policy="always")
     scheduler = generator.scheduler
-    config = generator._config(dict(max_new_tokens=24, num_draft_tokens=4))
-    short = generator._sequence(PROMPTS[3], config, streaming=False)
+    settings = dict(max_new_tokens=24, num_draft_tokens=4)
+    short = generator.new_sequence(PROMPTS[3], streaming=False, **settings)
     scheduler.submit(short)
     scheduler.step()
     long_ids = (alone.codec.encode("".join(PROMPTS[:3]) + "\n") * 8)[: 3 * PREFILL_CHUNK + 20]
-    late = generator._sequence(long_ids, config, streaming=False)
+    late = generator.new_sequence(long_ids, streaming=False, **settings)
     scheduler.submit(late)
     growth = []
     while scheduler.active:

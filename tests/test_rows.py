@@ -206,11 +206,11 @@ def test_a_long_prompt_rides_in_the_rounds_of_the_rows_decoding_beside_it(bundle
     scheduler, target = generator.scheduler, generator.target
     long_prompt = [7 + i % 50 for i in range(2 * PREFILL_CHUNK + 10)]
     config = dict(max_new_tokens=30, speculative=speculative, ignore_eos=True)
-    first = generator._sequence("def f(x):", generator._config(dict(config)), streaming=False)
+    first = generator.new_sequence("def f(x):", streaming=False, **config)
     scheduler.submit(first)
     while not first.new_tokens:
         scheduler.step()
-    late = generator._sequence(long_prompt, generator._config(dict(config)), streaming=False)
+    late = generator.new_sequence(long_prompt, streaming=False, **config)
     scheduler.submit(late)
     steps, calls = 0, target.calls
     while not late.target_started or late.target_prefilling:
@@ -233,12 +233,11 @@ def test_a_round_that_raises_fails_the_prompts_riding_in_it(int8_bundle):
     generator = specdeploy.load(int8_bundle, exact=True, max_batch=2, policy="always")
     scheduler = generator.scheduler
     config = dict(max_new_tokens=8, speculative=False, ignore_eos=True)
-    first = generator._sequence("def f(x):", generator._config(dict(config)), streaming=False)
+    first = generator.new_sequence("def f(x):", streaming=False, **config)
     scheduler.submit(first)
     while not first.new_tokens:
         scheduler.step()
-    late = generator._sequence([7 + i % 50 for i in range(PREFILL_CHUNK + 10)], generator._config(dict(config)),
-                               streaming=False)
+    late = generator.new_sequence([7 + i % 50 for i in range(PREFILL_CHUNK + 10)], streaming=False, **config)
     scheduler.submit(late)
     decode = scheduler._decode
     scheduler._decode = lambda rows, riders: (_ for _ in ()).throw(RuntimeError("bookkeeping"))

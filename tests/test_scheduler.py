@@ -79,9 +79,9 @@ def test_an_exact_targets_sampled_row_keeps_its_draft_length_whatever_the_policy
     generator.scheduler.policy.draft_limit = lambda rows, max_k: limits.append(len(rows)) or 0
     sampled = dict(max_new_tokens=24, temperature=0.8, top_p=0.95)
     expected = [alone.generate(PROMPTS[i], seed=seed, **sampled).token_ids for i, seed in ((0, 21), (2, 22))]
-    sequences = [generator._sequence(PROMPTS[0], generator._config(dict(seed=21, **sampled)), streaming=False),
-                 generator._sequence(PROMPTS[1], generator._config(dict(max_new_tokens=24)), streaming=False),
-                 generator._sequence(PROMPTS[2], generator._config(dict(seed=22, **sampled)), streaming=False)]
+    sequences = [generator.new_sequence(PROMPTS[0], streaming=False, seed=21, **sampled),
+                 generator.new_sequence(PROMPTS[1], streaming=False, max_new_tokens=24),
+                 generator.new_sequence(PROMPTS[2], streaming=False, seed=22, **sampled)]
     outputs = generator._run_all(sequences)
     assert [outputs[0].token_ids, outputs[2].token_ids] == expected
     assert limits and max(limits) == 1  # asked about the greedy row only
@@ -103,12 +103,12 @@ def test_without_exact_the_policy_chooses_a_sampled_rows_draft_length_too(self_d
 def test_a_sequence_joining_mid_flight(agreeing_bundle, alone):
     generator = batched(agreeing_bundle, "always")
     scheduler = generator.scheduler
-    first = generator._sequence(PROMPTS[0], generator._config(dict(max_new_tokens=40)), streaming=True)
+    first = generator.new_sequence(PROMPTS[0], streaming=True, max_new_tokens=40)
     scheduler.submit(first)
     for _ in range(3):
         scheduler.step()
     assert first.new_tokens and not first.finished
-    late = generator._sequence(PROMPTS[1], generator._config(dict(max_new_tokens=40)), streaming=True)
+    late = generator.new_sequence(PROMPTS[1], streaming=True, max_new_tokens=40)
     scheduler.submit(late)
     while scheduler.active:
         scheduler.step()
@@ -132,7 +132,7 @@ def test_every_forced_interleaving_gives_the_same_outputs(agreeing_bundle, alone
     while pending or scheduler.active:
         if pending and rng.random() < 0.5:
             prompt, settings = pending.pop(0)
-            sequence = generator._sequence(prompt, generator._config(dict(settings)), streaming=False)
+            sequence = generator.new_sequence(prompt, streaming=False, **settings)
             scheduler.submit(sequence)
             sequences.append((sequence, prompt, settings))
         if scheduler.active:
@@ -146,9 +146,9 @@ def test_cancelled_mid_prefill(long_bundle, checkpoints):
     generator = specdeploy.load(long_bundle, max_batch=2)
     scheduler = generator.scheduler
     long_prompt = list(range(2, 2 + 3 * PREFILL_CHUNK + 5))
-    config = generator._config(dict(max_new_tokens=8))
-    victim = generator._sequence(long_prompt, config, streaming=True)
-    other = generator._sequence("def f(x):", config, streaming=True)
+    settings = dict(max_new_tokens=8)
+    victim = generator.new_sequence(long_prompt, streaming=True, **settings)
+    other = generator.new_sequence("def f(x):", streaming=True, **settings)
     scheduler.submit(victim)
     scheduler.submit(other)
     scheduler.step()  # one chunk of the long prompt; the short one is prefilled and decoding
@@ -164,8 +164,8 @@ def test_cancelled_mid_prefill(long_bundle, checkpoints):
 def test_an_error_fails_its_sequence_only(agreeing_bundle, alone, monkeypatch):
     generator = batched(agreeing_bundle, "never")
     scheduler = generator.scheduler
-    config = generator._config(dict(max_new_tokens=12, speculative=False))
-    doomed, fine = (generator._sequence(p, config, streaming=False) for p in PROMPTS[:2])
+    settings = dict(max_new_tokens=12, speculative=False)
+    doomed, fine = (generator.new_sequence(p, streaming=False, **settings) for p in PROMPTS[:2])
     calls = {"n": 0}
     original = type(doomed).sample_target
 
@@ -200,8 +200,7 @@ def test_a_failure_at_a_rows_round_start_or_in_its_drafting_fails_that_row_alone
     settings = dict(max_new_tokens=16, temperature=0.8, seed=5)
     expected = alone.generate(PROMPTS[1], **settings).token_ids
     generator = batched(self_draft_bundle, "always", drafter="model")
-    config = generator._config(dict(settings))
-    doomed, fine = (generator._sequence(p, config, streaming=False) for p in PROMPTS[:2])
+    doomed, fine = (generator.new_sequence(p, streaming=False, **settings) for p in PROMPTS[:2])
     scheduler = generator.scheduler
     scheduler.submit(doomed)
     scheduler.submit(fine)
@@ -526,12 +525,12 @@ def test_a_long_prompts_draft_prefill_spreads_over_iterations(long_bundle):
 
     generator = specdeploy.load(long_bundle, max_batch=3, drafter="model", policy="always")
     scheduler = generator.scheduler
-    config = generator._config(dict(max_new_tokens=8))
-    short = generator._sequence("def f(x):", config, streaming=False)
+    settings = dict(max_new_tokens=8)
+    short = generator.new_sequence("def f(x):", streaming=False, **settings)
     scheduler.submit(short)
     scheduler.step()
     long_prompt = [2 + (i * 7) % 50 for i in range(3 * DRAFT_PREFILL_TOKENS + 5)]
-    first, second = (generator._sequence(long_prompt, config, streaming=False) for _ in range(2))
+    first, second = (generator.new_sequence(long_prompt, streaming=False, **settings) for _ in range(2))
     scheduler.submit(first)
     scheduler.submit(second)
     growth = _draft_growth(scheduler, [first, second])
@@ -561,11 +560,11 @@ def _joined_beside(bundle, first_prompt, first_settings, second_prompt, second_s
     """second_prompt joins while first_prompt's sequence decodes in the other slot; returns second's output."""
     generator = specdeploy.load(bundle, max_batch=2, policy="always", exact=True)
     scheduler = generator.scheduler
-    first = generator._sequence(first_prompt, generator._config(dict(first_settings)), streaming=False)
+    first = generator.new_sequence(first_prompt, streaming=False, **first_settings)
     scheduler.submit(first)
     while len(first.new_tokens) < 22:
         scheduler.step()
-    second = generator._sequence(second_prompt, generator._config(dict(second_settings)), streaming=False)
+    second = generator.new_sequence(second_prompt, streaming=False, **second_settings)
     scheduler.submit(second)
     while scheduler.active:
         scheduler.step()
