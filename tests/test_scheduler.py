@@ -82,7 +82,11 @@ def test_an_exact_targets_sampled_row_keeps_its_draft_length_whatever_the_policy
     sequences = [generator.new_sequence(PROMPTS[0], streaming=False, seed=21, **sampled),
                  generator.new_sequence(PROMPTS[1], streaming=False, max_new_tokens=24),
                  generator.new_sequence(PROMPTS[2], streaming=False, seed=22, **sampled)]
-    outputs = generator._run_all(sequences)
+    for sequence in sequences:
+        generator.scheduler.submit(sequence)
+    while generator.scheduler.active:
+        generator.scheduler.step()
+    outputs = [sequence.output() for sequence in sequences]
     assert [outputs[0].token_ids, outputs[2].token_ids] == expected
     assert limits and max(limits) == 1  # asked about the greedy row only
     assert outputs[0].stats.drafted > 0 and outputs[1].stats.drafted == 0
