@@ -70,8 +70,8 @@ class OrtEngine:
         self._present_names = [name for i in range(spec.num_layers) for name in (kv.present_key % i, kv.present_value % i)]
         self.cache_dtype = np.dtype(kv.dtype)
         self.shared_buffer = kv.shared_buffer
-        self._logits_dtype = np.dtype(next(t.dtype for t in spec.outputs if t.name == "logits"))
-        self._float32_logits = self._logits_dtype == np.float32
+        self.logits_dtype = np.dtype(next(t.dtype for t in spec.outputs if t.name == "logits"))  # the graph's (rows.py reads it)
+        self.float32_logits = self.logits_dtype == np.float32
         self.scratch_logits = scratch_logits
         if exact:
             check_exact(spec)
@@ -195,7 +195,7 @@ class OrtEngine:
             cache.tokens.append(int(token))
             cache.mask_to(cache.length)
         rows_out = logits[[cache.slot_index for cache in caches], 0]  # [n, vocab]
-        return rows_out if self._float32_logits else rows_out.astype(np.float32)
+        return rows_out if self.float32_logits else rows_out.astype(np.float32)
 
     def _bind_batch(self, pool, rows: int, logits_value, caches: list, features: list | None) -> None:
         """Bind the first `rows` slots of pool for one batched pass (run_batch), and the feature rows."""
@@ -224,7 +224,7 @@ class OrtEngine:
                 self._batch_ids = np.zeros((max(rows, 2 * self._batch_ids.shape[0]), 1), dtype=np.int64)
                 self._batch_ids_values = {}
                 self._batch_logits = {}
-            logits = np.empty((rows, 1, self.columns), dtype=self._logits_dtype)
+            logits = np.empty((rows, 1, self.columns), dtype=self.logits_dtype)
             self._batch_logits[rows] = (logits, ort_value(logits, "cpu"))
         if rows not in self._batch_ids_values:
             self._batch_ids_values[rows] = ort_value(self._batch_ids[:rows], "cpu")
@@ -311,7 +311,7 @@ class OrtEngine:
             logits = self._pass_shared(token_ids, count, total, cache)
         else:
             logits = self._pass_concat(token_ids, count, total, cache)
-        return logits if self._float32_logits else logits.astype(np.float32)
+        return logits if self.float32_logits else logits.astype(np.float32)
 
     def _pass_concat(self, token_ids, count: int, total: int, cache: KVCache) -> np.ndarray:
         """optimum's graphs: the past goes in as the cache's tensors, the presents come back as new OrtValues
@@ -358,7 +358,7 @@ class OrtEngine:
             self._binding.bind_ortvalue_output(self.features, ort_value(rows, "cpu"))
         self._timed_run()
         cache.length = total
-        if (count == 1 and self.scratch_logits and self._float32_logits and cache.mask is not None
+        if (count == 1 and self.scratch_logits and self.float32_logits and cache.mask is not None
                 and self.features is None and self._feature_input is None):
             self._stepping = cache  # the binding is as _step needs it: only the token and the mask change
         return logits
@@ -401,14 +401,14 @@ class OrtEngine:
             return self._scratch_rows[count]
         # A fresh array: the caller may keep it. The engine holds it, since the binding points into
         # its memory, until the next pass rebinds the output.
-        self._logits = fresh = np.empty((1, count, self.columns), dtype=self._logits_dtype)
+        self._logits = fresh = np.empty((1, count, self.columns), dtype=self.logits_dtype)
         self._binding.bind_ortvalue_output("logits", ort_value(fresh, "cpu"))
         self._bound_logits = None
         return fresh[0]
 
     def _make_scratch(self) -> None:
         """One [1, SCRATCH_ROWS, vocab] buffer; a pass of n tokens writes its first n rows (contiguous)."""
-        self._scratch = np.empty((1, SCRATCH_ROWS, self.columns), dtype=self._logits_dtype)
+        self._scratch = np.empty((1, SCRATCH_ROWS, self.columns), dtype=self.logits_dtype)
         self._scratch_values = [None] + [ort_value(self._scratch[:, :n], "cpu") for n in range(1, SCRATCH_ROWS + 1)]
         self._scratch_rows = [None] + [self._scratch[0, :n] for n in range(1, SCRATCH_ROWS + 1)]
 

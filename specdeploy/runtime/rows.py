@@ -263,7 +263,7 @@ class RowsPass:
             self._views = {key: value for key, value in self._views.items() if key[0] == "logits"}
         if self._logits is None or kept > self._logits.shape[1]:
             kept = max(kept, 2 * (self._logits.shape[1] if self._logits is not None else 0))
-            self._logits = np.empty((1, kept, engine.columns), dtype=engine._logits_dtype)
+            self._logits = np.empty((1, kept, engine.columns), dtype=engine.logits_dtype)
             self._views = {key: value for key, value in self._views.items() if key[0] != "logits"}
 
     def _view(self, name: str, count: int):
@@ -356,5 +356,5 @@ class RowsPass:
             cache.tokens += list(tokens)
             cache.mask_to(cache.length)
             rows_out = self._logits[0, starts[row] : starts[row] + want]
-            out.append(rows_out if engine._float32_logits else rows_out.astype(np.float32))
+            out.append(rows_out if engine.float32_logits else rows_out.astype(np.float32))
         return out
