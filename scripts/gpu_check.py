@@ -15,7 +15,8 @@ then on the device machine, back to back while it stays warm, one call per part 
 
     python scripts/gpu_check.py receive .device --store /tmp/specdeploy-gpu
 
-and last (carrying `.device/parts.json`):
+and last (carrying `.device/parts.json` and the demo pair's checkpoints, `.device/parked/target` and
+`.device/parked/draft`, 20 MB):
 
     python scripts/gpu_check.py check --store /tmp/specdeploy-gpu --out $OUT
 
@@ -160,10 +161,11 @@ def check(store: Path, out: Path) -> int:
     step(report, log, "nvidia-smi", ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv"], env)
     step(report, log, "cuda tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
                                      str(ROOT / "tests" / "test_cuda.py")], env)
-    if (DEMO / "target" / "config.json").is_file():
+    demo = next((folder for folder in (DEMO, PARKED) if (folder / "target" / "config.json").is_file()), None)
+    if demo is not None:  # in the tree, or its checkpoints carried from where `park` put them
         bundle = store / "demo-fp16"
         step(report, log, "export demo fp16", [sys.executable, "-m", "specdeploy", "export", "--target",
-                                               str(DEMO / "target"), "--draft", str(DEMO / "draft"), "--dtype", "fp16",
+                                               str(demo / "target"), "--draft", str(demo / "draft"), "--dtype", "fp16",
                                                "--out", str(bundle), "--force"], env)
         step(report, log, "bench demo fp16 cuda", [sys.executable, "-m", "specdeploy", "bench", str(bundle), "--device",
                                                    "cuda", "--exact", "--json", "-k", "2,4"], env, json_out=True)
@@ -232,7 +234,8 @@ def main() -> int:
         for part in manifest["parts"]:
             print(f"device call: carry {args.out}/{MANIFEST} {args.out}/{part['name']}; "
                   f"python scripts/gpu_check.py receive {args.out} --store {args.store}")
-        print(f"device call: carry {args.out}/{MANIFEST}; python scripts/gpu_check.py check --store {args.store} --out $OUT")
+        print(f"device call: carry {args.out}/{MANIFEST} .device/parked/target .device/parked/draft; "
+              f"python scripts/gpu_check.py check --store {args.store} --out $OUT")
     elif args.command == "receive":
         if len(args.paths) != 1:
             parser.error("receive needs the carried folder")
