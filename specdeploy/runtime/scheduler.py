@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -45,6 +46,25 @@ from .draft_rows import propose_many
 from .policy import SpeculationPolicy
 from .rejection import accept
 from .sequence import Sequence, Slot, shared_prefix
+
+
+@dataclass(frozen=True)
+class RoundStart:
+    """When a round began: which rows it ran, the clock, and the engines' seconds in passes so far."""
+
+    row_ids: tuple[int, ...]
+    time: float
+    engine_seconds: float
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """The last round, for its cost outside the engines (observed when the next round of the same rows starts)."""
+
+    kind: str  # "target" or "speculative": the policy's table it is filed in
+    start: RoundStart
+    rows: int  # the rows its cost is filed under (those that wanted drafts, else all)
+
 
 class Scheduler:
     """Steps every live sequence of one generator each iteration; see the module docstring.
@@ -66,8 +86,7 @@ class Scheduler:
         self.policy.choose_alone = self.policy.exact or rounded
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        # the last round: (kind, its rows' ids, its start, engine seconds then, the rows its costs are filed under)
-        self._last_round: tuple | None = None
+        self._last_round: RoundRecord | None = None
 
     @property
     def active(self) -> bool:
@@ -216,7 +235,7 @@ class Scheduler:
             plain += without
         self._target_passes(verifying, plain, riders)
         # filed under the rows the policy decides for (those that want drafts)
-        self._last_round = ("speculative" if verifying else "target", *start, len(speculative) or len(rows))
+        self._last_round = RoundRecord("speculative" if verifying else "target", start, len(speculative) or len(rows))
 
     @staticmethod
     def _round_start(row: Sequence) -> int:
@@ -253,16 +272,15 @@ class Scheduler:
         elif plain:
             self._target_round(plain)
 
-    def _observe_period(self, rows: list[Sequence]) -> tuple:
+    def _observe_period(self, rows: list[Sequence]) -> RoundStart:
         """The last round's cost outside the engines, from its start to this one's: the scheduler's own work
         and its caller's (a server detokenizes and streams each round's tokens). Observed only between two
-        rounds of the same rows. Returns this round's start: (its rows' ids, the time, engine seconds)."""
-        start = (tuple(map(id, rows)), time.perf_counter(), self._engine_seconds(rows))
+        rounds of the same rows. Returns this round's start."""
+        start = RoundStart(tuple(map(id, rows)), time.perf_counter(), self._engine_seconds(rows))
         last = self._last_round
-        if last is not None and last[1] == start[0]:
-            kind, _, started, engines_then, count = last
-            outside = (start[1] - started) - (start[2] - engines_then)
-            self.policy.observe(self.policy.outside_ms[kind], count, 1000 * outside)
+        if last is not None and last.start.row_ids == start.row_ids:
+            outside = (start.time - last.start.time) - (start.engine_seconds - last.start.engine_seconds)
+            self.policy.observe(self.policy.outside_ms[last.kind], last.rows, 1000 * outside)
         return start
 
     def _engine_seconds(self, rows: list[Sequence]) -> float:
