@@ -280,7 +280,7 @@ def test_the_policy_probes_with_one_draft_after_a_run_of_target_only_rounds():
 def test_draft_steps_are_timed_without_the_catch_ups_before_them(agreeing_bundle):
     """A row whose draft cache lags (after target-only rounds) catches up alone; the policy's cost of a
     batched draft step must not carry that pass, or one catch-up keeps the rows target-only."""
-    from specdeploy.runtime.draft_rows import propose_many
+    from specdeploy.runtime.draft_rows import DraftRequest, propose_many
 
     generator = specdeploy.load(agreeing_bundle, max_batch=4, drafter="model")
     slots = generator.scheduler.slots
@@ -293,7 +293,7 @@ def test_draft_steps_are_timed_without_the_catch_ups_before_them(agreeing_bundle
     sampler = generator.new_sequence(contexts[0], temperature=0).sampler
     calls = engine.calls
     steps = []
-    requests = [(d, c, 3, sampler, np.random.default_rng(0), 0.0) for d, c in zip(drafters, contexts)]
+    requests = [DraftRequest(d, c, 3, sampler, np.random.default_rng(0)) for d, c in zip(drafters, contexts)]
     proposals = propose_many(requests, steps)
     assert [len(tokens) for tokens, _ in proposals] == [3, 3]
     # the first row's catch-up gives its first draft position; the second row's pending token then runs

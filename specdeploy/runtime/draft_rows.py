@@ -7,17 +7,34 @@ on as if it had never been there; only a failed batched pass fails the rows it r
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import numpy as np
 
-from .drafters import HybridDrafter
+from .drafters import Drafter, HybridDrafter
+from .sampling import Sampler
 
 Proposal = tuple[list[int], "np.ndarray | None"]
 
 
-def propose_many(requests: list[tuple], steps: list[tuple[int, float]] | None = None) -> list[Proposal | Exception]:
-    """Drafter.propose for several sequences at once: requests are (drafter, context, num_tokens,
-    sampler, rng, min_confidence), one per sequence, each drafter on its own slot's cache. Returns each
-    request's (tokens, probabilities), or the exception its own work raised.
+@dataclass(frozen=True)
+class DraftRequest:
+    """One sequence's ask of propose_many: Drafter.propose's arguments."""
+
+    drafter: Drafter  # on the sequence's own slot's cache
+    context: list[int]
+    num_tokens: int
+    sampler: Sampler
+    rng: np.random.Generator
+    min_confidence: float = 0.0
+
+    def propose(self) -> Proposal:
+        return self.drafter.propose(self.context, self.num_tokens, self.sampler, self.rng, self.min_confidence)
+
+
+def propose_many(requests: list[DraftRequest], steps: list[tuple[int, float]] | None = None) -> list[Proposal | Exception]:
+    """Drafter.propose for several sequences at once, one request per sequence. Returns each request's
+    (tokens, probabilities), or the exception its own work raised.
 
     Lookup proposals are made first (a hybrid's model runs only where the lookup finds nothing); the
     draft model's rows then step together, one batched pass per draft position (run_batch), each row
@@ -25,21 +42,23 @@ def propose_many(requests: list[tuple], steps: list[tuple[int, float]] | None = 
     (rows, engine seconds) of each batched step; a catch-up (after target-only rounds) is no step."""
     results: list = [None] * len(requests)
     model_rows = []
-    for index, (drafter, context, num_tokens, sampler, rng, min_confidence) in enumerate(requests):
+    for index, request in enumerate(requests):
+        drafter = request.drafter
         if isinstance(drafter, HybridDrafter):
-            min_ngram = None if sampler.greedy else drafter.sampled_ngram
-            found = _own(drafter.lookup.propose, context, num_tokens, sampler, rng, min_ngram=min_ngram)
+            min_ngram = None if request.sampler.greedy else drafter.sampled_ngram
+            found = _own(drafter.lookup.propose, request.context, request.num_tokens, request.sampler, request.rng,
+                         min_ngram=min_ngram)
             if isinstance(found, Exception) or found[0]:
                 results[index] = found
                 continue
-            drafter = drafter.model_drafter
-        if getattr(drafter, "batched", False):
-            model_rows.append((index, drafter, context, num_tokens, sampler, rng, min_confidence))
+            request = replace(request, drafter=drafter.model_drafter)
+        if getattr(request.drafter, "batched", False):
+            model_rows.append((index, request))
         else:
-            results[index] = _own(drafter.propose, context, num_tokens, sampler, rng, min_confidence)
+            results[index] = _own(request.propose)
     if len(model_rows) == 1:
-        index, drafter, *arguments = model_rows[0]
-        results[index] = _own(drafter.propose, *arguments)
+        index, request = model_rows[0]
+        results[index] = _own(request.propose)
     elif model_rows:
         _propose_model_rows(model_rows, results, steps)
     return results
@@ -98,12 +117,13 @@ class _Row:
         return True
 
 
-def _propose_model_rows(model_rows: list[tuple], results: list, steps: list[tuple[int, float]] | None) -> None:
-    engine = model_rows[0][1].engine
+def _propose_model_rows(model_rows: list[tuple[int, DraftRequest]], results: list,
+                        steps: list[tuple[int, float]] | None) -> None:
+    engine = model_rows[0][1].drafter.engine
     rows = []
-    for index, drafter, context, num_tokens, sampler, rng, min_confidence in model_rows:
-        row = _Row(index, drafter, num_tokens, sampler, min_confidence)
-        started = _own(row.start, context, rng)
+    for index, request in model_rows:
+        row = _Row(index, request.drafter, request.num_tokens, request.sampler, request.min_confidence)
+        started = _own(row.start, request.context, request.rng)
         if started is True:
             rows.append(row)
         else:

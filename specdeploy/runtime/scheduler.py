@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .draft_rows import propose_many
+from .draft_rows import DraftRequest, propose_many
 from .policy import SpeculationPolicy
 from .rejection import accept
 from .sequence import Sequence, Slot, shared_prefix
@@ -324,7 +324,7 @@ class Scheduler:
         draft = rows[0].drafter.engine
         requests = []
         for row in rows:
-            requests.append((row.drafter, row.context, ks[row], row.sampler, row.rng, row.config.draft_confidence))
+            requests.append(DraftRequest(row.drafter, row.context, ks[row], row.sampler, row.rng, row.config.draft_confidence))
         seconds, calls = (draft.seconds, draft.calls) if draft is not None else (0.0, 0)
         steps = []  # (rows, seconds) of each batched draft step
         try:
