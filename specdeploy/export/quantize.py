@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import SpecdeployError
+from .blocks import pack_codes, unpack_codes
 
 MS = "com.microsoft"
 BLOCK_SIZE = 32
@@ -64,15 +65,12 @@ def quantize_blockwise(weight: np.ndarray, bits: int, block_size: int) -> tuple[
     inverse = np.divide(1.0, scales, out=np.zeros_like(scales), where=scales != 0)
     codes = np.clip(np.rint(blocks * inverse[..., None]) + offset, 0, 2 * offset - 1).astype(np.uint8)
     codes.reshape(rows, -1)[:, cols:] = 0
-    if bits == 4:
-        codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return np.ascontiguousarray(codes), scales
+    return pack_codes(codes, bits), scales
 
 
 def dequantize_blockwise(data: np.ndarray, scales: np.ndarray, bits: int, cols: int) -> np.ndarray:
     """The float rows [rows, cols] that quantize_blockwise's data and scales stand for."""
-    if bits == 4:
-        data = np.stack([data & 0x0F, data >> 4], axis=-1).reshape(*data.shape[:2], -1)
+    data = unpack_codes(data, bits)
     values = (data.astype(np.float32) - (1 << (bits - 1))) * scales[..., None]
     return values.reshape(data.shape[0], -1)[:, :cols]
 
