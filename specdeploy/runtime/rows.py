@@ -212,30 +212,16 @@ class RowsPass:
     `slots` then `run`: see OrtEngine.run_rows, their one caller."""
 
     def __init__(self, engine, pool, model_path: Path, config):
-        import onnxruntime as ort
-
         from .kv_cache import ort_value
-        from .session import session_options
+        from .session import open_rows_session
 
         self.engine, self.pool, self.sizes = engine, pool, rows_sizes(pool.num_slots)
         # An engine whose single tokens never run alone (min_pass_tokens > 1) gets graphs with a spare
         # attention row, so that a pass of single tokens computes each as its own two-token pass does.
         self.spare = int(engine.min_pass_tokens > 1)
         spec = engine.spec
-        options = session_options(config, spec)
-        # Passes take many lengths (packed rows, kept positions): a memory pattern per set of shapes would
-        # grow with them (SmolLM2 int8: about 2.4 MiB per 100 sets), for no speed this host could tell.
-        options.enable_mem_pattern = False
-        # The graph comes as bytes: its weights are the bundle's data file beside model_path.
-        options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(model_path.parent))
-        self._sessions = {}
-        for size in self.sizes:
-            graph = rows_graph(model_path, size, spare_row=bool(self.spare))
-            try:
-                self._sessions[size] = ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
-            except Exception as exc:
-                raise SpecdeployError(f"ONNX Runtime cannot load the rows graph of {model_path}: "
-                                      f"{str(exc).splitlines()[0]}") from None
+        self._sessions = {size: open_rows_session(rows_graph(model_path, size, spare_row=bool(self.spare)), model_path,
+                                                  spec, config) for size in self.sizes}
         kv = spec.kv_cache
         # (past, present, pool buffer index) of every cache tensor
         self._names = [(name % i, present % i, 2 * i + j) for i in range(spec.num_layers)

@@ -1,7 +1,8 @@
 """ONNX Runtime sessions for bundle models: the options, the execution providers, the thread pools.
 
-`open_session` is the one place a bundle model becomes an InferenceSession (OrtEngine calls it),
-after checking that the engine can run it.
+`open_session` makes a bundle model's InferenceSession (OrtEngine calls it), after checking that
+the engine can run it; `open_rows_session` makes one of its rows graphs' (rows.py), with the same
+options. No other module creates a session.
 """
 
 from __future__ import annotations
@@ -248,3 +249,20 @@ def check_rotary_positions(graph, spec: ModelSpec) -> None:
     if rows and min(rows) < spec.max_context:
         raise SpecdeployError(f"the {spec.role} graph's rotary tables hold {min(rows)} positions, fewer than the "
                               f"manifest's max_context {spec.max_context}: this manifest does not belong to these graphs")
+
+
+def open_rows_session(graph: bytes, model_path: Path, spec: ModelSpec, config: SessionConfig):
+    """The CPU session of a rows graph (rows.py) of the model at model_path, whose weights stay in the
+    bundle's data file beside it."""
+    import onnxruntime as ort
+
+    options = session_options(config, spec)
+    # Passes take many lengths (packed rows, kept positions): a memory pattern per set of shapes would
+    # grow with them (SmolLM2 int8: about 2.4 MiB per 100 sets), for no speed this host could tell.
+    options.enable_mem_pattern = False
+    options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(model_path.parent))
+    try:
+        return ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
+    except Exception as exc:
+        raise SpecdeployError(f"ONNX Runtime cannot load the rows graph of {model_path}: "
+                              f"{str(exc).splitlines()[0]}") from None
