@@ -39,7 +39,7 @@ def describe_unexpected(exc: BaseException) -> str:
     pass_frame = next((f for f in engine_frames if "cache" in f and ("count" in f or "token" in f)), innermost)
     count = pass_frame.get("count", 1 if "token" in pass_frame else None)
     cache = pass_frame.get("cache")
-    if any("prefill" in frame.f_code.co_name for frame in frames):  # prefill, prefill_step, _prefill_group
+    if any("prefill" in frame.f_code.co_name for frame in frames):  # prefill, the runner's _prefill_alone and _prefill_apart
         pass_kind = "prefill pass"
     elif count == 1:
         pass_kind = "single-token step"

@@ -5,6 +5,7 @@ import pytest
 
 import specdeploy
 from specdeploy.errors import SpecdeployError
+from specdeploy.runtime.policy import PassChoice
 from specdeploy.runtime.rows import rows_graph
 
 PROMPTS = ["def f(x):", "import os\n", "class A:\n    def __init__(self):", "x = [", "for i in range(10):\n    "]
@@ -108,13 +109,14 @@ def test_verify_rows_and_plain_rows_in_passes_of_their_own_give_what_each_gives_
     expected = [alone.generate(p, max_new_tokens=24, ignore_eos=True).token_ids for p in prompts]
     generator = specdeploy.load(int8_bundle, exact=True, max_batch=4, drafter="prompt-lookup", policy="always")
     scheduler = generator.scheduler
-    scheduler.policy.round_plan = lambda verify_rows, plain_rows, tokens: (1.0, False, verify_rows > 1, plain_rows > 1)
-    passes, rows_round = [], scheduler._rows_round
-    scheduler._rows_round = lambda verifying, plain, riders=(): (passes.append((len(verifying), len(plain)))
-                                                                  or rows_round(verifying, plain, riders))
+    scheduler.policy.choose_passes = lambda verify_rows, plain_rows, tokens: PassChoice(
+        1.0, False, verify_rows > 1, plain_rows > 1)
+    steps, execute = [], scheduler.runner.execute
+    scheduler.runner.execute = lambda plan: steps.append(execute(plan)) or steps[-1]
     outputs = generator.generate_many(prompts, max_new_tokens=24, ignore_eos=True)
     assert [o.token_ids for o in outputs] == expected
-    assert (0, 2) in passes or (0, 3) in passes  # a round whose plain rows ran apart from its verify rows
+    # a round whose plain rows ran apart from its verify rows: two rows passes
+    assert any(sum(cost.kind == "rows" for cost in result.passes) == 2 for result in steps)
 
 
 def test_rows_without_room_run_one_pass_each(agreeing_bundle):
@@ -156,9 +158,9 @@ def test_rounds_share_one_rows_pass_and_give_what_each_gives_alone(int8_bundle, 
     prompts = PROMPTS[:4]
     generator = specdeploy.load(int8_bundle, exact=True, max_batch=4, policy=policy)
     # a rows pass whenever one can run (the tiny model's per-row passes may cost less, and the policy would see it)
-    plan = generator.scheduler.policy.round_plan  # its cost still steers the auto policy's k
-    generator.scheduler.policy.round_plan = lambda verify_rows, plain_rows, tokens: (
-        plan(verify_rows, plain_rows, tokens)[0], True, False, False)
+    choose = generator.scheduler.policy.choose_passes  # its cost still steers the auto policy's k
+    generator.scheduler.policy.choose_passes = lambda verify_rows, plain_rows, tokens: PassChoice(
+        choose(verify_rows, plain_rows, tokens).cost, True, False, False)
     for speculative in (False, True):
         expected = [alone.generate(p, max_new_tokens=24, speculative=speculative, ignore_eos=True).token_ids
                     for p in prompts]
@@ -239,12 +241,12 @@ def test_a_round_that_raises_fails_the_prompts_riding_in_it(int8_bundle):
         scheduler.step()
     late = generator.new_sequence([7 + i % 50 for i in range(PREFILL_CHUNK + 10)], streaming=False, **config)
     scheduler.submit(late)
-    decode = scheduler._decode
-    scheduler._decode = lambda rows, riders: (_ for _ in ()).throw(RuntimeError("bookkeeping"))
+    choose = scheduler.policy.choose_passes  # asked in the step, before its rows pass
+    scheduler.policy.choose_passes = lambda *counts: (_ for _ in ()).throw(RuntimeError("bookkeeping"))
     with pytest.raises(RuntimeError):
         scheduler.step()
     assert late.finished and late.output().stats.finish_reason == "error" and not first.finished
-    scheduler._decode = decode
+    scheduler.policy.choose_passes = choose
     while scheduler.active:
         scheduler.step()
     assert first.new_tokens == specdeploy.load(int8_bundle, exact=True).generate("def f(x):", **config).token_ids

@@ -8,7 +8,7 @@ import specdeploy
 from specdeploy.errors import SpecdeployError
 from specdeploy.runtime.session import PREFILL_CHUNK
 from specdeploy.runtime.sampling import SamplingParams
-from specdeploy.runtime.policy import SpeculationPolicy
+from specdeploy.runtime.policy import PassChoice, SpeculationPolicy
 from specdeploy.testing import exact_continuation_probs
 
 PROMPTS = ["def f(x):", "import os\n", "class A:\n    def __init__(self):", "x = [", "for i in range(10):\n    "]
@@ -313,16 +313,15 @@ def test_a_rounds_rows_share_one_packed_rows_pass_where_that_costs_less():
     policy.target_ms.update({7: 70.0, 8: 80.0})  # a quantized target's batched step: a pass per row
     for size, scale in ((2, 1.0), (4, 1.6), (8, 2.8)):
         policy.rows_ms[size] = {size: 8.0 * scale, 2 * size: 10.0 * scale, 5 * size: 20.0 * scale}
-    cost, together, verify_shared, plain_shared = policy.round_plan(1, 7, 5)
-    assert (together, verify_shared, plain_shared) == (True, False, False) and cost == pytest.approx(28.0)
+    assert policy.choose_passes(1, 7, 5) == PassChoice(pytest.approx(28.0), True, False, False)
     assert policy.rows_cost(7, 7) == pytest.approx(22.4)  # 7 tokens and a filler's: the 8-token pass
     assert policy.rows_cost(3, 6) == pytest.approx(16.0)  # 6 and a filler's, beside 8 and 4 measured: 8's cost
-    assert policy.round_plan(0, 8, 1)[1:] == (False, False, True)  # target-only: one rows pass
+    assert policy.choose_passes(0, 8, 1).plain_shared  # target-only: one rows pass
     policy.single_rows = False  # an fp32 target's plain rows never join a rows pass: one batched step
-    assert policy.round_plan(1, 7, 5)[1:] == (False, False, False)
-    assert policy.round_plan(3, 0, 5)[1:] == (False, True, False)  # the verify rows in one rows pass
+    assert policy.choose_passes(1, 7, 5) == PassChoice(pytest.approx(86.0), False, False, False)
+    assert policy.choose_passes(3, 0, 5).verify_shared  # the verify rows in one rows pass
     policy.rows_ms[4][20] = 100.0  # a rows pass dearer than a pass per row: one each
-    assert policy.round_plan(3, 0, 5)[1:] == (False, False, False)
+    assert policy.choose_passes(3, 0, 5) == PassChoice(pytest.approx(48.0), False, False, False)
 
 
 def test_the_policy_counts_each_rounds_time_outside_the_engines():

@@ -1,9 +1,9 @@
 """Engines: one exported model behind one pass, `run(token_ids, cache) -> logits`.
 
 `OrtEngine` runs a bundle model in an ONNX Runtime session on the CPU, CUDA or TensorRT execution
-provider. `run` is the only way tokens reach the session: the generate loop, the drafters and the
-export's parity check all call it, and `prefill` / `logits_after` are `run` over the part of a
-context that a cache lacks. The cache (kv_cache.py) holds the tokens it has seen and rolls back
+provider. Three passes reach its sessions: `run` (one cache; `prefill` / `logits_after` run what
+a cache lacks of a context), `run_batch` (a token after each of several caches) and `run_rows`
+(tokens after several caches, rows.py). The runner (runner.py) and the drafters call them. The cache (kv_cache.py) holds the tokens it has seen and rolls back
 by `truncate(n)`. An engine serves any number of caches one after another (a server's requests):
 everything it keeps between passes is either fixed at load or rebound when the cache changes.
 """
@@ -233,7 +233,7 @@ class OrtEngine:
 
     def run(self, token_ids, cache: KVCache | SharedKVCache, features: np.ndarray | None = None) -> np.ndarray:
         """Run token_ids ([n], a list or an array) after the cache's tokens; returns their logits [n, vocab]
-        (float32), and the cache holds them too. The one pass: every caller comes through here.
+        (float32), and the cache holds them too: the pass of one cache.
         features [n, F]: an eagle draft's feature input, one row per token."""
         if (features is None) != (self._feature_input is None):
             raise SpecdeployError(f"the {self.spec.role} graph {'needs' if features is None else 'takes no'} feature rows")

@@ -3,14 +3,27 @@ share one rows pass, from costs measured as the rounds run (see SpeculationPolic
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..errors import SpecdeployError
 from .rows import rows_size
 from .sequence import Sequence
+from .step import PassCost
 
 POLICIES = ("auto", "always", "never")
 # Rounds the auto policy lets pass target-only before one round of a single draft token: rows that
 # never draft never measure their acceptance, and a stale estimate would keep them target-only for good.
 PROBE_EVERY = 16
+
+
+@dataclass(frozen=True)
+class PassChoice:
+    """The cheapest target passes for a round (SpeculationPolicy.choose_passes)."""
+
+    cost: float  # ms, as measured (0: nothing measured yet)
+    together: bool  # every row in one rows pass
+    verify_shared: bool  # else: the verify rows in one rows pass (False: a pass each)
+    plain_shared: bool  # and the target-only rows in one rows pass (False: one batched step)
 
 
 class SpeculationPolicy:
@@ -66,6 +79,30 @@ class SpeculationPolicy:
         self.acceptance = 0.6  # the running mean over every round, a new row's starting estimate
         self.target_rounds = 0  # target-only rounds the auto policy chose since it last let rows draft
 
+    def draft_lengths(self, rows: list[Sequence]) -> tuple[list[int], int]:
+        """Each row's draft tokens this round (0: a target-only step), and how many rows want drafts: its request's k within its budget and
+        context (Sequence.num_draft_tokens), limited by the policy where the policy may choose. It limits
+        greedy rows; a sampled row's random numbers depend on its draft lengths, so alone or on an exact
+        target it keeps its request's k and a seed gives one sample; in a batch on a target that is not
+        exact the policy limits sampled rows too. ("never" still means never.)"""
+        wanted, limited = [], []
+        for row in rows:
+            k = row.num_draft_tokens()
+            wanted.append(k)
+            if k > 0:
+                limited.append(row)
+        speculative = len(limited)
+        if self.mode == "never":
+            return [0] * len(rows), speculative
+        batch = speculative > 1 and not self.exact
+        if not batch:
+            limited = [row for row in limited if row.sampler.greedy]
+        if not limited:
+            return wanted, speculative
+        limit = self.draft_limit(limited, max(wanted))
+        return [row.num_draft_tokens(limit) if k > 0 and (batch or row.sampler.greedy) else k
+                for row, k in zip(rows, wanted)], speculative
+
     def draft_limit(self, rows: list[Sequence], max_k: int) -> int:
         if self.mode != "auto" or max_k == 0:
             return max_k if self.mode != "never" else 0
@@ -75,7 +112,7 @@ class SpeculationPolicy:
         # Alone and not exact: no target-only round, whose one-token pass rounds unlike a verify pass; passes of
         # two tokens or more agree bit for bit at every length, so the k chosen never changes the text.
         least = 1 if count == 1 and not self.exact else 0
-        target = self.round_plan(0, count, 1)[0]  # a target-only round's passes
+        target = self.choose_passes(0, count, 1).cost  # a target-only round's passes
         if target <= 0:  # nothing measured yet
             return max_k
         best_k, best_rate = 0, count / (target + (_nearest(self.outside_ms["target"], count) or 0.0))
@@ -87,7 +124,7 @@ class SpeculationPolicy:
             verify, draft = _nearest(self.verify_ms, k + 1), _nearest(self.draft_ms, count) or 0.0
             if verify is None:
                 return max_k
-            passes = self.round_plan(count, 0, k + 1)[0]
+            passes = self.choose_passes(count, 0, k + 1).cost
             if passes + k * draft + outside <= 0:  # nothing measured yet
                 return max_k
             tokens = sum(_row_tokens(row, k, self.acceptance) for row in rows)
@@ -100,10 +137,9 @@ class SpeculationPolicy:
             return 1
         return best_k
 
-    def round_plan(self, verify_rows: int, plain_rows: int, tokens: int) -> tuple[float, bool, bool, bool]:
+    def choose_passes(self, verify_rows: int, plain_rows: int, tokens: int) -> PassChoice:
         """The cheapest target passes for a round of verify rows (`tokens` each, the longest) and plain rows
-        (target-only, one token each): (its cost, every row in one rows pass, the verify rows in one rows
-        pass, the plain rows in one rows pass). A rows pass runs each row's own tokens, packed; apart,
+        (target-only, one token each). A rows pass runs each row's own tokens, packed; apart,
         the verify rows take one rows pass or a pass each, and the plain rows one rows pass (a target
         whose single tokens join them, single_rows) or one batched step. A rows pass not measured yet
         is taken, at the cost of the passes it replaces."""
@@ -124,8 +160,8 @@ class SpeculationPolicy:
             plain = plain if shared is None else min(shared, plain or shared)
         apart = verify + plain
         if joined and (together is None or together < apart):
-            return apart if together is None else together, True, False, False
-        return apart, False, verify_shared, plain_shared
+            return PassChoice(apart if together is None else together, True, False, False)
+        return PassChoice(apart, False, verify_shared, plain_shared)
 
     def rows_size(self, count: int) -> int | None:
         """The rows graph a pass of `count` rows runs (None: no graph)."""
@@ -140,6 +176,17 @@ class SpeculationPolicy:
         """Fold a timed pass into the cost table (a running mean that follows the machine's load)."""
         old = table.get(size)
         table[size] = ms if old is None else 0.8 * old + 0.2 * ms
+
+    def observe_pass(self, cost: PassCost) -> None:
+        """Fold one timed pass (the runner's) into its table."""
+        if cost.kind == "target":
+            self.observe(self.target_ms, cost.rows, cost.ms)
+        elif cost.kind == "draft":
+            self.observe(self.draft_ms, cost.rows, cost.ms)
+        elif cost.kind == "verify":
+            self.observe(self.verify_ms, cost.tokens, cost.ms)
+        else:
+            self.observe(self.rows_ms.setdefault(cost.rows, {}), cost.tokens, cost.ms)
 
     def observe_round(self, num_drafted: int, num_accepted: int) -> None:
         if num_drafted:

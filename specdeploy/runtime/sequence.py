@@ -124,22 +124,8 @@ class Sequence:
 
     @property
     def prefilled(self) -> bool:
-        """Every prefill chunk has been taken (the scheduler may still run the last one in this iteration's
-        rows pass) and the draft's prefill has run."""
+        """Every prefill chunk has been taken and run, and the draft's prefill has run."""
         return self._prefill_rest is not None and not self._prefill_rest and self._draft_prefilled
-
-    def prefill_step(self, target, chunk: list[int] | None, start: float) -> None:
-        """Run a chunk take_prefill_chunk gave (PREFILL_CHUNK tokens of the target; None: the target's
-        prefill is done) in its own pass, then the drafter's next prefill step; the step began at `start`."""
-        if chunk is not None:
-            target.run(chunk, self.slot.target_cache)
-        self.draft_prefill_step()
-        self.end_prefill_step(start)
-
-    def run_chunk(self, target, chunk: list[int], start: float) -> None:
-        """Run a riding chunk (whose draft prefill step has run) in its own pass after all."""
-        target.run(chunk, self.slot.target_cache)
-        self.end_prefill_step(start)
 
     def draft_prefill_step(self) -> None:
         """The drafter's next prefill step: one chunk while the target's prefill has chunks left (it keeps
@@ -154,8 +140,8 @@ class Sequence:
         """The target tokens of this sequence's next prefill step, taken off what is left (None: the
         target's prefill is done). The cache may already hold a prefix of the prompt (an earlier request
         on this slot), and a donor (another slot's target cache that holds more of it) gives its
-        positions first. The caller runs the chunk (prefill_step, or the scheduler's rows pass over
-        several sequences' chunks, then end_prefill_step)."""
+        positions first. The runner runs the chunk (in its own pass, or in a rows pass beside other
+        rows), and the scheduler's update ends the step (end_prefill_step)."""
         cache = self.slot.target_cache
         if self._prefill_rest is None:
             self._prefill_rest = cache.truncate_to_prefix(self.context[:-1])
