@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .drafters import Drafter, HybridDrafter
+from .drafters import Drafter, DraftRow, HybridDrafter
 from .sampling import Sampler
 
 Proposal = tuple[list[int], "np.ndarray | None"]
@@ -38,7 +38,7 @@ def propose_many(requests: list[DraftRequest], steps: list[tuple[int, float]] | 
 
     Lookup proposals are made first (a hybrid's model runs only where the lookup finds nothing); the
     draft model's rows then step together, one batched pass per draft position (run_batch), each row
-    choosing its tokens exactly as ModelDrafter.propose does and stopping on its own. `steps` gets
+    choosing its tokens and stopping as ModelDrafter.propose does (DraftRow, one for each). `steps` gets
     (rows, engine seconds) of each batched step; a catch-up (after target-only rounds) is no step."""
     results: list = [None] * len(requests)
     model_rows = []
@@ -72,82 +72,40 @@ def _own(work, *arguments, **keywords):
         return exc
 
 
-class _Row:
-    """One sequence's proposal in progress (propose_many)."""
-
-    __slots__ = ("index", "drafter", "num_tokens", "sampler", "min_confidence", "uniforms", "tokens", "logits", "pending")
-
-    def __init__(self, index, drafter, num_tokens, sampler, min_confidence):
-        self.index, self.drafter, self.num_tokens = index, drafter, num_tokens
-        self.sampler, self.min_confidence = sampler, min_confidence
-        self.uniforms: list[float] = []
-        self.tokens: list[int] = []
-        self.logits = None  # [vocab]: the logits its next token is chosen from
-        self.pending: int | None = None  # the token its next pass runs
-
-    def start(self, context: list[int], rng: np.random.Generator) -> bool:
-        """Catch the draft's cache up to context; False where there is nothing to propose from."""
-        logits, self.pending = self.drafter.first_step(context)
-        if logits is None and self.pending is None:
-            return False
-        self.logits = None if logits is None else logits.copy()  # the next row's catch-up may overwrite it
-        if not self.sampler.greedy:
-            self.drafter._prepare(self.sampler, self.drafter.engine.spec.vocab_size, self.num_tokens)
-            self.uniforms = rng.random(self.num_tokens).tolist()  # the round's draws in one call, as propose takes them
-        return True
-
-    def choose(self) -> bool:
-        """Pick the next token from self.logits; False once the row has proposed all it will."""
-        sampler, logits, tokens = self.sampler, self.logits, self.tokens
-        if sampler.greedy:
-            token = sampler.argmax(logits, tokens)
-            tokens.append(token)
-            if len(tokens) == self.num_tokens:
-                return False
-            confidence = self.min_confidence
-            if confidence > 0 and np.exp(logits - logits[token]).sum() * confidence > 1.0:
-                return False
-        else:
-            row = self.drafter._row_views[len(tokens)]
-            token = sampler.sample(logits, self.uniforms[len(tokens)], row, tokens)
-            tokens.append(token)
-            if len(tokens) == self.num_tokens or (self.min_confidence > 0 and row.max() < self.min_confidence):
-                return False
-        self.pending = token
-        return True
-
-
 def _propose_model_rows(model_rows: list[tuple[int, DraftRequest]], results: list,
                         steps: list[tuple[int, float]] | None) -> None:
     engine = model_rows[0][1].drafter.engine
-    rows = []
+    rows, indices = [], {}
     for index, request in model_rows:
-        row = _Row(index, request.drafter, request.num_tokens, request.sampler, request.min_confidence)
-        started = _own(row.start, request.context, request.rng)
-        if started is True:
+        row = _own(request.drafter.start_row, request.context, request.num_tokens, request.sampler, request.rng,
+                   request.min_confidence)
+        if isinstance(row, DraftRow):
+            if row.logits is not None:
+                row.logits = row.logits.copy()  # the next row's catch-up may overwrite it
             rows.append(row)
+            indices[row] = index
         else:
-            results[index] = started if isinstance(started, Exception) else ([], None)
+            results[index] = row if isinstance(row, Exception) else ([], None)
     stepping = [row for row in rows if row.logits is None]
     while True:
         features = {row: _own(row.drafter.step_features) for row in stepping}
         failed = [(row, exc) for row, exc in features.items() if isinstance(exc, Exception)]
         for row, exc in failed:
-            rows, stepping = _drop(rows, [row], exc, results), [other for other in stepping if other is not row]
+            rows, stepping = _drop(rows, [row], exc, results, indices), [other for other in stepping if other is not row]
         if stepping:
             seconds = engine.seconds
             inputs = [features[row] for row in stepping]
             logits = _own(engine.run_batch, [row.pending for row in stepping], [row.drafter.cache for row in stepping],
                           inputs if inputs[0] is not None else None)
             if isinstance(logits, Exception):  # the pass's rows fail with it
-                rows = _drop(rows, stepping, logits, results)
+                rows = _drop(rows, stepping, logits, results, indices)
             else:
                 if steps is not None:
                     steps.append((len(stepping), engine.seconds - seconds))
                 for row, row_logits in zip(stepping, logits):
                     row.logits = _own(row.drafter.widen, row_logits)
                     if isinstance(row.logits, Exception):
-                        rows = _drop(rows, [row], row.logits, results)
+                        rows = _drop(rows, [row], row.logits, results, indices)
         stepping, failed = [], []
         for row in rows:
             if row.logits is not None:
@@ -158,16 +116,15 @@ def _propose_model_rows(model_rows: list[tuple[int, DraftRequest]], results: lis
                     stepping.append(row)
                 row.logits = None
         for row, exc in failed:
-            rows = _drop(rows, [row], exc, results)
+            rows = _drop(rows, [row], exc, results, indices)
         if not stepping:
             break
     for row in rows:
-        probs = None if row.sampler.greedy else row.drafter._prefix_views[len(row.tokens)]
-        results[row.index] = (row.tokens, probs)
+        results[indices[row]] = row.result()
 
 
-def _drop(rows: list[_Row], failed: list[_Row], exc: Exception, results: list) -> list[_Row]:
+def _drop(rows: list[DraftRow], failed: list[DraftRow], exc: Exception, results: list, indices: dict) -> list[DraftRow]:
     """rows without `failed`, whose results are exc."""
     for row in failed:
-        results[row.index] = exc
+        results[indices[row]] = exc
     return [row for row in rows if row not in failed]

@@ -17,7 +17,6 @@ the rows the accept rule reads are those it drew from.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Protocol
 
@@ -84,13 +83,13 @@ class ModelDrafter:
         if vocab_ids is not None:
             self._wide = np.full(engine.spec.vocab_size, -np.inf, dtype=np.float32)
         self._known = 0  # the cache agrees with the followed context's first _known tokens
-        # Made by _prepare for each generate call (its sampler): one [k, vocab] buffer of probability rows
-        # reused by every sampled proposal, its row views [vocab] and leading-row views [i, vocab] made once.
+        # Made by probability_rows for each generate call (its sampler): one [k, vocab] buffer of probability
+        # rows reused by every sampled proposal, its row views [vocab] and leading-row views [i, vocab] made once.
         self._sampler: Sampler | None = None
         self._probs: np.ndarray | None = None
         self._row_views: list[np.ndarray] = []
         self._prefix_views: list[np.ndarray] = []
-        self._capacity = 0  # proposals up to this length need no _prepare
+        self._capacity = 0  # proposals up to this length reuse the rows
 
     def prefill(self, context: list[int], limit: int | None = None) -> bool:
         if done := self.engine.prefill(context, self.cache, limit):
@@ -114,8 +113,8 @@ class ModelDrafter:
         self._wide[self.vocab_ids] = logits
         return self._wide
 
-    def _next(self, token: int) -> np.ndarray:
-        """The logits [vocab] after one more drafted token."""
+    def step(self, token: int) -> np.ndarray:
+        """The logits [vocab] after one more drafted token (a buffer the next pass may overwrite)."""
         return self.widen(self.engine.run([token], self.cache)[0])
 
     def first_step(self, context: list[int]) -> tuple[np.ndarray | None, int | None]:
@@ -141,65 +140,92 @@ class ModelDrafter:
         return rest
 
     def propose(self, context, num_tokens, sampler, rng, min_confidence=0.0):
-        logits, token = self.first_step(context)
-        if logits is None:
-            if token is None:
-                return [], None
-            logits = self._next(token)
-        return self._propose_from(logits, num_tokens, sampler, rng, min_confidence)
+        row = self.start_row(context, num_tokens, sampler, rng, min_confidence)
+        if row is None:
+            return [], None
+        if row.logits is None:
+            row.logits = self.step(row.pending)
+        while row.choose():
+            row.logits = self.step(row.pending)
+        return row.result()
 
-    def _propose_from(self, logits, num_tokens, sampler, rng, min_confidence):
-        """The proposal from the first draft position's logits [vocab] on (the cache holds the context)."""
-        # Every statement of a round runs cold after a pass: what a generate call fixes is set up once.
-        if sampler is not self._sampler or self._capacity < num_tokens:
-            self._prepare(sampler, logits.shape[-1], num_tokens)
-        if sampler.greedy:
-            return self._propose_greedy(logits, num_tokens, min_confidence, sampler), None
-        sample = sampler.sample
-        # The full processed distribution of each draft token, written in place: proposing from a
-        # truncated one (exact too) was measured slower on an 8k vocabulary (argpartition costs what
-        # the softmax does) and lowered acceptance.
-        step, rows = self._next, self._row_views
-        uniforms = rng.random(num_tokens).tolist()  # the round's draws in one call
-        tokens: list[int] = []
-        for position in range(num_tokens):
-            row = rows[position]
-            token = sample(logits, uniforms[position], row, tokens)
+    def start_row(self, context: list[int], num_tokens: int, sampler: Sampler, rng: np.random.Generator,
+                  min_confidence: float = 0.0) -> "DraftRow | None":
+        """A proposal after context (its cache caught up first; None: nothing to propose from)."""
+        logits, pending = self.first_step(context)
+        if logits is None and pending is None:
+            return None
+        return DraftRow(self, num_tokens, sampler, rng, min_confidence, logits, pending)
+
+    def probability_rows(self, sampler: Sampler, count: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Rows [vocab] for a sampled proposal's processed distributions, and their leading views [i, vocab].
+
+        One [k, vocab] buffer per generate call (its sampler), reused by every proposal: a fresh
+        [4, 8k] float32 array per round would be 128 KB, which glibc maps afresh (the CLI sets
+        M_MMAP_THRESHOLD to 128 KB), and every page faults on first write."""
+        if sampler is not self._sampler or self._capacity < count:
+            self._sampler = sampler
+            vocab = self.engine.spec.vocab_size
+            probs = self._probs
+            if probs is None or probs.shape[0] < count or probs.shape[1] != vocab:
+                self._probs = probs = np.empty((count, vocab), dtype=np.float32)
+                self._row_views = list(probs)
+                self._prefix_views = [probs[:i] for i in range(count + 1)]
+            self._capacity = len(probs)
+        return self._row_views, self._prefix_views
+
+
+class DraftRow:
+    """One model proposal in progress: the tokens chosen so far, each from the draft's logits at its
+    position. ModelDrafter.propose steps one alone; draft_rows.propose_many steps several together, a
+    batched pass per position. Either way a token is chosen, and drafting stops, here alone.
+
+    Greedy rows take the argmax; sampled rows draw from the processed distribution (the full one,
+    written in place: proposing from a truncated one, exact too, was measured slower on an 8k
+    vocabulary, argpartition costing what the softmax does, and lowered acceptance), with the
+    round's uniforms drawn in one call. A row stops at num_tokens, or once the draft's top
+    probability (at temperature 1 when greedy, of the processed distribution when sampled) falls
+    below min_confidence."""
+
+    __slots__ = ("drafter", "num_tokens", "sampler", "min_confidence", "uniforms", "tokens", "logits", "pending",
+                 "_rows", "_prefixes")
+
+    def __init__(self, drafter: ModelDrafter, num_tokens: int, sampler: Sampler, rng: np.random.Generator,
+                 min_confidence: float, logits: np.ndarray | None, pending: int | None):
+        self.drafter, self.num_tokens, self.sampler, self.min_confidence = drafter, num_tokens, sampler, min_confidence
+        self.tokens: list[int] = []
+        self.logits = logits  # [vocab]: the logits the next token is chosen from (None: `pending` runs first)
+        self.pending = pending  # the token the next draft pass runs
+        self.uniforms: list[float] = []
+        self._rows = self._prefixes = None
+        if not sampler.greedy:
+            self._rows, self._prefixes = drafter.probability_rows(sampler, num_tokens)
+            self.uniforms = rng.random(num_tokens).tolist()
+
+    def choose(self) -> bool:
+        """Choose the next token from self.logits; False once the row has proposed all it will (else the
+        token is `pending`, for the next pass)."""
+        sampler, logits, tokens = self.sampler, self.logits, self.tokens
+        if self._rows is None:
+            token = sampler.argmax(logits, tokens)
             tokens.append(token)
-            if position + 1 == num_tokens or (min_confidence > 0 and row.max() < min_confidence):
-                break
-            logits = step(token)
-        return tokens, self._prefix_views[len(tokens)]
-
-    def _prepare(self, sampler: Sampler, vocab: int, count: int) -> None:
-        """A row buffer of at least count rows for sampler's proposals (greedy needs none).
-
-        A fresh [4, 8k] float32 array per round would be 128 KB: glibc maps blocks that large afresh
-        (the CLI sets M_MMAP_THRESHOLD to 128 KB) and every page faults on first write."""
-        self._sampler = sampler
-        if sampler.greedy:  # no rows to form (a sampled call may still reuse the buffer)
-            self._capacity = sys.maxsize
-            return
-        probs = self._probs
-        if probs is None or probs.shape[0] < count or probs.shape[1] != vocab:
-            self._probs = probs = np.empty((count, vocab), dtype=np.float32)
-            self._row_views = list(probs)
-            self._prefix_views = [probs[:i] for i in range(count + 1)]
-        self._capacity = len(probs)
-
-    def _propose_greedy(self, logits: np.ndarray, num_tokens: int, min_confidence: float, sampler: Sampler) -> list[int]:
-        tokens: list[int] = []
-        argmax = sampler.argmax
-        for position in range(num_tokens):
-            token = argmax(logits, tokens)
-            tokens.append(token)
-            if position + 1 == num_tokens:
-                break
+            if len(tokens) == self.num_tokens:
+                return False
             # Top probability at temperature 1: 1 / sum(exp(logits - max)).
-            if min_confidence > 0 and np.exp(logits - logits[token]).sum() * min_confidence > 1.0:
-                break
-            logits = self._next(token)
-        return tokens
+            if self.min_confidence > 0 and np.exp(logits - logits[token]).sum() * self.min_confidence > 1.0:
+                return False
+        else:
+            row = self._rows[len(tokens)]
+            token = sampler.sample(logits, self.uniforms[len(tokens)], row, tokens)
+            tokens.append(token)
+            if len(tokens) == self.num_tokens or (self.min_confidence > 0 and row.max() < self.min_confidence):
+                return False
+        self.pending = token
+        return True
+
+    def result(self) -> tuple[list[int], np.ndarray | None]:
+        """(tokens, draft probabilities [len(tokens), vocab] or None when greedy)."""
+        return self.tokens, None if self._prefixes is None else self._prefixes[len(self.tokens)]
 
 
 class PromptLookupDrafter:

@@ -76,7 +76,7 @@ class EagleDrafter(ModelDrafter):
         self._real = cache.length
         return logits
 
-    def _next(self, token: int) -> np.ndarray:
+    def step(self, token: int) -> np.ndarray:
         """One chain step: the drafted token with the head's own last predicted feature."""
         return self.widen(self.engine.run([token], self.cache, self.step_features())[0])
 

@@ -3,9 +3,10 @@
 `OrtEngine` runs a bundle model in an ONNX Runtime session on the CPU, CUDA or TensorRT execution
 provider. Three passes reach its sessions: `run` (one cache; `prefill` / `logits_after` run what
 a cache lacks of a context), `run_batch` (a token after each of several caches) and `run_rows`
-(tokens after several caches, rows.py). The runner (runner.py) and the drafters call them. The cache (kv_cache.py) holds the tokens it has seen and rolls back
-by `truncate(n)`. An engine serves any number of caches one after another (a server's requests):
-everything it keeps between passes is either fixed at load or rebound when the cache changes.
+(tokens after several caches, rows.py), called by the runner (runner.py) and the drafters. The
+cache (kv_cache.py) holds the tokens it has seen and rolls back by `truncate(n)`. An engine serves
+any number of caches one after another (a server's requests): everything it keeps between passes
+is either fixed at load or rebound when the cache changes.
 """
 
 from __future__ import annotations
@@ -177,17 +178,12 @@ class OrtEngine:
         ids[:] = 0
         for token, cache in zip(token_ids, caches):
             ids[cache.slot_index, 0] = token
-        lengths = [cache.length for cache in pool.caches[:rows]]
-        pool.mask[:rows] = 0
-        for index, length in enumerate(lengths):
-            pool.mask[index, : length + 1] = 1
+        pool.mask_next(rows, True)
         self._bind_batch(pool, rows, logits_value, caches, features)
         try:
             self._timed_run()
         finally:
-            for index, length in enumerate(lengths):  # each row's mask back to its valid length
-                pool.mask[index, length] = 0
-                pool.caches[index]._mask_length = length
+            pool.mask_next(rows, False)  # each row's mask back to its valid length
         if self.features is not None:  # each given row's feature to its position
             pool.place_features([cache.slot_index for cache in caches], [cache.length for cache in caches])
         for token, cache in zip(token_ids, caches):

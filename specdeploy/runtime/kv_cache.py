@@ -241,6 +241,12 @@ class KVSlots:
         for index, length in zip(slot_indices, lengths):
             self.features[index, length] = self._feature_out[index, 0]
 
+    def mask_next(self, rows: int, open_: bool) -> None:
+        """The first `rows` slots' masks over their valid positions and the next one (open_: for a batched
+        pass that writes each row's next position), or back over their valid positions."""
+        for cache in self.caches[:rows]:
+            cache.mask_to(cache.length + open_)
+
     def prefix(self, rows: int) -> tuple[list, object]:
         """OrtValues over the first `rows` slots: each layer's buffers, and the mask."""
         values = self._prefixes.get(rows)
