@@ -605,3 +605,33 @@ def test_a_rounded_target_gives_a_prompt_over_a_neighbours_target_only_tokens_it
     output = _joined_beside(int8_bundle, shared, neighbour, prompt, settings)
     assert output.token_ids == expected.token_ids
     assert _logprobs(output) == _logprobs(expected)
+
+
+def test_the_scheduler_asks_each_sequence_whether_it_was_cancelled_once_a_step(agreeing_bundle):
+    """cancelled() is asked once a step, waiting or running: a waiting sequence that turns cancelled never
+    takes a slot; a running one ends before its next round and frees its slot in that step."""
+    generator = batched(agreeing_bundle, "always", max_batch=1)
+    asked, flags = {"first": 0, "second": 0}, {"first": False, "second": False}
+
+    def cancelled(name):
+        def ask():
+            asked[name] += 1
+            return flags[name]
+        return ask
+
+    first = generator.new_sequence("def f(x):", cancelled=cancelled("first"), max_new_tokens=40, ignore_eos=True)
+    second = generator.new_sequence("class A:", cancelled=cancelled("second"), max_new_tokens=4, ignore_eos=True)
+    scheduler = generator.scheduler
+    scheduler.submit(first)
+    scheduler.submit(second)  # one slot: it waits
+    steps = 0
+    while not first.new_tokens:
+        scheduler.step()
+        steps += 1
+    assert asked == {"first": steps, "second": steps}
+    flags["second"] = True
+    assert scheduler.step() == [second] and second.slot is None and second.finish_reason == "cancelled"
+    flags["first"] = True
+    tokens = len(first.new_tokens)
+    assert scheduler.step() == [first] and len(first.new_tokens) == tokens and not scheduler.active
+    assert first.output().stats.finish_reason == "interrupted"

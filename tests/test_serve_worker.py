@@ -121,7 +121,8 @@ def test_a_choice_that_ended_frees_its_slot_for_the_next_request(agreeing_bundle
     import asyncio
 
     from specdeploy.serve.metrics import Metrics
-    from specdeploy.serve.worker import Job, ModelWorker
+    from specdeploy.serve.job import Job
+    from specdeploy.serve.worker import ModelWorker
 
     generator = specdeploy.load(agreeing_bundle, max_batch=2, exact=True)  # a seed's sample whatever the batch
     base = dict(max_new_tokens=24, temperature=1.0, stop=("\n",))

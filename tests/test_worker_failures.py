@@ -15,7 +15,8 @@ import specdeploy
 from specdeploy.serve import ServeConfig
 from specdeploy.serve.metrics import Metrics
 from specdeploy.serve.protocol import ApiError
-from specdeploy.serve.worker import Finished, Job, ModelWorker, shutting_down
+from specdeploy.serve.job import Finished, Job, shutting_down
+from specdeploy.serve.worker import ModelWorker
 from test_serve import PROMPT, GatedModel, LiveServer
 from test_serve_worker import WorkerKilled, post_in_thread
 

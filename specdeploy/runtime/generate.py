@@ -269,10 +269,14 @@ class Generator:
             )
         return ids
 
-    def new_sequence(self, prompt: str | list[int], *, streaming: bool = True, **kwargs) -> Sequence:
+    def new_sequence(self, prompt: str | list[int], *, streaming: bool = True, cancelled=None, **kwargs) -> Sequence:
         """A sequence for self.scheduler to run (submit it there), with generate's arguments; a server's
-        worker steps the scheduler itself and reads each sequence's pieces and output."""
-        return self._sequence(prompt, self._config(kwargs), streaming)
+        worker steps the scheduler itself and reads each sequence's pieces and output. cancelled: a
+        callable that turns true once nobody wants the sequence (its client went away); the scheduler
+        asks it once per step and ends the sequence ("cancelled") before it runs again."""
+        sequence = self._sequence(prompt, self._config(kwargs), streaming)
+        sequence.cancelled = cancelled
+        return sequence
 
     def _sequence(self, prompt, config: GenerationConfig, streaming: bool) -> Sequence:
         sequence = Sequence(self.prompt_ids(prompt), config, self.codec, self.eos_token_ids, self.max_context,

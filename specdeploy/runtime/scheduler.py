@@ -7,8 +7,9 @@ One `step` is three calls, each the one owner of its part (step.py holds the rec
     self.update(plan, result)           # update.py: what came of them
 
 `schedule` decides what runs this step:
-  1. waiting sequences take free KV slots (the slot whose caches share the longest prefix with the
-     prompt first), up to the generator's slots; cancellation takes effect here, between steps;
+  1. sequences whose `cancelled()` turned true end (asked once a step, waiting or running); waiting
+     sequences take free KV slots (the slot whose caches share the longest prefix with the prompt
+     first), up to the generator's slots: the one queue and the one admission, a server's included;
   2. every sequence still prefilling takes one prefill step (a chunk of the target's prompt and a
      step of its draft's; runner.py); a sequence whose prompt another is prefilling now waits, then
      copies that slot's positions (a donor);
@@ -60,6 +61,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.last_round: RoundRecord | None = None  # for the next round's cost outside the engines (update.py)
+        self._cancelled: list[Sequence] = []  # those schedule() ended, for this step's return
 
     @property
     def active(self) -> bool:
@@ -88,6 +90,7 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         """What this step runs (see the module docstring)."""
+        self._drop_cancelled()
         self._admit()
         prefilling, decode = [], []
         for sequence in self.running:
@@ -113,7 +116,8 @@ class Scheduler:
     def update(self, plan: StepPlan, result: StepResult) -> list[Sequence]:
         """Settle the step (update.py); returns the sequences that ended in it."""
         self.last_round = update(plan, result, self.policy, self.last_round)
-        return self._retire()
+        ended, self._cancelled = self._cancelled + self._retire(), []
+        return ended
 
     def _plan_prefill(self, prefilling: list[Sequence]) -> tuple[list[Prefill], list[Sequence]]:
         """One prefill step for each prefilling sequence: those under way first, then those starting. A
@@ -158,6 +162,16 @@ class Scheduler:
             if draft is not None:
                 return self.target.seconds + draft.seconds
         return self.target.seconds
+
+    def _drop_cancelled(self) -> None:
+        """End the sequences whose `cancelled()` turned true (asked once a step), waiting or running."""
+        gone = [s for s in (*self.waiting, *self.running) if s.cancelled is not None and not s.finished and s.cancelled()]
+        for sequence in gone:
+            sequence.finish("cancelled")
+        if gone:
+            self._cancelled += [s for s in self.waiting if s.finished]
+            self.waiting = deque(s for s in self.waiting if not s.finished)
+            self._cancelled += self._retire()
 
     def _admit(self) -> None:
         while self.waiting and self.free:

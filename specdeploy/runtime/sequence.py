@@ -92,6 +92,8 @@ class Sequence:
         # Text is decoded token by token only when someone reads it that way (streaming or stop strings).
         self.text = TextStream(codec, config.stop) if streaming or config.stop else None
         self.streaming = streaming
+        self.cancelled = None  # a callable that turns true once nobody wants it (Generator.new_sequence)
+        self.admitted_at: float | None = None  # when it took its slot (perf_counter)
         self.logprobs: list[TokenLogprob] | None = [] if config.logprobs is not None else None
         self.pieces: list[str] = []  # text that is ready and nobody has taken yet (see take_pieces)
         self.finish_reason: str | None = None
@@ -108,6 +110,7 @@ class Sequence:
     def bind(self, slot: Slot) -> None:
         """Start on a KV slot (its caches may hold an earlier sequence's tokens: a shared prefix is kept)."""
         self.slot = slot
+        self.admitted_at = time.perf_counter()
         self.drafter = slot.drafter if self.config.speculative else None
         self._draft_prefilled = self.drafter is None
 

@@ -36,7 +36,8 @@ from .logprobs import LazyTokenText
 from .metrics import Metrics
 from .protocol import ApiError, GenerationRequest, parse_request
 from .responses import Responder
-from .worker import Job, ModelWorker
+from .job import Job
+from .worker import ModelWorker
 
 log = logging.getLogger("specdeploy.serve")
 PROMPT_THREADS = 2  # render chat templates and tokenize prompts, off the event loop and the model's thread

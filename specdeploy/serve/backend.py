@@ -1,21 +1,23 @@
 """The worker's seam onto the runtime: add a sequence, step every live one, cancel one.
 
-The worker (worker.py) drives a backend through four members and nothing else:
+The worker (worker.py) drives a backend through five members and nothing else:
 
     capacity                       how many sequences may be live at once
     add(prompt_ids, options, cancelled, streaming) -> sequence
                                    a new sequence; `options` are GenerationConfig keyword arguments
                                    (`ignore_eos` among them); `cancelled()` turns true once its client
-                                   has gone, and the runtime checks it between rounds and prefill chunks;
+                                   has gone, and the scheduler asks it once a step (so between rounds
+                                   and prefill chunks), waiting or running;
                                    `streaming`: whether anyone reads its text before it ends
     step() -> list[Update]         one iteration over the live sequences: what each produced (text,
                                    and the new tokens' logprobs when asked for); an update whose
                                    `ended` is true is that sequence's last
     cancel(sequence)               the sequence leaves before the next step
+    admitted_at(sequences)         when the first of them took a KV slot (None: all still wait)
 
-SchedulerBackend puts the runtime's scheduler behind that seam: every live sequence decodes in
-each step (batched up to the generator's max_batch), and a sequence's text comes out as its
-rounds produce it.
+SchedulerBackend puts the runtime's scheduler behind that seam: the scheduler's queue is the one
+queue (a sequence waits there for a KV slot), every live sequence decodes in each step (batched up
+to the generator's max_batch), and a sequence's text comes out as its rounds produce it.
 """
 
 from __future__ import annotations
@@ -45,13 +47,13 @@ class Update:
 
 
 class _Live:
-    """One sequence on SchedulerBackend: the runtime Sequence, its client's cancelled(), how many of its
-    logprobs earlier updates carried, and whether an update has told of its first tokens."""
+    """One sequence on SchedulerBackend: the runtime Sequence, how many of its logprobs earlier updates
+    carried, and whether an update has told of its first tokens."""
 
-    __slots__ = ("sequence", "cancelled", "delivered", "started")
+    __slots__ = ("sequence", "delivered", "started")
 
-    def __init__(self, sequence, cancelled: Callable[[], bool]):
-        self.sequence, self.cancelled, self.delivered, self.started = sequence, cancelled, 0, False
+    def __init__(self, sequence):
+        self.sequence, self.delivered, self.started = sequence, 0, False
 
     def new_logprobs(self, count: int) -> tuple:
         """The logprobs of tokens delivered..count (the runtime's list may hold a round's tokens past an EOS)."""
@@ -63,8 +65,8 @@ class _Live:
 
 
 class SchedulerBackend:
-    """The generator's scheduler: each step is one of its iterations (a prefill chunk or a round for
-    every live sequence). Cancellation is seen between iterations, so between prefill chunks and
+    """The generator's scheduler: each step is one of its steps (a prefill chunk or a round for every
+    live sequence). Its scheduler sees cancellation between steps, so between prefill chunks and
     between rounds."""
 
     def __init__(self, generator):
@@ -76,10 +78,14 @@ class SchedulerBackend:
     def add(self, prompt_ids: list[int], options: dict, cancelled: Callable[[], bool],
             streaming: bool = True) -> _Live:
         """A new sequence (a request the runtime refuses, such as a prompt too long, raises here)."""
-        live = _Live(self.generator.new_sequence(prompt_ids, streaming=streaming, **options), cancelled)
+        live = _Live(self.generator.new_sequence(prompt_ids, streaming=streaming, cancelled=cancelled, **options))
         self.scheduler.submit(live.sequence)
         self._live.append(live)
         return live
+
+    def admitted_at(self, handles: list) -> float | None:
+        times = [live.sequence.admitted_at for live in handles if live is not None and live.sequence.admitted_at is not None]
+        return min(times) if times else None
 
     def cancel(self, live: _Live) -> None:
         self.scheduler.cancel(live.sequence)
@@ -88,9 +94,6 @@ class SchedulerBackend:
 
     def step(self) -> list[Update]:
         updates = []
-        for live in [live for live in self._live if live.cancelled()]:
-            self.cancel(live)
-            updates.append(Update(live, num_new_tokens=len(live.sequence.new_tokens), cancelled=True))
         if self.scheduler.active:
             self.scheduler.step()
         for live in list(self._live):
@@ -109,7 +112,9 @@ class SchedulerBackend:
         count = len(sequence.new_tokens)
         update = None
         if sequence.finished:
-            if sequence.error is not None:
+            if sequence.finish_reason == "cancelled":
+                update = Update(live, num_new_tokens=count, cancelled=True)
+            elif sequence.error is not None:
                 update = Update(live, text, count, error=sequence.error)
             else:
                 update = Update(live, text, count, live.new_logprobs(count), output=sequence.output())

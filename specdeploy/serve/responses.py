@@ -17,7 +17,7 @@ import time
 import uuid
 
 from .logprobs import ChoiceLogprobs, TokenText, chat_layout, completion_layout
-from .worker import Finished, Piece, finish_reason
+from .job import Finished, Piece, finish_reason
 
 DONE = "data: [DONE]\n\n"
 

@@ -1,10 +1,10 @@
 """The model worker: one thread owns the model and steps its backend; requests wait in a bounded queue.
 
 Generation never runs on the event loop, so /health and /metrics answer during a long request.
-Each request is a Job of n choices, one backend sequence each (n > 1: one prompt, n seeds); the
-worker hands its events to the job's asyncio queue from its thread: while streaming, ("piece",
-Piece) and ("choice", Finished) as each choice ends, then one terminal event, ("done", the
-choices' Finished in index order) or ("error", ApiError).
+Each request is a Job (job.py) of n choices, one backend sequence each (n > 1: one prompt, n
+seeds). The worker hands every job that arrives to the backend at its next step, where the
+scheduler's queue holds its sequences until KV slots free (the one queue and the one admission);
+`max_queue` bounds the jobs that wait there or here. It posts each job's events from its thread.
 
 Every job gets its terminal event, whatever happens:
 - an exception while serving it (the runtime's, or the worker's own bookkeeping: metrics, timings)
@@ -13,120 +13,28 @@ Every job gets its terminal event, whatever happens:
 - an exception that escapes the loop all the same ends the worker: its state turns "crashed" (/health
   answers 503 with the reason), and every job it held or that arrives later gets an error;
 - stop() (shutdown) answers every job left, queued or running, with a 503.
-A cancelled job (its client went away) leaves the queue at once, or, when running, leaves the
-backend before the next step, every choice of it; within a step the runtime checks it between rounds.
+A cancelled job (its client went away) leaves the worker's queue at once; once handed to the
+backend, the scheduler ends its sequences at its next step (it asks each sequence's `cancelled()`
+once a step), and the job is answered from their updates.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import SpecdeployError
 from .backend import SchedulerBackend, Update
+from .job import Finished, Job, Piece, finish_reason, gone, shutting_down
 from .metrics import Metrics
 from .protocol import ApiError
 
 log = logging.getLogger("specdeploy.serve")
 LATENCY_SMOOTHING = 0.2  # weight of the newest request in the running mean behind Retry-After
-
-
-@dataclass(frozen=True)
-class Finished:
-    """One choice, once it has ended."""
-
-    index: int  # the choice's index, 0..n-1
-    output: object  # the GenerationOutput
-    queue_s: float  # arrival -> the model took the request
-    first_token_s: float  # arrival -> this choice's first text piece (not streamed: its first tokens)
-    latency_s: float  # arrival -> this choice's last token
-
-
-@dataclass(frozen=True)
-class Piece:
-    index: int  # the choice it belongs to
-    text: str
-    num_new_tokens: int | None  # tokens generated so far, this piece's included (None: the backend cannot say)
-    logprobs: tuple = ()  # TokenLogprobs of the tokens generated since the choice's previous piece
-
-
-class Job:
-    """One request's prompt and its choices' options, and the channel its results come back on."""
-
-    def __init__(self, prompt_ids: list[int], choices: list[dict], streaming: bool):
-        self.prompt_ids, self.choices, self.streaming = prompt_ids, choices, streaming  # choices: options each
-        self.loop = asyncio.get_running_loop()
-        self.events: asyncio.Queue = asyncio.Queue()
-        self.cancelled = threading.Event()
-        self.arrived = time.perf_counter()
-        self.started: float | None = None  # the model took it
-        self.first_text: list[float | None] = [None] * len(choices)
-        self.sequences: list = []  # the backend's handles, by choice (None once the backend let it go)
-        self.finished: list[Finished | None] = [None] * len(choices)
-        self._ended = False
-        self._end_lock = threading.Lock()
-
-    @property
-    def n(self) -> int:
-        return len(self.choices)
-
-    @property
-    def slots(self) -> int:
-        """The sequences it has or will have in the backend: its n choices less those that have ended."""
-        return self.n - sum(handle is None for handle in self.sequences)
-
-    @property
-    def live(self) -> bool:
-        """Some choice of it is live in the backend."""
-        return any(handle is not None for handle in self.sequences)
-
-    def unfinished(self) -> int:
-        return sum(done is None for done in self.finished)
-
-    @property
-    def ended(self) -> bool:
-        return self._ended
-
-    def post(self, kind: str, value) -> None:
-        """From any thread but the loop's: put one event on the job's queue."""
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
-        except RuntimeError:  # the event loop has closed: nobody is listening
-            pass
-
-    def end(self, kind: str, value) -> int | None:
-        """Post the terminal event ("done" or "error") unless one was posted already (None then); returns the
-        choices it ends unfinished, counted under the lock that finish() takes, so that each choice ends once."""
-        with self._end_lock:
-            if self._ended:
-                return None
-            self._ended = True
-            unfinished = self.unfinished()
-        self.post(kind, value)
-        return unfinished
-
-    def finish(self, done: Finished) -> bool:
-        """Record one choice's end, unless the job has ended already (shutdown answered it): False then."""
-        with self._end_lock:
-            if self._ended:
-                return False
-            self.finished[done.index] = done
-            return True
-
-
-def shutting_down() -> ApiError:
-    return ApiError(503, "the server is shutting down", kind="server_error", code="shutting_down")
-
-
-def gone() -> ApiError:
-    """The terminal event of a job whose client went away (nobody reads it; it marks the job answered)."""
-    return ApiError(499, "the client closed the connection", code="client_closed_request")
 
 
 class ModelWorker:
@@ -170,23 +78,30 @@ class ModelWorker:
                 raise refusal
             capacity = self.backend.capacity
             if self._queued(job) > self.max_queue:
-                retry_after = max(1, math.ceil(self._mean_latency_s * (len(self._waiting) + 1) / capacity))
-                raise ApiError(429, f"the server is busy: {len(self._waiting)} requests are waiting; retry later",
+                waiting = self._waiting_jobs()
+                retry_after = max(1, math.ceil(self._mean_latency_s * (waiting + 1) / capacity))
+                raise ApiError(429, f"the server is busy: {waiting} requests are waiting; retry later",
                                kind="requests", code="rate_limit_exceeded", headers={"Retry-After": str(retry_after)})
             self._waiting.append(job)
-            self.metrics.waiting.set(len(self._waiting))
+            self.metrics.waiting.set(self._waiting_jobs())
             self._condition.notify()
 
     def _queued(self, job: Job) -> int:
-        """With `job` added: the waiting jobs that would not start at the next admission (max_queue bounds them)."""
-        free = self.backend.capacity - sum(live.slots for live in self._live)
+        """With `job` added: the waiting jobs that would not start at the next admission (max_queue bounds them).
+        A job waits until the scheduler gives one of its sequences a KV slot."""
+        started = [live for live in self._live if live.started is not None]
+        free = self.backend.capacity - sum(live.slots for live in started)
         queued = 0
-        for waiting in [*self._waiting, job]:
+        for waiting in [*(live for live in self._live if live.started is None), *self._waiting, job]:
             if queued == 0 and (waiting.n <= free or free == self.backend.capacity):
                 free -= waiting.n
             else:  # in arrival order: once one waits, every later one does
                 queued += 1
         return queued
+
+    def _waiting_jobs(self) -> int:
+        """Jobs no sequence of which has a KV slot yet: those the worker holds and those the scheduler queues."""
+        return len(self._waiting) + sum(live.started is None for live in self._live)
 
     def cancel(self, job: Job) -> None:
         """The client went away: drop the job from the queue, or let it leave the backend before the next step."""
@@ -194,7 +109,7 @@ class ModelWorker:
         with self._condition:
             if job in self._waiting:
                 self._waiting.remove(job)
-                self.metrics.waiting.set(len(self._waiting))
+                self.metrics.waiting.set(self._waiting_jobs())
                 self._count_ended("abort", job.end("error", gone()))
 
     def fail(self, job: Job, error: ApiError) -> None:
@@ -264,37 +179,26 @@ class ModelWorker:
             self._step()
 
     def _admit(self) -> list[Job] | None:
-        """The jobs that join the backend now (waiting while there is nothing to do); None: stop."""
+        """The jobs that go to the backend now, every one that arrived (waiting while there is nothing to
+        do): the scheduler's queue is where they wait for KV slots. None: stop."""
         with self._condition:
             while not self._waiting and not self._live and self.state == "ready":
                 self._condition.wait()
             if self.state != "ready":
                 return None
-            admitted, used = [], sum(job.slots for job in self._live)
-            # A job's choices start together (they share its prefill); one with more choices than
-            # slots starts alone, and the backend queues the rest of them. A choice that has ended
-            # frees its slot for the next job, while the job's other choices go on.
-            while self._waiting and (used == 0 or used + self._waiting[0].n <= self.backend.capacity):
-                job = self._waiting.popleft()
-                admitted.append(job)
-                used += job.n
+            admitted = list(self._waiting)
+            self._waiting.clear()
             self._live.extend(admitted)
             return admitted
 
     def _start(self, job: Job) -> None:
-        job.started = time.perf_counter()
-        self._count()
         for options in job.choices:  # appended one by one: a refusal releases those already added
             job.sequences.append(self.backend.add(job.prompt_ids, options, job.cancelled.is_set,
                                                   streaming=job.streaming))
 
     def _step(self) -> None:
         with self._condition:
-            live = list(self._live)
-        for job in live:
-            if job.cancelled.is_set():
-                self._guarded(job, self._abort, job)
-        live = [job for job in live if job.live and not job.cancelled.is_set()]
+            live = [job for job in self._live if job.live]  # a cancelled job's sequences leave in the step
         if not live:
             return
         try:
@@ -303,6 +207,11 @@ class ModelWorker:
             for job in live:
                 self._fail(job, exc)
             return
+        admitted = [job for job in live if job.started is None]
+        for job in admitted:  # the model took it when the scheduler gave its first sequence a slot
+            job.started = self.backend.admitted_at(job.sequences)
+        if any(job.started is not None for job in admitted):
+            self._count()
         by_sequence = {id(handle): (job, index) for job in live for index, handle in enumerate(job.sequences)
                        if handle is not None}
         for update in updates:
@@ -381,8 +290,11 @@ class ModelWorker:
             self.metrics.finished.labels(reason).inc(choices)
 
     def _count(self) -> None:
-        self.metrics.waiting.set(len(self._waiting))
-        self.metrics.running.set(len(self._live))
+        with self._condition:
+            waiting = self._waiting_jobs()
+            running = len(self._live) - sum(live.started is None for live in self._live)
+        self.metrics.waiting.set(waiting)
+        self.metrics.running.set(running)
 
     def _crash(self, exc: BaseException) -> None:
         reason = f"the model worker stopped: {type(exc).__name__}: {exc}"
@@ -394,6 +306,9 @@ class ModelWorker:
             self._waiting.clear()
         ended = 0  # choices the crash ends
         for job in live:
+            if job.started is None:  # still queued for a slot
+                waiting.append(job)
+                continue
             ended += job.end("error", ApiError(500, reason, kind="server_error")) or 0
             job.cancelled.set()
         for job in waiting:
@@ -412,8 +327,3 @@ class ModelWorker:
         self.metrics.time_to_first_token.observe(min(done.first_token_s for done in job.finished))
         self.metrics.e2e_latency.observe(latency_s)
         self._mean_latency_s += LATENCY_SMOOTHING * (latency_s - queue_s - self._mean_latency_s)
-
-
-def finish_reason(reason: str) -> str:
-    """The runtime's finish reason in OpenAI's words: eos/stop -> "stop", length -> "length"."""
-    return "stop" if reason in ("eos", "stop") else "length"
