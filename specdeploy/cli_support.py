@@ -200,8 +200,18 @@ class Utf8Text(click.ParamType):
         return value
 
 
+def read_capped(stream, where: str) -> bytes:
+    """At most MAX_INPUT_BYTES of a binary stream; more is refused, naming the cap."""
+    from .defaults import MAX_INPUT_BYTES
+
+    data = stream.read(MAX_INPUT_BYTES + 1)
+    if len(data) > MAX_INPUT_BYTES:
+        raise SpecdeployError(f"{where} is longer than {MAX_INPUT_BYTES >> 20} MiB, the most a command reads")
+    return data
+
+
 def read_stdin_text() -> str:
-    return strict_utf8(sys.stdin.buffer.read(), "standard input")
+    return strict_utf8(read_capped(sys.stdin.buffer, "standard input"), "standard input")
 
 
 def read_text_file(path: str, option: str) -> str:
@@ -210,7 +220,8 @@ def read_text_file(path: str, option: str) -> str:
     if not file.exists() or file.is_dir():  # a pipe (<(cmd), /dev/stdin) is read as a file
         raise SpecdeployError(f"{option} {path}: no such file" if not file.exists() else f"{option} {path}: not a file (a folder)")
     try:
-        data = file.read_bytes()
+        with file.open("rb") as stream:
+            data = read_capped(stream, f"{option} {path}")
     except OSError as exc:
         raise SpecdeployError(f"{option} {path}: cannot read it ({exc.strerror})") from None
     return strict_utf8(data, f"{option} {path}")

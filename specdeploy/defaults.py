@@ -19,6 +19,10 @@ DEMO_DIR = Path(__file__).parent / "demo"  # the demo target/ and draft/ checkpo
 SHIPPED_BUNDLE = DEMO_DIR / "demo-bundle"  # and the pair exported (scripts/ship_demo_bundle.py writes it)
 DRAFTER = "hybrid"  # prompt lookup when the text repeats, else the draft model (see runtime.drafters.HybridDrafter)
 
+# The most a command reads of one input (--prompt-file, --prompt -, --chat -, --prompts, --messages): far
+# more text than any bundle's context holds, and a bound on what /dev/zero or a runaway pipe can take.
+MAX_INPUT_BYTES = 16 << 20
+
 # `specdeploy serve` and ServeConfig
 SERVE_HOST = "127.0.0.1"
 SERVE_PORT = 8000

@@ -135,7 +135,7 @@ class SpecdeployServer:
         from .serve import create_app
 
         self.replica = serve.get_replica_context().replica_id.unique_id
-        session = SessionConfig(device=config.device, shared_threads=True, intra_op_threads=threads)
+        session = SessionConfig(device=config.device, shared_threads=True, intra_op_threads=threads, weights_in_memory=True)
         generator = await asyncio.to_thread(load, config.bundle, device=config.device, drafter=config.drafter,
                                             session=session, max_batch=config.max_batch, exact=config.exact)
         self.board = board

@@ -28,6 +28,9 @@ from .manifest_rules import read_manifest_file
 
 PARTIAL, OLD = ".partial-", ".old-"
 _AT_FDCWD, _RENAME_NOREPLACE, _RENAME_EXCHANGE = -100, 1, 2
+# Linux's inode flags (ioctl FS_IOC_GETFLAGS): an immutable or append-only folder cannot be renamed, nor
+# its entries changed, even by root.
+_FS_IOC_GETFLAGS, _IMMUTABLE, _APPEND_ONLY = 0x80086601, 0x10, 0x20
 
 
 def lock_path(out: Path) -> Path:
@@ -134,6 +137,36 @@ def recover_missing(out: Path) -> bool:
     return out.is_dir()
 
 
+def check_movable(out: Path) -> None:
+    """Fail now, before any work, where an existing `out` could not be moved aside for a new bundle: it or its
+    folder is immutable or append-only (chattr +i / +a), or its folder is not writable."""
+    for path in (out, out.parent):
+        if _flags(path) & (_IMMUTABLE | _APPEND_ONLY):
+            raise SpecdeployError(f"--out {out}: {path} is {'immutable' if _flags(path) & _IMMUTABLE else 'append-only'} "
+                                  "(chattr), so it cannot be replaced; nothing was touched")
+    if not os.access(out.parent, os.W_OK | os.X_OK):
+        raise SpecdeployError(f"--out {out}: its folder {out.parent} is not writable; nothing was touched")
+
+
+def _flags(path: Path) -> int:
+    """The inode flags of path (0 where the file system keeps none, or not on Linux)."""
+    import array
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return 0
+    try:
+        buffer = array.array("l", [0])
+        fcntl.ioctl(fd, _FS_IOC_GETFLAGS, buffer)
+        return buffer[0]
+    except OSError:
+        return 0
+    finally:
+        os.close(fd)
+
+
 def replace(built: Path, out: Path) -> None:
     """Move the finished bundle built to out; an existing out (already checked to be a bundle) is
     exchanged with it atomically and left at built, for the caller to delete. Where out was absent,
@@ -145,7 +178,10 @@ def replace(built: Path, out: Path) -> None:
     if _exchange(built, out):
         return
     old = out.with_name(f".{out.name}{OLD}{datetime.datetime.now().strftime('%Y%m%d%H%M%S%f')}")
-    os.rename(out, old)
+    try:
+        os.rename(out, old)
+    except OSError as exc:
+        raise SpecdeployError(f"cannot move the old bundle at {out} aside: {exc.strerror}; nothing was replaced") from None
     os.rename(built, out)
     shutil.rmtree(old, ignore_errors=True)
 

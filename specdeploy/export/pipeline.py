@@ -99,6 +99,7 @@ def _check_out(out: Path, force: bool) -> None:
     if not force:
         what = "is an empty folder" if not any(out.iterdir()) else "holds a specdeploy bundle"
         raise SpecdeployError(f"--out {out} {what}; pass --force to replace it")
+    swap.check_movable(out)
 
 
 def _max_context(config: ExportConfig, checkpoints: dict) -> int:

@@ -172,8 +172,14 @@ def check_messages(messages) -> list[dict]:
 
 def read_messages(path: str | Path) -> list[dict]:
     """A JSON file holding a list of {"role", "content"} objects, checked by check_messages."""
+    from ..defaults import MAX_INPUT_BYTES
+
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        with Path(path).open("rb") as stream:
+            raw = stream.read(MAX_INPUT_BYTES + 1)
+        if len(raw) > MAX_INPUT_BYTES:
+            raise SpecdeployError(f"--messages {path} is longer than {MAX_INPUT_BYTES >> 20} MiB, the most a command reads")
+        data = json.loads(raw.decode("utf-8"))
     except (OSError, UnicodeDecodeError) as exc:
         raise SpecdeployError(f"cannot read --messages {path}: {exc}") from None
     except ValueError as exc:

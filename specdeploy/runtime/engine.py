@@ -20,7 +20,7 @@ from ..bundle import ModelSpec
 from ..errors import SpecdeployError
 from .kv_cache import KVCache, KVSlots, SharedKVCache, ort_value
 from .rows import RowsPass
-from .session import PREFILL_CHUNK, SessionConfig, check_exact, open_session
+from .session import PREFILL_CHUNK, SessionConfig, check_exact, model_weights, open_session
 
 BOUND_IDS = 64  # passes up to this many tokens bind their ids from a fixed buffer (see OrtEngine)
 # Scratch-logits passes up to this many tokens write one fixed buffer (see OrtEngine.run): every
@@ -53,7 +53,8 @@ class OrtEngine:
         for position p (shared-buffer graphs only). An eagle draft's feature input is `run`'s `features`."""
         self.spec = spec
         self.model_path, self.config = model_path, config
-        self.session = open_session(model_path, spec, config)
+        self.weights = model_weights(model_path) if config.weights_in_memory else None  # alive as long as the sessions
+        self.session = open_session(model_path, spec, config, self.weights)
         self.columns = spec.vocab_subset or spec.vocab_size  # the logits' width (a draft may cover a subset)
         self.features = features
         self.feature_size = 0

@@ -20,7 +20,7 @@ from .text import TextCodec
 DRAFTERS = ("model", "prompt-lookup", "hybrid")
 
 
-def _session_config(bundle: Path, device: str, session: SessionConfig | None) -> SessionConfig:
+def _session_config(bundle: Path, device: str, session: SessionConfig | None, weights_in_memory: bool = False) -> SessionConfig:
     """The sessions' settings: `session`'s, on `device` where it names none other; TensorRT engines cached
     in the bundle unless it names another folder."""
     if session is not None and device != "cpu" and session.device not in ("cpu", device):
@@ -28,6 +28,8 @@ def _session_config(bundle: Path, device: str, session: SessionConfig | None) ->
     config = session or SessionConfig(shared_threads=os.environ.get("SPECDEPLOY_SHARED_THREADS", "1") != "0")
     if device != "cpu":
         config = dataclasses.replace(config, device=device)
+    if weights_in_memory:
+        config = dataclasses.replace(config, weights_in_memory=True)
     if config.device == "tensorrt" and config.trt_cache_dir is None:
         config = dataclasses.replace(config, trt_cache_dir=str(bundle / "trt_cache"))
     return config
@@ -35,7 +37,7 @@ def _session_config(bundle: Path, device: str, session: SessionConfig | None) ->
 
 def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verify: bool = False,
          session: SessionConfig | None = None, lookup_ngram: int = 2, warm_up: bool = True, max_batch: int = 1,
-         policy: str = "auto", exact: bool = False) -> Generator:
+         policy: str = "auto", exact: bool = False, weights_in_memory: bool = False) -> Generator:
     """Load a bundle for generation on `device` (cpu | cuda | tensorrt).
 
     drafter: "hybrid" (default: prompt lookup when an n-gram of `lookup_ngram` tokens recurs, of 3
@@ -61,12 +63,15 @@ def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verif
     with and without speculation, at any k, drafter and batch, a seed's sample whatever the batch.
 
     warm_up=True (the default) runs each kind of pass once before returning (Generator.warm_up): the
-    first request runs as fast as later ones."""
+    first request runs as fast as later ones.
+
+    weights_in_memory=True reads the weight files into memory (SessionConfig.weights_in_memory): a
+    bundle file changed in place while it runs cannot crash the process; `serve` loads this way."""
     bundle = Path(bundle)
     _check_arguments(drafter, lookup_ngram, max_batch, verify=verify, warm_up=warm_up, exact=exact)
     manifest = load_manifest(bundle, verify=verify)
     check_kv_memory(manifest, slots=max_batch)  # every slot's caches are mapped at load
-    config = _session_config(bundle, device, session)
+    config = _session_config(bundle, device, session, weights_in_memory)
 
     def engine(spec, features: str | None = None) -> OrtEngine:
         # The generate loop reads each pass's logits before the next pass: they may share one buffer.

@@ -221,7 +221,7 @@ class RowsPass:
         self.spare = int(engine.min_pass_tokens > 1)
         spec = engine.spec
         self._sessions = {size: open_rows_session(rows_graph(model_path, size, spare_row=bool(self.spare)), model_path,
-                                                  spec, config) for size in self.sizes}
+                                                  spec, config, engine.weights) for size in self.sizes}
         kv = spec.kv_cache
         # (past, present, pool buffer index) of every cache tensor
         self._names = [(name % i, present % i, 2 * i + j) for i in range(spec.num_layers)

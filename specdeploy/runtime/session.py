@@ -39,6 +39,10 @@ class SessionConfig:
     # ONNX Runtime repacks MatMul weights into its kernels' layout at load: faster passes, a second
     # copy of the weights in memory. A session that runs a few passes (export's parity check) skips it.
     prepack_weights: bool = True
+    # The weight files read into memory at load (model_weights), not mapped: a bundle file changed in
+    # place (truncated, copied over) then cannot fault a pass (SIGBUS on a mapped page past the end).
+    # Costs up to the files' size in RAM over mapping them; a server turns it on.
+    weights_in_memory: bool = False
 
 
 def trt_profiles(spec: ModelSpec, max_context: int, max_new: int = 33) -> dict[str, str]:
@@ -140,7 +144,7 @@ def check_session_config(config: SessionConfig) -> None:
     """Each field of the type and range it is declared with, and a pool ONNX Runtime can give (SpecdeployError)."""
     if not isinstance(config, SessionConfig):
         raise SpecdeployError(f"session must be a SessionConfig (got {type(config).__name__})")
-    for name in ("allow_spinning", "shared_threads", "memory_arena", "prepack_weights"):
+    for name in ("allow_spinning", "shared_threads", "memory_arena", "prepack_weights", "weights_in_memory"):
         if not isinstance(getattr(config, name), bool):
             raise SpecdeployError(f"SessionConfig.{name} must be True or False (got {getattr(config, name)!r})")
     threads = config.intra_op_threads
@@ -189,8 +193,31 @@ def session_options(config: SessionConfig, spec: ModelSpec | None = None):
     return options
 
 
-def open_session(model_path: Path, spec: ModelSpec, config: SessionConfig):
-    """The ONNX Runtime session for spec, once it is clear the engine can run it."""
+def model_weights(model_path: Path) -> dict:
+    """The external data files of the model at model_path, read into memory: {location the graph names: bytes [size]}."""
+    import numpy as np
+    import onnx
+
+    graph = onnx.load(str(model_path), load_external_data=False).graph
+    names = sorted({entry.value for tensor in graph.initializer for entry in tensor.external_data if entry.key == "location"})
+    try:
+        return {name: np.fromfile(model_path.parent / name, dtype=np.uint8) for name in names}
+    except OSError as exc:
+        raise SpecdeployError(f"cannot read the weights of {model_path}: {exc}") from None
+
+
+def _use_weights(options, weights: dict | None) -> None:
+    """Give the session its weight files from memory (model_weights), used where they lie: the caller keeps
+    them alive as long as the session."""
+    if weights:
+        options.add_external_initializers_from_files_in_memory(list(weights), list(weights.values()),
+                                                               [buffer.size for buffer in weights.values()])
+        options.add_session_config_entry("session.use_external_initializer_file_buffers_directly", "1")
+
+
+def open_session(model_path: Path, spec: ModelSpec, config: SessionConfig, weights: dict | None = None):
+    """The ONNX Runtime session for spec, once it is clear the engine can run it. weights: its weight
+    files in memory (model_weights; SessionConfig.weights_in_memory), kept alive by the caller."""
     import onnxruntime as ort
 
     if spec.kv_cache.layout != KV_LAYOUT:
@@ -205,6 +232,7 @@ def open_session(model_path: Path, spec: ModelSpec, config: SessionConfig):
             "export with --dtype fp16 (or --graph optimum) for --device cuda/tensorrt"
         )
     options = session_options(config, spec)  # its own errors name the setting, not the model
+    _use_weights(options, weights)
     try:
         session = ort.InferenceSession(str(model_path), options, providers=providers)
     except Exception as exc:
@@ -251,9 +279,9 @@ def check_rotary_positions(graph, spec: ModelSpec) -> None:
                               f"manifest's max_context {spec.max_context}: this manifest does not belong to these graphs")
 
 
-def open_rows_session(graph: bytes, model_path: Path, spec: ModelSpec, config: SessionConfig):
+def open_rows_session(graph: bytes, model_path: Path, spec: ModelSpec, config: SessionConfig, weights: dict | None = None):
     """The CPU session of a rows graph (rows.py) of the model at model_path, whose weights stay in the
-    bundle's data file beside it."""
+    bundle's data file beside it (or come from memory: open_session's weights)."""
     import onnxruntime as ort
 
     options = session_options(config, spec)
@@ -261,6 +289,7 @@ def open_rows_session(graph: bytes, model_path: Path, spec: ModelSpec, config: S
     # grow with them (SmolLM2 int8: about 2.4 MiB per 100 sets), for no speed this host could tell.
     options.enable_mem_pattern = False
     options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(model_path.parent))
+    _use_weights(options, weights)
     try:
         return ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
     except Exception as exc:

@@ -73,11 +73,20 @@ class Service:
             raise ApiError(503, "the server is shutting down", kind="server_error", code="shutting_down")
         key = self.config.api_key
         if key is not None:
-            given = request.headers.get("authorization", "")
+            given = request.headers.getlist("authorization")
+            if len(given) > 1:
+                raise ApiError(400, "the request has more than one Authorization header", code="invalid_api_key")
+            given = given[0] if given else ""
             if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
                 raise ApiError(401, "invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
 
     async def read_json(self, request: Request):
+        # JSON only: a form or text/plain POST is a "simple" cross-origin request that any web page can send
+        # without a preflight, which would let it use a local server that has no --api-key.
+        media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media_type != "application/json" and not (media_type.startswith("application/") and media_type.endswith("+json")):
+            raise ApiError(415, f"the request body must be JSON (Content-Type: application/json), not "
+                                f"{media_type or 'an unnamed type'}", code="unsupported_media_type")
         limit = self.config.max_body_bytes
         too_large = ApiError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
         declared = request.headers.get("content-length", "")
@@ -122,8 +131,9 @@ def create_app(config: ServeConfig, load: Callable[[], object] | None = None,
         from ..runtime import load as load_bundle
 
         def load():
+            # Weights in memory: a bundle file changed in place under a running server cannot crash it.
             return load_bundle(config.bundle, device=config.device, drafter=config.drafter, max_batch=config.max_batch,
-                               exact=config.exact)
+                               exact=config.exact, weights_in_memory=True)
 
     service = Service(config, load, metric_labels)
 
@@ -167,6 +177,7 @@ def create_app(config: ServeConfig, load: Callable[[], object] | None = None,
               Route("/metrics", metrics, methods=["GET"])]
     handlers = {ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error}
     app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+    app.router.redirect_slashes = False  # /v1/completions/ is a 404, not a redirect built from the Host header
     app.state.service = service
     return CountRequests(app, service.metrics, {route.path for route in routes})
 

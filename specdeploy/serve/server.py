@@ -9,6 +9,7 @@ Ctrl-C quits at once.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import signal
 import socket
@@ -48,6 +49,11 @@ def check_config(config: ServeConfig) -> None:
         raise SpecdeployError(f"max batch must be in 1..{MAX_BATCH} (got {config.max_batch})")
     if config.api_key is not None and not config.api_key.strip():
         raise SpecdeployError("the API key is empty")
+    if config.api_key is not None and not all(" " <= c <= "~" for c in config.api_key):
+        # HTTP headers carry bytes that servers read as Latin-1 and clients write as ASCII: another character
+        # could never be sent the same way twice, and no request would authenticate.
+        raise SpecdeployError("the API key must be printable ASCII (letters, digits, punctuation, spaces): "
+                              "an HTTP header cannot carry other characters reliably")
 
 
 MAX_BATCH = 256  # KV slots one server may hold
@@ -71,6 +77,7 @@ def serve(config: ServeConfig, load: Callable[[], object] | None = None) -> None
 
     load: builds the Generator (default: specdeploy.load with the config's device and drafter)."""
     check_config(config)
+    faulthandler.enable()  # a fatal signal (a crash in native code) still writes why, and where, to stderr
     providers_for(SessionConfig(device=config.device))  # this machine's onnxruntime runs the device (a replica's may not)
     sock = bind(config.host, config.port)
     port = sock.getsockname()[1]
