@@ -22,7 +22,8 @@ from typing import Callable
 
 import click
 
-from .cli_support import format_stats, strict_utf8, stream_text
+from .cli_input import strict_utf8
+from .cli_support import format_stats, stream_text
 from .errors import SpecdeployError
 from .runtime.generate import SEED_LIMIT, GenerationConfig
 

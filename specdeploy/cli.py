@@ -9,48 +9,14 @@ from pathlib import Path
 import click
 
 from . import defaults
-from .cli_support import (DEBUG_HELP, EXACT_HELP, EXIT_INTERRUPTED, ErrorMappingGroup, Utf8Text, checked_generation, combine_options,
-                          end_text, format_stats, note_debug, parse_draft_tokens, parse_prompt_tokens,
-                          require_chat_template, require_export_extra, return_freed_memory, run_request, stream_text,
-                          export_with_progress as _export)
-from .errors import SpecdeployError, install_hint
-from .runtime.generate import SEED_LIMIT, GenerationConfig
+from .cli_input import run_request
+from .cli_options import DEFAULTS, LOAD_OPTIONS, PENALTY_OPTIONS, SAMPLING_OPTIONS, TEXT, resolve_bundle
+from .cli_support import (DEBUG_HELP, EXIT_INTERRUPTED, ErrorMappingGroup, checked_generation, end_text, format_stats,
+                          note_debug, parse_draft_tokens, parse_prompt_tokens, require_chat_template, require_export_extra,
+                          return_freed_memory, stream_text, export_with_progress as _export)
+from .errors import SpecdeployError
 
 _return_freed_memory = return_freed_memory  # scripts/first_request.py sets the allocator up as `run` does
-
-SEED = click.IntRange(0, SEED_LIMIT - 1)
-TEXT = Utf8Text()
-DEFAULTS = GenerationConfig  # the defaults of the options below are its fields'
-
-
-# Generation controls of `run` and `bench`: the sampling ones named as Hugging Face's GenerationConfig
-# names them, then the seed and the drafting threshold.
-SAMPLING_OPTIONS = combine_options(
-    click.option("--temperature", type=float, default=DEFAULTS.temperature, show_default=True, help="0 is greedy."),
-    click.option("--top-k", type=int, default=DEFAULTS.top_k, show_default=True, help="0 is off."),
-    click.option("--top-p", type=float, default=DEFAULTS.top_p, show_default=True, help="1.0 is off."),
-    click.option("--min-p", type=float, default=DEFAULTS.min_p, show_default=True,
-                 help="Keep tokens at least this fraction as likely as the most likely one; 0 is off."),
-    click.option("--repetition-penalty", type=float, default=DEFAULTS.repetition_penalty, show_default=True,
-                 help="Divide positive / multiply negative logits of tokens already in the context (HF's); 1.0 is off."),
-    click.option("--seed", type=SEED, default=DEFAULTS.seed, show_default=True, help="0 .. 2**64 - 1."),
-    click.option("--draft-confidence", type=float, default=DEFAULTS.draft_confidence, show_default=True,
-                 help="Stop drafting once the draft's top probability falls below this (0: always draft k)."),
-)
-# OpenAI's penalties, for `run` and `chat`.
-PENALTY_OPTIONS = combine_options(
-    click.option("--presence-penalty", type=float, default=DEFAULTS.presence_penalty, show_default=True,
-                 help="Subtracted once from the logit of each token generated so far (OpenAI's); -2..2, 0 is off."),
-    click.option("--frequency-penalty", type=float, default=DEFAULTS.frequency_penalty, show_default=True,
-                 help="Subtracted per occurrence among the tokens generated so far (OpenAI's); -2..2, 0 is off."),
-)
-# How `run`, `bench` and `serve` load a bundle.
-DEVICE_OPTION = click.option("--device", default="cpu", show_default=True, help="cpu | cuda | tensorrt")
-DRAFTER_OPTION = click.option("--drafter", default=defaults.DRAFTER, show_default=True,
-                              help="hybrid (prompt lookup when the text repeats, else the draft model, if any) | model | prompt-lookup")
-VERIFY_OPTION = click.option("--verify", is_flag=True, help="Re-hash every bundle file before loading (sizes are always checked).")
-EXACT_OPTION = click.option("--exact", is_flag=True, default=False, help=EXACT_HELP)
-LOAD_OPTIONS = combine_options(DEVICE_OPTION, DRAFTER_OPTION, VERIFY_OPTION, EXACT_OPTION)  # run, chat, bench
 
 
 @click.group(cls=ErrorMappingGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -118,11 +84,6 @@ def export(target, draft, out, dtype, quantize, draft_quantize, max_context, dra
             draft_window=draft_window, draft_vocab=draft_vocab, graph=graph, force=force,
             trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, allow_lossy=allow_lossy)
     click.echo(str(Path(out).expanduser().resolve()))
-
-
-def resolve_bundle(bundle: str | None) -> str:
-    """The named bundle, or the one defaults.bundle_to_run picks (the exported default, else the shipped demo)."""
-    return bundle if bundle is not None else str(defaults.bundle_to_run())
 
 
 @main.command()
@@ -309,7 +270,7 @@ def bench(bundle, prompts_file, prompt_file, max_new_tokens, prompt_tokens, num_
 
     from .bench import BenchConfig, context_sweep, lengthen_prompts, run_bench
     from .bench_output import machine_description, plot_file
-    from .cli_support import bench_prompts
+    from .cli_input import bench_prompts
     from .runtime.loader import drafter_for, load
 
     if repeat < 1 or max_new_tokens < 1:
@@ -360,56 +321,9 @@ def bench(bundle, prompts_file, prompt_file, max_new_tokens, prompt_tokens, num_
         click.echo(f"plot: {plot}", err=True)
 
 
-@main.command()
-@click.argument("bundle", type=click.Path(), required=False)
-@click.option("--host", default=defaults.SERVE_HOST, show_default=True,
-              help="Address to listen on (0.0.0.0: every interface).")
-@click.option("--port", type=int, default=defaults.SERVE_PORT, show_default=True, help="0 picks a free port (it is logged).")
-@click.option("--max-queue", type=int, default=defaults.SERVE_MAX_QUEUE, show_default=True,
-              help="Requests that may wait for a free batch slot; one more answers 429.")
-@click.option("--max-batch", type=int, default=defaults.SERVE_MAX_BATCH, show_default=True,
-              help="Requests decoded together (1 serves one at a time).")
-@click.option("--num-draft-tokens", "-k", type=int, default=DEFAULTS.num_draft_tokens, show_default=True,
-              help="k for requests that do not set num_draft_tokens.")
-@DRAFTER_OPTION
-@DEVICE_OPTION
-@EXACT_OPTION
-@click.option("--api-key", envvar="SPECDEPLOY_API_KEY", default=None,
-              help="Require 'Authorization: Bearer KEY' on /v1/* (also read from $SPECDEPLOY_API_KEY).")
-@click.option("--max-body-bytes", type=int, default=defaults.SERVE_MAX_BODY_BYTES, show_default=True,
-              help="Larger request bodies get 413.")
-@click.option("--drain-timeout", type=float, default=defaults.SERVE_DRAIN_TIMEOUT_S, show_default=True,
-              help="Seconds in-flight requests get to finish after SIGTERM.")
-@click.option("--model-name", default=None, help="The model id to list (default: the bundle folder's name).")
-@click.option("--replicas", type=int, default=None, help="Serve through Ray Serve with this many replicas (the ray extra).")
-@click.option("--min-replicas", type=int, default=None, help="With --max-replicas: Ray Serve autoscales between them.")
-@click.option("--max-replicas", type=int, default=None)
-@click.option("--threads-per-replica", type=int, default=None,
-              help="ONNX Runtime threads (and Ray CPUs) per replica. Default: the cores / the most replicas.")
-@click.option("--ray-address", default=None, help="Join this Ray cluster (default: start a local one).")
-def serve(bundle, host, port, max_queue, max_batch, num_draft_tokens, drafter, device, exact, api_key, max_body_bytes,
-          drain_timeout, model_name, replicas, min_replicas, max_replicas, threads_per_replica, ray_address) -> None:
-    """Serve a bundle over an OpenAI-compatible HTTP API (BUNDLE defaults to the demo bundle)."""
-    try:
-        from .serve import ServeConfig, serve as run_server
-    except ImportError as exc:
-        raise SpecdeployError(f"serving needs the serve extra ({install_hint('serve')}): {exc}") from None
-    config = ServeConfig(bundle=resolve_bundle(bundle), host=host, port=port, max_queue=max_queue, max_batch=max_batch,
-                         num_draft_tokens=num_draft_tokens, drafter=drafter, device=device, exact=exact, api_key=api_key,
-                         max_body_bytes=max_body_bytes, drain_timeout_s=drain_timeout, model_name=model_name)
-    ray_options = (replicas, min_replicas, max_replicas, threads_per_replica, ray_address)
-    if all(option is None for option in ray_options):
-        return run_server(config)
-    try:
-        from .ray import RayConfig, serve_on_ray
-    except ImportError as exc:
-        raise SpecdeployError(f"--replicas needs the ray extra ({install_hint('ray')}): {exc}") from None
-    serve_on_ray(config, RayConfig(replicas=replicas if replicas is not None else min_replicas or 1, min_replicas=min_replicas,
-                                   max_replicas=max_replicas, threads_per_replica=threads_per_replica,
-                                   address=ray_address))
-
-
+from .cli_serve import serve as _serve  # noqa: E402
 from .distill.cli import distill as _distill  # noqa: E402  (imports no torch until it runs)
+main.add_command(_serve)
 main.add_command(_distill)
 if __name__ == "__main__":  # python -m specdeploy.cli, as python -m specdeploy
     main()

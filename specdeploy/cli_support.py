@@ -1,10 +1,9 @@
-"""What the CLI does around its commands: one `error: ...` line per failure, strict text input.
+"""What the CLI does around its commands: one `error: ...` line per failure, output and stats.
 
 Every failure of every command ends as one line on stderr and exit code 2 (130 for Ctrl-C):
 SpecdeployError's message, click's usage errors, and anything unexpected as its type and first
-line; `--debug`, before or after the subcommand, re-raises instead, with the traceback. Text from
-the command line, standard input and prompt files must be UTF-8: invalid bytes are refused with
-their offset, never replaced, so what is generated from is exactly what was given.
+line; `--debug`, before or after the subcommand, re-raises instead, with the traceback. What a
+command reads from its user is cli_input.py's.
 """
 
 from __future__ import annotations
@@ -177,78 +176,6 @@ class ErrorMappingGroup(click.Group):
         return exc.format_message().replace("\n", " ")
 
 
-def strict_utf8(data: bytes, where: str) -> str:
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise SpecdeployError(f"{where} is not valid UTF-8: byte 0x{data[exc.start]:02x} at offset {exc.start}") from None
-
-
-class Utf8Text(click.ParamType):
-    """A text option whose value must be valid UTF-8 (Python keeps argv's invalid bytes as surrogates)."""
-
-    name = "text"
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, str) and any("\udc80" <= ch <= "\udcff" for ch in value):
-            try:  # argv's bytes under a non-UTF-8 locale: valid UTF-8 is taken as its text
-                value = strict_utf8(os.fsencode(value), "the text")
-            except SpecdeployError as exc:
-                self.fail(str(exc), param, ctx)
-        if isinstance(value, str) and any("\ud800" <= ch <= "\udfff" for ch in value):
-            self.fail("contains a lone surrogate code point", param, ctx)
-        return value
-
-
-def read_capped(stream, where: str) -> bytes:
-    """At most MAX_INPUT_BYTES of a binary stream; more is refused, naming the cap."""
-    from .defaults import MAX_INPUT_BYTES
-
-    data = stream.read(MAX_INPUT_BYTES + 1)
-    if len(data) > MAX_INPUT_BYTES:
-        raise SpecdeployError(f"{where} is longer than {MAX_INPUT_BYTES >> 20} MiB, the most a command reads")
-    return data
-
-
-def read_stdin_text() -> str:
-    return strict_utf8(read_capped(sys.stdin.buffer, "standard input"), "standard input")
-
-
-def read_text_file(path: str, option: str) -> str:
-    """A file's text, byte for byte (no newline translation, no BOM removed): it must exist and be UTF-8."""
-    file = Path(path).expanduser()
-    if not file.exists() or file.is_dir():  # a pipe (<(cmd), /dev/stdin) is read as a file
-        raise SpecdeployError(f"{option} {path}: no such file" if not file.exists() else f"{option} {path}: not a file (a folder)")
-    try:
-        with file.open("rb") as stream:
-            data = read_capped(stream, f"{option} {path}")
-    except OSError as exc:
-        raise SpecdeployError(f"{option} {path}: cannot read it ({exc.strerror})") from None
-    return strict_utf8(data, f"{option} {path}")
-
-
-def bench_prompts(prompts_file: str | None, prompt_file: str | None) -> list[str]:
-    """bench's prompts: --prompts' list, --prompt-file's one text, or the built-in code prompts."""
-    from .bench import builtin_prompts
-
-    if prompts_file and prompt_file:
-        raise SpecdeployError("pass --prompts or --prompt-file, not both")
-    if prompt_file:
-        return [read_text_file(prompt_file, "--prompt-file")]
-    return read_prompts_file(prompts_file) if prompts_file else builtin_prompts()
-
-
-def read_prompts_file(path: str) -> list[str]:
-    """A --prompts file: it must exist, be UTF-8, and hold a JSON list of strings or JSONL with 'prompt'."""
-    from .bench import parse_prompts
-
-    text = read_text_file(path, "--prompts")
-    try:
-        return parse_prompts(text, f"--prompts {path}")
-    except RecursionError:
-        raise SpecdeployError(f"--prompts {path}: nested too deeply to be a list of prompts") from None
-
-
 def check_output_file(path: str, option: str) -> None:
     """Fail before the work, not after it, when a file cannot be written where it is asked for."""
     file = Path(path).expanduser()
@@ -343,32 +270,6 @@ def require_chat_template(generator, bundle, instead: str) -> None:
     """Fail where a command renders messages and the bundle's tokenizer has no chat template; `instead`: what to pass."""
     if generator.chat_template is None:
         raise SpecdeployError(f"{bundle} has no chat template ({NO_TEMPLATE}): {instead}")
-
-
-def run_request(prompt, prompt_file, chat, system, messages_file) -> dict:
-    """`run`'s input as generate's keyword: {"prompt": text} or {"messages": [...]}."""
-    from .runtime.chat import read_messages
-
-    given = [name for name, value in (("--prompt", prompt), ("--prompt-file", prompt_file), ("--chat", chat),
-                                      ("--messages", messages_file)) if value is not None]
-    if len(given) != 1:
-        raise SpecdeployError("pass one of --prompt, --chat or --messages"
-                              + (f" (got {' and '.join(given)})" if given else " (or --prompt-file FILE)"))
-    if prompt is not None or prompt_file is not None:
-        if system is not None:
-            raise SpecdeployError(f"--system goes with --chat or --messages ({given[0]} is sent as it is)")
-        if prompt_file is not None:
-            return {"prompt": read_text_file(prompt_file, "--prompt-file")}
-        return {"prompt": read_stdin_text() if prompt == "-" else prompt}
-    if chat is not None:
-        messages = [{"role": "user", "content": read_stdin_text() if chat == "-" else chat}]
-    else:
-        messages = read_messages(messages_file)
-    if system is not None:
-        if messages[0]["role"] == "system":
-            raise SpecdeployError(f"--system and the system message of {messages_file}: keep one")
-        messages = [{"role": "system", "content": system}, *messages]
-    return {"messages": messages}
 
 
 def parse_draft_tokens(value: str) -> tuple[int, ...] | None:

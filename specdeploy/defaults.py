@@ -31,6 +31,9 @@ SERVE_MAX_QUEUE = 64  # requests that may wait for a free batch slot; one more a
 SERVE_MAX_BATCH = 8
 SERVE_MAX_BODY_BYTES = 1 << 20  # request bodies over this answer 413
 SERVE_DRAIN_TIMEOUT_S = 30.0  # on SIGTERM, in-flight requests get this long to finish
+SERVE_HEADER_TIMEOUT_S = 10.0  # a request's headers must arrive whole within this of its first byte (or the connection)
+SERVE_BODY_TIMEOUT_S = 30.0  # and its body within this of its headers; else 408
+SERVE_MAX_CONNECTIONS = 512  # open connections (and requests in flight); one more answers 503
 
 
 def home() -> Path:

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from specdeploy.cli import main
-from specdeploy.cli_support import EXIT_ERROR, Utf8Text
+from specdeploy.cli_input import Utf8Text
+from specdeploy.cli_support import EXIT_ERROR
 from specdeploy.defaults import SHIPPED_BUNDLE
 
 BUNDLE = str(SHIPPED_BUNDLE)

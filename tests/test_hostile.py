@@ -114,3 +114,99 @@ def test_export_force_into_an_immutable_out_fails_before_any_work(tmp_path, agre
     assert result.exit_code == 2, result.output
     assert "is immutable" in result.stderr and "nothing was touched" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+class ConfiguredServer(LiveServer):
+    """LiveServer on the uvicorn settings `serve` uses (serve.server.uvicorn_config): deadlines, connection cap."""
+
+    def __init__(self, config: ServeConfig):
+        import threading
+
+        import uvicorn
+
+        from specdeploy.serve.app import create_app
+        from specdeploy.serve.server import bind, uvicorn_config
+        from test_serve import wait_for
+
+        self.app = create_app(config)
+        self.service = self.app.state.service
+        self.sock = bind("127.0.0.1", 0)
+        port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(uvicorn_config(self.app, config, port))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        wait_for(lambda: self.server.started, "the server to listen")
+        wait_for(lambda: httpx.get(self.url + "/health").status_code == 200, "the model to load")
+
+
+@pytest.fixture
+def strict(agreeing_bundle):
+    server = ConfiguredServer(ServeConfig(bundle=str(agreeing_bundle), header_timeout_s=1.0, body_timeout_s=1.0,
+                                          max_connections=4))
+    yield server
+    server.close()
+
+
+def raw(url: str):
+    import socket
+
+    host, port = url.removeprefix("http://").split(":")
+    connection = socket.create_connection((host, int(port)), timeout=20)
+    return connection
+
+
+def read_all(connection) -> bytes:
+    data = b""
+    while chunk := connection.recv(4096):
+        data += chunk
+    return data
+
+
+def test_headers_that_trickle_past_the_deadline_get_408_and_the_connection_closes(strict):
+    connection = raw(strict.url)
+    connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and the rest never comes
+    answer = read_all(connection)  # the server closes it: recv returns b""
+    connection.close()
+    assert answer.startswith(b"HTTP/1.1 408")
+    silent = raw(strict.url)  # connected, nothing sent
+    assert read_all(silent).startswith(b"HTTP/1.1 408")
+    silent.close()
+    assert httpx.post(strict.url + "/v1/completions", json=BODY, timeout=30).status_code == 200
+
+
+def test_a_body_shorter_than_its_content_length_gets_408(strict):
+    connection = raw(strict.url)
+    connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+    answer = connection.recv(4096)
+    connection.close()
+    assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer
+
+
+def test_connections_past_the_cap_get_503(strict):
+    held = [raw(strict.url) for _ in range(4)]  # open, sending nothing (each closes at its header deadline)
+    try:
+        from test_serve import wait_for
+
+        wait_for(lambda: len(strict.server.server_state.connections) >= 4, "the connections to be open")
+        assert httpx.get(strict.url + "/health", timeout=20).status_code == 503
+    finally:
+        for connection in held:
+            connection.close()
+
+
+def test_a_huge_prompt_is_tokenized_on_a_thread_of_its_own(live, monkeypatch):
+    """Prompts past LARGE_PROMPT_CHARS take the large-prompt thread: short requests keep the prompt threads."""
+    import threading
+
+    from specdeploy.serve import app
+
+    threads = []
+    prepare = app._prepare
+    monkeypatch.setattr(app, "_prepare", lambda service, parsed: threads.append(threading.current_thread().name)
+                        or prepare(service, parsed))
+    huge = {"prompt": "x " * (app.LARGE_PROMPT_CHARS // 2 + 1), "max_tokens": 2}
+    assert httpx.post(live.url + "/v1/completions", json=huge, headers=auth(), timeout=60).status_code == 400
+    assert httpx.post(live.url + "/v1/completions", json=BODY, headers=auth(), timeout=30).status_code == 200
+    assert threads[0].startswith("specdeploy-large-prompt") and threads[1].startswith("specdeploy-prompt")

@@ -469,7 +469,8 @@ def test_api_key_and_body_limit(keyed_server):
     headers = {"Authorization": "Bearer secret"}
     large = httpx.post(url, json={"prompt": "x" * 5000}, headers=headers)
     assert large.status_code == 413 and large.json()["error"]["code"] == "request_too_large"
-    chunked = httpx.post(url, content=(b"x" * 1024 for _ in range(8)), headers=headers)  # no Content-Length
+    chunked = httpx.post(url, content=(b"x" * 1024 for _ in range(8)),  # no Content-Length
+                         headers={**headers, "Content-Type": "application/json"})
     assert chunked.status_code == 413
 
 

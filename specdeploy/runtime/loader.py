@@ -63,10 +63,7 @@ def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verif
     with and without speculation, at any k, drafter and batch, a seed's sample whatever the batch.
 
     warm_up=True (the default) runs each kind of pass once before returning (Generator.warm_up): the
-    first request runs as fast as later ones.
-
-    weights_in_memory=True reads the weight files into memory (SessionConfig.weights_in_memory): a
-    bundle file changed in place while it runs cannot crash the process; `serve` loads this way."""
+    first request runs as fast as later ones. weights_in_memory: see SessionConfig (`serve` sets it)."""
     bundle = Path(bundle)
     _check_arguments(drafter, lookup_ngram, max_batch, verify=verify, warm_up=warm_up, exact=exact)
     manifest = load_manifest(bundle, verify=verify)

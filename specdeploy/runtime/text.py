@@ -37,7 +37,9 @@ class TextCodec:
         Text that starts with the BOS token's string (a prompt rendered from a template) keeps that
         BOS only: the tokenizer's post-processor would put a second one in front of it."""
         check_unicode(text, "the prompt")
-        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids if text else []
+        # encode_batch lets go of the GIL while it runs (encode holds it: a 1 MB prompt stalled every other
+        # thread of a server, its event loop included, for the second it took); one text, the same ids.
+        ids = self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids if text else []
         bos = self.spec.bos_token_id
         if add_special_tokens and bos is not None and ids[:2] == [bos, bos]:
             bos_text = self.tokenizer.id_to_token(bos)

@@ -41,6 +41,9 @@ from .worker import ModelWorker
 
 log = logging.getLogger("specdeploy.serve")
 PROMPT_THREADS = 2  # render chat templates and tokenize prompts, off the event loop and the model's thread
+# Prompts of more characters than this take a thread of their own (tokenizing 1 MB takes about a second), so
+# that a few huge prompts, refused or not, cannot hold every prompt thread while short requests wait.
+LARGE_PROMPT_CHARS = 64 << 10
 
 
 class ClientGone(Exception):
@@ -61,6 +64,7 @@ class Service:
         self.worker = ModelWorker(load, config.max_queue, self.metrics, on_fatal=self.fatal)
         self.token_text = LazyTokenText(lambda: self.worker.generator.codec.tokenizer)  # names logprobs' tokens
         self.prompt_threads = concurrent.futures.ThreadPoolExecutor(PROMPT_THREADS, "specdeploy-prompt")
+        self.large_prompt_threads = concurrent.futures.ThreadPoolExecutor(1, "specdeploy-large-prompt")
         self.draining = False
         self.on_fatal: Callable[[str], None] | None = None  # set by the server: stop serving
 
@@ -93,10 +97,15 @@ class Service:
         if declared.isdigit() and int(declared) > limit:
             raise too_large
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise too_large
+        try:
+            async with asyncio.timeout(self.config.body_timeout_s):  # a body shorter than its Content-Length ends here
+                async for chunk in request.stream():
+                    body += chunk
+                    if len(body) > limit:
+                        raise too_large
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {self.config.body_timeout_s:g} s",
+                           code="request_timeout") from None
         try:
             parsed = json.loads(body)
             # JSON's \uXXXX escapes can write a lone surrogate, which is no text: refused here, before a
@@ -143,6 +152,7 @@ def create_app(config: ServeConfig, load: Callable[[], object] | None = None,
         yield
         await asyncio.to_thread(service.worker.stop)  # answers whatever is left with 503
         service.prompt_threads.shutdown(wait=False, cancel_futures=True)
+        service.large_prompt_threads.shutdown(wait=False, cancel_futures=True)
 
     async def completions(request: Request) -> Response:
         return await _generate(service, request, "completion")
@@ -201,7 +211,8 @@ async def _generate(service: Service, request: Request, kind: str) -> Response:
         return Response(status_code=499)  # nobody reads it; the status shows in the request metrics
     parsed = parse_request(body, kind, service.config.num_draft_tokens, service.max_context)
     loop = asyncio.get_running_loop()
-    prompt_ids, options = await loop.run_in_executor(service.prompt_threads, _prepare, service, parsed)
+    threads = service.large_prompt_threads if _prompt_chars(parsed) > LARGE_PROMPT_CHARS else service.prompt_threads
+    prompt_ids, options = await loop.run_in_executor(threads, _prepare, service, parsed)
     choices = [{**options, "seed": seed} for seed in parsed.seeds]
     tokens = None
     if options.get("logprobs") is not None:  # built once, on a prompt thread: a large tokenizer's JSON
@@ -224,6 +235,15 @@ async def _generate(service: Service, request: Request, kind: str) -> Response:
         return JSONResponse(responder.body(value))
     return StreamingResponse(_events(service, job, responder, (first_kind, value)), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _prompt_chars(parsed: GenerationRequest) -> int:
+    """The characters of text a request's prompt holds (a chat's contents), which its tokenizing costs."""
+    if isinstance(parsed.prompt, str):
+        return len(parsed.prompt)
+    if parsed.chat:
+        return sum(len(str(message.get("content") or "")) for message in parsed.prompt if isinstance(message, dict))
+    return 0
 
 
 def _prepare(service: Service, parsed: GenerationRequest) -> tuple[list[int], dict]:

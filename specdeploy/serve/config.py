@@ -26,4 +26,9 @@ class ServeConfig:
     api_key: str | None = None  # when set, /v1/* requires "Authorization: Bearer <api_key>"
     max_body_bytes: int = defaults.SERVE_MAX_BODY_BYTES  # request bodies over this answer 413
     drain_timeout_s: float = defaults.SERVE_DRAIN_TIMEOUT_S  # on SIGTERM, in-flight requests get this long to finish
+    # Slow clients: a request's headers must arrive whole within header_timeout_s (else the connection
+    # closes), its body within body_timeout_s more (else 408); at most max_connections are open at once.
+    header_timeout_s: float = defaults.SERVE_HEADER_TIMEOUT_S
+    body_timeout_s: float = defaults.SERVE_BODY_TIMEOUT_S
+    max_connections: int = defaults.SERVE_MAX_CONNECTIONS
     model_name: str | None = None  # the id /v1/models lists (default: the bundle folder's name)

@@ -13,6 +13,7 @@ import faulthandler
 import logging
 import signal
 import socket
+import sys
 import threading
 from typing import Callable
 
@@ -45,6 +46,8 @@ def check_config(config: ServeConfig) -> None:
         raise SpecdeployError(exc.message) from None
     if config.max_queue < 0 or config.max_body_bytes < 1 or config.drain_timeout_s < 0:
         raise SpecdeployError("max queue and drain timeout must be >= 0, the body limit >= 1 byte")
+    if not (config.header_timeout_s > 0 and config.body_timeout_s > 0 and config.max_connections >= 1):
+        raise SpecdeployError("the header and body timeouts must be > 0 seconds, max connections >= 1")
     if not 1 <= config.max_batch <= MAX_BATCH:
         raise SpecdeployError(f"max batch must be in 1..{MAX_BATCH} (got {config.max_batch})")
     if config.api_key is not None and not config.api_key.strip():
@@ -72,20 +75,68 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def uvicorn_config(app, config: ServeConfig, port: int) -> uvicorn.Config:
+    """uvicorn's settings for the app: a deadline on each request's headers, a cap on open connections
+    (uvicorn answers 503 past it), and logging left to the program (the CLI's: cli_support)."""
+    return uvicorn.Config(app, host=config.host, port=port, log_level="info", log_config=None,
+                          timeout_graceful_shutdown=config.drain_timeout_s + DRAIN_GRACE_S,
+                          http=header_deadline_protocol(config.header_timeout_s), limit_concurrency=config.max_connections)
+
+
+def header_deadline_protocol(timeout_s: float) -> type:
+    """uvicorn's HTTP protocol (the one it picks, httptools or h11), with a deadline on each request's
+    headers: a client that has not sent them whole within timeout_s of connecting, or of the first
+    byte after its last response, gets 408 and the connection closes. Without it, a client that
+    trickles a header line every few seconds holds its connection, and a task, for good."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class HeaderDeadline(AutoHTTPProtocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._deadline = self.loop.call_later(timeout_s, self._too_slow)
+
+        def data_received(self, data: bytes) -> None:
+            if self._deadline is None and self._between_requests():
+                self._deadline = self.loop.call_later(timeout_s, self._too_slow)
+            super().data_received(data)
+            if self._deadline is not None and not self._between_requests():  # its headers are in
+                self._deadline.cancel()
+                self._deadline = None
+
+        def connection_lost(self, exc) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+            super().connection_lost(exc)
+
+        def _between_requests(self) -> bool:
+            cycle = self.cycle  # uvicorn's request in progress, once its headers are parsed
+            return cycle is None or cycle.response_complete
+
+        def _too_slow(self) -> None:
+            self._deadline = None
+            if self._between_requests() and not self.transport.is_closing():
+                self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+                self.transport.close()
+
+    return HeaderDeadline
+
+
 def serve(config: ServeConfig, load: Callable[[], object] | None = None) -> None:
     """Serve until SIGTERM or Ctrl-C; raises SpecdeployError if the model fails to load.
 
     load: builds the Generator (default: specdeploy.load with the config's device and drafter)."""
     check_config(config)
-    faulthandler.enable()  # a fatal signal (a crash in native code) still writes why, and where, to stderr
+    try:  # a fatal signal (a crash in native code) still writes why, and where, to stderr
+        faulthandler.enable(file=sys.__stderr__)
+    except (AttributeError, OSError, ValueError):  # no stderr with a file descriptor (an embedding host)
+        pass
     providers_for(SessionConfig(device=config.device))  # this machine's onnxruntime runs the device (a replica's may not)
     sock = bind(config.host, config.port)
     port = sock.getsockname()[1]
     app = create_app(config, load)
     service = app.state.service
-    server = DrainingServer(uvicorn.Config(app, host=config.host, port=port, log_level="info",
-                                           timeout_graceful_shutdown=config.drain_timeout_s + DRAIN_GRACE_S,
-                                           log_config=None))  # logging is the program's (the CLI's: cli_support)
+    server = DrainingServer(uvicorn_config(app, config, port))
     server.on_drain = lambda: _drain(service, config.drain_timeout_s)
     service.on_fatal = lambda message: setattr(server, "should_exit", True)
     log.info("serving %s as '%s' on http://%s:%d (model loading; /health answers 200 once ready)",
