@@ -17,9 +17,9 @@ def _fp32_target():
 @pytest.mark.parametrize("bad_rows", ["one_logit", "every_logit"])
 def test_fp32_parity_fails_when_the_verify_pass_gives_nan(bad_rows):
     """A graph whose k + 1-token pass on a past returns NaN logits must fail the fp32 check, as a NaN
-    prefill does (the figure is kept as NaN by _Agreement; the verdict must not drop it)."""
+    prefill does (the figure is kept as NaN by Agreement; the verdict must not drop it)."""
     reference = np.random.default_rng(0).standard_normal((5, 40)).astype(np.float32)
-    prefill, verify = parity._Agreement(), parity._Agreement()
+    prefill, verify = parity.Agreement(), parity.Agreement()
     prefill.add(reference + 1e-5, reference)  # a prefill within tolerance
     broken = reference.copy()
     if bad_rows == "one_logit":
@@ -28,7 +28,7 @@ def test_fp32_parity_fails_when_the_verify_pass_gives_nan(bad_rows):
         broken[:] = np.nan
     verify.add(broken, reference)
     assert np.isnan(verify.max_abs_diff)
-    report = parity._report(_fp32_target(), prefill, verify, prefill_tokens=5, verify_tokens=5)
+    report = parity.verdict(_fp32_target(), prefill, verify, prefill_tokens=5, verify_tokens=5)
     assert report.check == "max_abs_diff"
     assert not report.passed
 
@@ -36,12 +36,12 @@ def test_fp32_parity_fails_when_the_verify_pass_gives_nan(bad_rows):
 def test_fp32_parity_fails_when_the_prefill_gives_nan():
     """The same NaN in the prefill fails the check (the other order of the two figures)."""
     reference = np.random.default_rng(1).standard_normal((5, 40)).astype(np.float32)
-    prefill, verify = parity._Agreement(), parity._Agreement()
+    prefill, verify = parity.Agreement(), parity.Agreement()
     broken = reference.copy()
     broken[0, 0] = np.nan
     prefill.add(broken, reference)
     verify.add(reference, reference)
-    assert not parity._report(_fp32_target(), prefill, verify, prefill_tokens=5, verify_tokens=5).passed
+    assert not parity.verdict(_fp32_target(), prefill, verify, prefill_tokens=5, verify_tokens=5).passed
 
 
 def test_int8_gpt2_export_quantizes_every_matrix(checkpoints, tmp_path):
@@ -74,15 +74,15 @@ def test_fp32_parity_fails_on_a_finite_logit_difference_past_the_tolerance(pass_
     argmax unchanged) must fail it, in either pass, and the figure must be that difference; a graph
     within rounding must pass."""
     reference = np.random.default_rng(0).standard_normal((5, 40)).astype(np.float32)
-    prefill, verify = parity._Agreement(), parity._Agreement()
+    prefill, verify = parity.Agreement(), parity.Agreement()
     off = {"prefill": prefill, "verify": verify}[pass_name]
     close = verify if off is prefill else prefill
     off.add(reference + np.float32(0.01), reference)
     close.add(reference + np.float32(1e-6), reference)
     assert off.max_abs_diff == pytest.approx(0.01, rel=1e-3)
     assert off.greedy_agreement == 1.0  # only the logit figure can tell
-    report = parity._report(_fp32_target(), prefill, verify, prefill_tokens=5, verify_tokens=5)
+    report = parity.verdict(_fp32_target(), prefill, verify, prefill_tokens=5, verify_tokens=5)
     assert report.check == "max_abs_diff" and not report.passed
-    within = parity._Agreement()
+    within = parity.Agreement()
     within.add(reference + np.float32(1e-5), reference)
-    assert parity._report(_fp32_target(), within, within, prefill_tokens=5, verify_tokens=5).passed
+    assert parity.verdict(_fp32_target(), within, within, prefill_tokens=5, verify_tokens=5).passed

@@ -509,6 +509,7 @@ def test_full_queue_answers_429_and_health_answers_meanwhile(gated_server):
         full = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
         assert full.status_code == 429 and int(full.headers["Retry-After"]) >= 1
         assert full.json()["error"]["code"] == "rate_limit_exceeded"
+        assert "1 waiting for a slot" in full.json()["error"]["message"]  # the queued one, not the running one
         assert not queued  # still waiting behind the stream
     wait_for(lambda: cancelled(gated_server), "the server to see the disconnect")
     model.open()  # the stream's next piece finds it cancelled; the queued request runs

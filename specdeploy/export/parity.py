@@ -115,10 +115,10 @@ def check_parity(
     # an eagle head's n positions read n + 1 tokens: the target's feature at i and the token at i + 1
     ids = parity_tokens(tokenizer_json, spec.vocab_size, prefill_tokens + verify_tokens + (eagle_head is not None))
     width = spec.vocab_subset or spec.vocab_size
-    prefill, verify = _Agreement(), _Agreement()
+    prefill, verify = Agreement(), Agreement()
     if eagle_head is not None:
         _eagle_agreement(load_model, eagle_head, onnx_path, spec, ids, prefill_tokens, columns, prefill, verify)
-        return _report(spec, prefill, verify, prefill_tokens, verify_tokens)
+        return verdict(spec, prefill, verify, prefill_tokens, verify_tokens)
     with tempfile.TemporaryFile(dir=onnx_path.parent, prefix="parity-logits-") as onnx_rows:
         passes = _onnx_logits(onnx_path, spec, ids, prefill_tokens, onnx_rows)
         release_freed_memory()
@@ -130,11 +130,11 @@ def check_parity(
             theirs = reference(start, stop)
             (verify if start == prefill_tokens else prefill).add(ours, theirs if columns is None else theirs[:, columns])
         del reference, torch_model
-    return _report(spec, prefill, verify, prefill_tokens, verify_tokens)
+    return verdict(spec, prefill, verify, prefill_tokens, verify_tokens)
 
 
 def _eagle_agreement(load_target: Callable, eagle_head: Callable, onnx_path: Path, spec: ModelSpec, ids: np.ndarray,
-                     prefill_tokens: int, columns: np.ndarray | None, prefill: "_Agreement", verify: "_Agreement") -> None:
+                     prefill_tokens: int, columns: np.ndarray | None, prefill: "Agreement", verify: "Agreement") -> None:
     """An eagle draft's parity over ids (n + 1 tokens): its n positions read (feature_i, ids[i + 1])."""
     from .eagle import EagleReference
 
@@ -158,8 +158,10 @@ def worst_abs_diff(*figures: float) -> float:
     return float(np.max(np.asarray(figures, dtype=np.float64)))
 
 
-def _report(spec: ModelSpec, prefill: "_Agreement", verify: "_Agreement", prefill_tokens: int,
+def verdict(spec: ModelSpec, prefill: "Agreement", verify: "Agreement", prefill_tokens: int,
             verify_tokens: int) -> ParityReport:
+    """The parity report from the prefill's and the verify pass's agreement, judged by the tolerance of the
+    model's precision (tolerance_for)."""
     check, tolerance = tolerance_for(spec.dtype, spec.quantize, spec.role)
     if check == "max_abs_diff":
         passed = worst_abs_diff(prefill.max_abs_diff, verify.max_abs_diff) <= tolerance
@@ -206,7 +208,7 @@ def _onnx_logits(onnx_path: Path, spec: ModelSpec, ids: np.ndarray,  # ids: [pre
     return passes
 
 
-class _Agreement:
+class Agreement:
     """The largest absolute logit difference and the greedy agreement, gathered chunk by chunk."""
 
     def __init__(self):

@@ -80,7 +80,8 @@ class ModelWorker:
             if self._queued(job) > self.max_queue:
                 waiting = self._waiting_jobs()
                 retry_after = max(1, math.ceil(self._mean_latency_s * (waiting + 1) / capacity))
-                raise ApiError(429, f"the server is busy: {waiting} requests are waiting; retry later",
+                raise ApiError(429, f"the server is busy: {waiting} waiting for a slot (--max-queue {self.max_queue}); "
+                                    "retry later",
                                kind="requests", code="rate_limit_exceeded", headers={"Retry-After": str(retry_after)})
             self._waiting.append(job)
             self.metrics.waiting.set(self._waiting_jobs())
