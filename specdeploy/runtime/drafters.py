@@ -115,7 +115,8 @@ class ModelDrafter:
 
     def step(self, token: int) -> np.ndarray:
         """The logits [vocab] after one more drafted token (a buffer the next pass may overwrite)."""
-        return self.widen(self.engine.run([token], self.cache)[0])
+        logits = self.engine.run([token], self.cache)[0]
+        return logits if self._wide is None else self.widen(logits)  # (the draft's inner loop: no call to spare)
 
     def first_step(self, context: list[int]) -> tuple[np.ndarray | None, int | None]:
         """The start of a proposal: (the first draft position's logits [vocab], None) after a catch-up of

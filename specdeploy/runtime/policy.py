@@ -85,18 +85,20 @@ class SpeculationPolicy:
         greedy rows; a sampled row's random numbers depend on its draft lengths, so alone or on an exact
         target it keeps its request's k and a seed gives one sample; in a batch on a target that is not
         exact the policy limits sampled rows too. ("never" still means never.)"""
-        wanted, limited = [], []
+        wanted, limited, greedy = [], [], []
         for row in rows:
             k = row.num_draft_tokens()
             wanted.append(k)
             if k > 0:
                 limited.append(row)
+                if row.sampler.greedy:
+                    greedy.append(row)
         speculative = len(limited)
         if self.mode == "never":
             return [0] * len(rows), speculative
         batch = speculative > 1 and not self.exact
         if not batch:
-            limited = [row for row in limited if row.sampler.greedy]
+            limited = greedy
         if not limited:
             return wanted, speculative
         limit = self.draft_limit(limited, max(wanted))

@@ -164,7 +164,9 @@ class Runner:
                        result: StepResult) -> None:
         """The cheapest passes for the round (see the module docstring); riders join the rows pass of every
         row, or of the verify rows, or else run in one of their own."""
-        tokens = max([len(row.drafts) + 1 for row in verifying] + [1])
+        tokens = 1  # the longest row's
+        for row in verifying:
+            tokens = max(tokens, len(row.drafts) + 1)
         choice = self.policy.choose_passes(len(verifying), len(plain), tokens)
         together, verify_shared, plain_shared = choice.together, choice.verify_shared, choice.plain_shared
         if riders:  # a target whose single tokens join rows passes takes every row; else the verify rows

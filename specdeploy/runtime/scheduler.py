@@ -165,9 +165,12 @@ class Scheduler:
 
     def _drop_cancelled(self) -> None:
         """End the sequences whose `cancelled()` turned true (asked once a step), waiting or running."""
-        gone = [s for s in (*self.waiting, *self.running) if s.cancelled is not None and not s.finished and s.cancelled()]
-        for sequence in gone:
-            sequence.finish("cancelled")
+        gone = False
+        for queue in (self.waiting, self.running):
+            for sequence in queue:
+                if sequence.cancelled is not None and not sequence.finished and sequence.cancelled():
+                    sequence.finish("cancelled")
+                    gone = True
         if gone:
             self._cancelled += [s for s in self.waiting if s.finished]
             self.waiting = deque(s for s in self.waiting if not s.finished)
@@ -184,7 +187,10 @@ class Scheduler:
             self.running.append(sequence)
 
     def _retire(self) -> list[Sequence]:
-        done = [s for s in self.running if s.finished]
+        done = []
+        for sequence in self.running:
+            if sequence.finished:
+                done.append(sequence)
         if done:
             self.running = [s for s in self.running if not s.finished]
             self.free.extend(s.slot for s in done)
