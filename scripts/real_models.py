@@ -382,37 +382,40 @@ def exact(args) -> None:
 
 
 def step_times(args) -> None:
-    """Each gguf bundle's target graph alone (a plain InferenceSession, 2 threads, a 64-position past): the median
-    time of a 1-token and of a 2-token pass, the second the shape an exact target's target-only steps take
-    (load(exact=True))."""
-    import numpy as np
-    import onnxruntime as ort
-
+    """Each gguf bundle's graphs alone (a plain InferenceSession, 2 threads, a 128-position past): the median
+    time of a target pass of 1, 2, 3, 5 and 8 tokens (a target-only step; an exact target's step; verify
+    passes of k = 2, 4, 7) and of the draft's one-token step: the costs that bound speculation."""
     from specdeploy.bundle import load_manifest
 
     for model in args.model:
         bundle = bundle_dir(args.work, model, "gguf")
         if not (bundle / "specdeploy.json").exists():
             continue
-        spec = load_manifest(bundle).target
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = 2
-        session = ort.InferenceSession(str(bundle / spec.onnx_path), options, providers=["CPUExecutionProvider"])
-        row = {}
-        for tokens in (1, 2):
-            feeds = {"input_ids": np.full((1, tokens), 7, dtype=np.int64),
-                     "attention_mask": np.ones((1, 64 + tokens), dtype=np.int64)}
-            for layer in range(spec.num_layers):
-                for kind in ("key", "value"):
-                    feeds[f"past_key_values.{layer}.{kind}"] = np.zeros((1, spec.num_kv_heads, 128, spec.head_dim),
-                                                                        dtype=np.float32)
-            times = []
-            for _ in range(3 + args.tokens // 8):
-                start = time.perf_counter()
-                session.run(["logits"], feeds)
-                times.append(time.perf_counter() - start)
-            row[f"{tokens}_token_ms"] = round(1000 * statistics.median(times[3:]), 1)
+        manifest = load_manifest(bundle)
+        row = {f"target_{tokens}_token_ms": _pass_ms(bundle, manifest.target, tokens, args.tokens) for tokens in (1, 2, 3, 5, 8)}
+        if manifest.draft is not None:
+            row["draft_1_token_ms"] = _pass_ms(bundle, manifest.draft, 1, args.tokens)
         print(json.dumps({model: row}), flush=True)
+
+
+def _pass_ms(bundle: Path, spec, tokens: int, repeats: int) -> float:
+    import numpy as np
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    session = ort.InferenceSession(str(bundle / spec.onnx_path), options, providers=["CPUExecutionProvider"])
+    past = 128
+    feeds = {"input_ids": np.full((1, tokens), 7, dtype=np.int64), "attention_mask": np.ones((1, past + tokens), dtype=np.int64)}
+    for layer in range(spec.num_layers):
+        for kind in ("key", "value"):
+            feeds[f"past_key_values.{layer}.{kind}"] = np.zeros((1, spec.num_kv_heads, 4 * past, spec.head_dim), dtype=np.float32)
+    times = []
+    for _ in range(3 + repeats // 8):
+        start = time.perf_counter()
+        session.run(["logits"], feeds)
+        times.append(time.perf_counter() - start)
+    return round(1000 * statistics.median(times[3:]), 1)
 
 
 def time_ours(bundle: Path, ids: list[int], tokens: int, drafter: str | None = None, exact: bool = False) -> float:
