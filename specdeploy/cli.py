@@ -15,6 +15,7 @@ from .cli_support import (DEBUG_HELP, EXIT_INTERRUPTED, ErrorMappingGroup, check
                           note_debug, parse_draft_tokens, parse_prompt_tokens, require_chat_template, require_export_extra,
                           return_freed_memory, stream_text, export_with_progress as _export)
 from .errors import SpecdeployError
+from .export.config import DTYPES, GRAPHS, QUANTIZE
 
 _return_freed_memory = return_freed_memory  # scripts/first_request.py sets the allocator up as `run` does
 
@@ -40,14 +41,15 @@ def main() -> None:
               help="Draft: a Hugging Face folder or a .gguf file (same tokenizer as the target), or a folder "
                    "`specdeploy distill` wrote (either kind). Without it the bundle holds the target alone, drafted "
                    "by prompt lookup.")
-@click.option("--out", default=None, type=click.Path(), help="Bundle folder to create. Default: the default bundle.")
-@click.option("--dtype", default="fp32", show_default=True, help="fp32 | fp16")
-@click.option("--quantize", default="auto", show_default=True,
-              help="auto | gguf | none | int8 | int4, both models. gguf: a .gguf file's own quantized blocks, llama.cpp's "
+@click.option("--out", default=None, type=click.Path(),
+              help="Bundle folder to create. Default: the default bundle, which commands without a BUNDLE run.")
+@click.option("--dtype", type=click.Choice(DTYPES), default="fp32", show_default=True, help="The activations' precision.")
+@click.option("--quantize", type=click.Choice(("auto", *QUANTIZE)), default="auto", show_default=True,
+              help="Both models' weights. gguf: a .gguf file's own quantized blocks, llama.cpp's "
                    "weights exactly (Llama, Qwen2, Gemma 3); int8 | int4: weight-only MatMulNBits rounded from fp32; "
                    "auto: gguf for a .gguf checkpoint that allows it, else none.")
-@click.option("--draft-quantize", default="auto", show_default=True,
-              help="auto | gguf | none | int8 | int4 for the draft alone; auto: gguf for a .gguf draft, else int8 for an "
+@click.option("--draft-quantize", type=click.Choice(("auto", *QUANTIZE)), default="auto", show_default=True,
+              help="The draft's weights alone; auto: gguf for a .gguf draft, else int8 for an "
                    "fp32 draft (kept fp32 if that fails parity), else as --quantize. Output is unchanged either way: the "
                    "target checks every token.")
 @click.option("--max-context", type=int, default=None, help="Max tokens of context (default: the models' limit).")
@@ -57,8 +59,8 @@ def main() -> None:
 @click.option("--draft-vocab", type=int, default=None,
               help="The draft proposes from the N most frequent tokens of its distillation data (default: the "
                    "distilled folder's own subset, if any; 0: the whole vocabulary). Output is unchanged.")
-@click.option("--graph", default="auto", show_default=True,
-              help="auto | fused | optimum. fused: GroupQueryAttention with an in-place KV cache (Llama, Mistral, "
+@click.option("--graph", type=click.Choice(GRAPHS), default="auto", show_default=True,
+              help="fused: GroupQueryAttention with an in-place KV cache (Llama, Mistral, "
                    "Qwen2, Phi-3, Gemma 3); optimum: optimum's export (every architecture); auto: fused where it applies.")
 @click.option("--force", is_flag=True,
               help="Replace --out if it holds a specdeploy bundle, or fill it if it is an empty folder (nothing else "
@@ -77,12 +79,16 @@ def export(target, draft, out, dtype, quantize, draft_quantize, max_context, dra
     require_export_extra("exporting")
     if target is None:
         target, draft = defaults.demo_checkpoints()
+    replaced = None
     if out is None:
         out = str(defaults.default_bundle())
         defaults.default_bundle().parent.mkdir(parents=True, exist_ok=True)
+        replaced = (Path(out) / "specdeploy.json").is_file()
     _export(target, draft, out, dtype=dtype, quantize=quantize, draft_quantize=draft_quantize, max_context=max_context,
             draft_window=draft_window, draft_vocab=draft_vocab, graph=graph, force=force,
             trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, allow_lossy=allow_lossy)
+    if replaced is not None:  # no --out: say what every command without a BUNDLE now runs
+        click.echo(f"{'replaced' if replaced else 'wrote'} the default bundle, which commands without a BUNDLE run", err=True)
     click.echo(str(Path(out).expanduser().resolve()))
 
 
@@ -138,10 +144,11 @@ def verify(bundle) -> None:
 @click.option("--messages", "messages_file", type=click.Path(), default=None,
               help='A JSON file: a list of {"role", "content"} messages for the chat template (roles: system, '
                    'user, assistant, tool).')
-@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--max-new-tokens", type=int, default=128, show_default=True, help="Tokens to generate at most.")
 @SAMPLING_OPTIONS
 @PENALTY_OPTIONS
-@click.option("--num-draft-tokens", "-k", type=int, default=DEFAULTS.num_draft_tokens, show_default=True)
+@click.option("--num-draft-tokens", "-k", type=int, default=DEFAULTS.num_draft_tokens, show_default=True,
+              help="Draft tokens per round at most (the policy may draft fewer where that is faster).")
 @click.option("--no-speculative", is_flag=True, help="Target-only decoding (the baseline).")
 @click.option("--stop", multiple=True, type=TEXT, help="Stop before this string (repeatable).")
 @LOAD_OPTIONS
@@ -187,8 +194,14 @@ def run(bundle, prompt, prompt_file, chat, system, messages_file, max_new_tokens
     if as_json:
         record = {"text": output.text, "token_ids": output.token_ids, "stats": output.stats.to_dict()}
         if output.logprobs is not None:
-            record["logprobs"] = [{"token_id": e.token_id, "logprob": e.logprob,
-                                   "top_logprobs": [{"token_id": t, "logprob": lp} for t, lp in e.top]}
+            from .runtime.token_text import TokenText
+
+            names = TokenText(generator.codec.tokenizer)
+
+            def named(token_id: int, logprob: float) -> dict:  # as OpenAI's chat logprobs name a token, and its id
+                return {"token": names.text(token_id), "token_id": token_id, "logprob": logprob,
+                        "bytes": list(names.bytes(token_id))}
+            record["logprobs"] = [{**named(e.token_id, e.logprob), "top_logprobs": [named(t, lp) for t, lp in e.top]}
                                   for e in output.logprobs]
         click.echo(json.dumps(record))
     else:
@@ -208,7 +221,8 @@ def run(bundle, prompt, prompt_file, chat, system, messages_file, max_new_tokens
 @click.option("--max-new-tokens", type=int, default=256, show_default=True, help="Tokens per reply at most.")
 @SAMPLING_OPTIONS
 @PENALTY_OPTIONS
-@click.option("--num-draft-tokens", "-k", type=int, default=DEFAULTS.num_draft_tokens, show_default=True)
+@click.option("--num-draft-tokens", "-k", type=int, default=DEFAULTS.num_draft_tokens, show_default=True,
+              help="Draft tokens per round at most (the policy may draft fewer where that is faster).")
 @click.option("--no-speculative", is_flag=True, help="Target-only decoding (the baseline).")
 @click.option("--stop", multiple=True, type=TEXT, help="End a reply before this string (repeatable).")
 @LOAD_OPTIONS
@@ -249,13 +263,14 @@ def chat(bundle, system, max_new_tokens, temperature, top_k, top_p, min_p, repet
               help="JSON list of prompts, or JSONL with a 'prompt' field (default: 10 built-in code prompts).")
 @click.option("--prompt-file", default=None, type=click.Path(),
               help="One prompt: this UTF-8 file's text, byte for byte (instead of --prompts).")
-@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--max-new-tokens", type=int, default=128, show_default=True, help="Tokens per prompt.")
 @click.option("--prompt-tokens", default=None,
               help="Lengthen every prompt to this many tokens (decode speed at a long context); a list like "
                    "128,1920 benches each length in one run and compares them.")
 @click.option("--num-draft-tokens", "-k", default="4", show_default=True, help="K, a list (2,4,8) or auto.")
 @SAMPLING_OPTIONS
-@click.option("--repeat", type=int, default=1, show_default=True)
+@click.option("--repeat", type=int, default=1, show_default=True,
+              help="Passes over the prompts (each with new seeds); the figures total their tokens and times.")
 @click.option("--chat", is_flag=True,
               help="Send each prompt as a user message through the bundle's chat template (replies end at its end of turn).")
 @LOAD_OPTIONS

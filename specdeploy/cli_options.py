@@ -9,6 +9,8 @@ from . import defaults
 from .cli_input import Utf8Text
 from .cli_support import EXACT_HELP, combine_options
 from .runtime.config import SEED_LIMIT, GenerationConfig
+from .runtime.loader import DRAFTERS
+from .runtime.session import DEVICES
 
 SEED = click.IntRange(0, SEED_LIMIT - 1)
 TEXT = Utf8Text()
@@ -37,9 +39,11 @@ PENALTY_OPTIONS = combine_options(
                  help="Subtracted per occurrence among the tokens generated so far (OpenAI's); -2..2, 0 is off."),
 )
 # How `run`, `bench` and `serve` load a bundle.
-DEVICE_OPTION = click.option("--device", default="cpu", show_default=True, help="cpu | cuda | tensorrt")
-DRAFTER_OPTION = click.option("--drafter", default=defaults.DRAFTER, show_default=True,
-                              help="hybrid (prompt lookup when the text repeats, else the draft model, if any) | model | prompt-lookup")
+DEVICE_OPTION = click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True,
+                             help="Where the models run (cuda and tensorrt need onnxruntime-gpu).")
+DRAFTER_OPTION = click.option("--drafter", type=click.Choice(DRAFTERS), default=defaults.DRAFTER, show_default=True,
+                              help="hybrid: prompt lookup when the text repeats, else the draft model (if any); model: the "
+                                   "draft model every round; prompt-lookup: no model. None changes the output.")
 VERIFY_OPTION = click.option("--verify", is_flag=True, help="Re-hash every bundle file before loading (sizes are always checked).")
 EXACT_OPTION = click.option("--exact", is_flag=True, default=False, help=EXACT_HELP)
 LOAD_OPTIONS = combine_options(DEVICE_OPTION, DRAFTER_OPTION, VERIFY_OPTION, EXACT_OPTION)  # run, chat, bench

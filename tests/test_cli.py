@@ -89,9 +89,9 @@ def test_run_reads_stdin_and_baseline_flag(agreeing_bundle):
         (["--repetition-penalty", "0"], "--repetition-penalty must be"),
         (["--max-new-tokens", "-5"], "--max-new-tokens must be"),
         (["--num-draft-tokens", "40"], "--num-draft-tokens must be"),
-        (["--device", "tpu"], "unknown device"),
+        (["--device", "tpu"], "'tpu' is not one of 'cpu', 'cuda', 'tensorrt'"),
         (["--device", "cuda"], "onnxruntime-gpu"),
-        (["--drafter", "oracle"], "unknown drafter"),
+        (["--drafter", "oracle"], "'oracle' is not one of"),
     ],
 )
 def test_run_bad_options(agreeing_bundle, args, message):
@@ -274,7 +274,8 @@ def test_the_console_entry_sets_up_its_process_and_gives_it_back(monkeypatch, tm
 
 def test_run_takes_the_openai_penalties_and_logprobs(agreeing_bundle):
     """--presence-penalty/--frequency-penalty reach the generation (as Python's generate gives it), and
-    --logprobs N puts each token's log-probability and N alternatives into --json's object."""
+    --logprobs N puts each token's log-probability and N alternatives, each with its text and bytes, into --json's
+    object."""
     from click.testing import CliRunner
 
     import specdeploy
@@ -290,6 +291,16 @@ def test_run_takes_the_openai_penalties_and_logprobs(agreeing_bundle):
     assert record["token_ids"] == expected.token_ids
     assert [entry["token_id"] for entry in record["logprobs"]] == expected.token_ids
     assert all(len(entry["top_logprobs"]) == 2 for entry in record["logprobs"])
+    # each token named as the server names it: its bytes, and their text (OpenAI's "bytes:\\x.." where they
+    # are not whole characters); together the bytes spell the output
+    assert b"".join(bytes(entry["bytes"]) for entry in record["logprobs"]).decode(errors="replace") == record["text"]
+    for entry in record["logprobs"]:
+        data = bytes(entry["bytes"])
+        try:
+            assert entry["token"] == data.decode()
+        except UnicodeDecodeError:
+            assert entry["token"] == "bytes:" + "".join(f"\\x{byte:02x}" for byte in data)
+    assert all({"token", "token_id", "logprob", "bytes"} <= set(top) for e in record["logprobs"] for top in e["top_logprobs"])
     refused = CliRunner().invoke(main, args[:-3] + ["--logprobs", "2"])  # without --json
     assert refused.exit_code == 2 and "--logprobs needs --json" in refused.stderr and refused.stdout == ""
 

@@ -66,8 +66,8 @@ RUN_CASES = [
     (["--json", "--logprobs", "21"], "error: --logprobs must be an integer in 0..20 (got 21)"),
     (["--device", "cuda"], "needs onnxruntime-gpu"),
     (["--device", "tensorrt"], "needs onnxruntime-gpu"),
-    (["--device", "tpu"], "unknown device 'tpu'"),
-    (["--drafter", "oracle"], "unknown drafter 'oracle'"),
+    (["--device", "tpu"], "'tpu' is not one of 'cpu', 'cuda', 'tensorrt'"),
+    (["--drafter", "oracle"], "'oracle' is not one of 'model', 'prompt-lookup', 'hybrid'"),
     (["--frobnicate"], "No such option '--frobnicate'"),
     (["--prompt", "\udcff\udcfe"], "not valid UTF-8: byte 0xff at offset 0"),
     (["--stop", "ok", "--stop", ""], "error: --stop strings must not be empty"),
@@ -304,7 +304,7 @@ def _cuda_provider_available() -> bool:
 
 
 @pytest.mark.parametrize("device, message", [
-    ("gpu", "unknown device 'gpu'"),
+    ("gpu", "'gpu' is not one of 'cpu', 'cuda', 'tensorrt'"),
     pytest.param("cuda", "needs onnxruntime-gpu",
                  marks=pytest.mark.skipif(_cuda_provider_available(), reason="this onnxruntime has CUDA")),
 ])

@@ -105,3 +105,39 @@ def test_every_option_of_the_command_is_documented(command):
                if option.startswith("--") and option not in ("--help", "--debug")
                and not re.search(re.escape(option) + r"(?![\w-])", docs)]
     assert not missing, f"{command}: {missing} appear in no README.md or docs/*.md"
+
+
+def test_every_option_has_a_description_and_fixed_choices_are_typed():
+    """--help describes every option; an option with a fixed set of values lists them ([a|b|c]) and click
+    refuses any other in one line."""
+    import click
+
+    from specdeploy.cli import main
+
+    typed = {"--device", "--drafter", "--dtype", "--quantize", "--draft-quantize", "--graph", "--kind"}
+    for name, command in main.commands.items():
+        for param in command.params:
+            if not isinstance(param, click.Option) or param.hidden:
+                continue
+            assert param.help, f"{name} {param.opts[0]} has no description"
+            if param.opts[0] in typed:
+                assert isinstance(param.type, click.Choice), f"{name} {param.opts[0]} lists its choices in prose"
+
+
+def test_an_export_without_out_says_it_wrote_or_replaced_the_default_bundle(tmp_path, monkeypatch, agreeing_bundle):
+    """Every command without a BUNDLE runs the default bundle: an export that writes it says so, and says when
+    it replaced one."""
+    import shutil
+
+    from click.testing import CliRunner
+
+    import specdeploy.cli
+    from specdeploy.cli import main
+
+    monkeypatch.setenv("SPECDEPLOY_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(specdeploy.cli, "_export", lambda target, draft, out, **options: shutil.copytree(
+        agreeing_bundle, out, dirs_exist_ok=True))
+    first = CliRunner().invoke(main, ["export"])
+    again = CliRunner().invoke(main, ["export", "--force"])
+    assert first.exit_code == again.exit_code == 0, first.output + again.output
+    assert "wrote the default bundle" in first.stderr and "replaced the default bundle" in again.stderr

@@ -663,7 +663,7 @@ def test_the_serve_command_refuses_bad_input_in_one_line(tmp_path, agreeing_bund
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     cases = [(["serve", str(tmp_path / "missing")], "bundle not found"),
-             (["serve", str(agreeing_bundle), "--drafter", "magic"], "unknown drafter"),
+             (["serve", str(agreeing_bundle), "--drafter", "magic"], "'magic' is not one of"),
              (["serve", str(agreeing_bundle), "-k", "0"], "num_draft_tokens"),
              (["serve", str(agreeing_bundle), "--max-queue", "-1"], "max queue"),
              (["serve", str(agreeing_bundle), "--port", str(taken.getsockname()[1])], "cannot listen")]

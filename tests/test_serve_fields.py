@@ -20,7 +20,8 @@ from test_serve import (MESSAGES, PROMPT, GatedModel, LiveServer, cancelled, cha
                         sse_chunks, wait_for)
 
 from specdeploy.runtime.config import TokenLogprob
-from specdeploy.serve.logprobs import ChoiceLogprobs, TokenText
+from specdeploy.runtime.token_text import TokenText
+from specdeploy.serve.logprobs import ChoiceLogprobs
 
 ABORTED = 'specdeploy:request_finished_total{finished_reason="abort"}'
 SAMPLED = {"temperature": 1.0, "top_p": 0.9, "seed": 11}

@@ -9,7 +9,7 @@ import click
 
 from ..cli_support import EXIT_INTERRUPTED, fail
 from ..errors import SpecdeployError, install_hint
-from .config import DistillConfig
+from .config import DEVICES, DistillConfig
 
 
 def format_event(event) -> str | None:
@@ -49,13 +49,14 @@ def format_event(event) -> str | None:
 @click.option("--hidden-size", type=int, default=None, help="Model kind: the draft's width (default: the target's).")
 @click.option("--draft-vocab", type=int, default=None,
               help="The draft's head covers the N most frequent tokens of the data (default: all).")
-@click.option("--device", default="cpu", show_default=True, help="cpu | cuda")
+@click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True, help="Where PyTorch trains.")
 @click.option("--threads", type=int, default=None,
               help="PyTorch's CPU threads (default: its own); 1 runs faster on a CPU shared with other work.")
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its checkpoint (same options).")
-@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True)
-@click.option("--seq-len", type=int, default=DistillConfig.seq_len, show_default=True)
-@click.option("--batch-size", type=int, default=DistillConfig.batch_size, show_default=True)
+@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True,
+              help="Seeds the data's order, the draft's initial weights and the generated text.")
+@click.option("--seq-len", type=int, default=DistillConfig.seq_len, show_default=True, help="Tokens per training window.")
+@click.option("--batch-size", type=int, default=DistillConfig.batch_size, show_default=True, help="Windows per optimizer step.")
 @click.option("--lr", type=float, default=None, help="Peak learning rate (default: 3e-4 model, 1e-3 eagle).")
 @click.option("--top-k", type=int, default=DistillConfig.top_k, show_default=True,
               help="The divergence is taken over the target's top-k tokens.")
@@ -65,7 +66,8 @@ def format_event(event) -> str | None:
               help="Held-out tokens per kind of text (chat, code, text) for the acceptance estimate.")
 @click.option("--eval-every", type=int, default=DistillConfig.eval_every, show_default=True,
               help="Steps between progress lines.")
-@click.option("--checkpoint-minutes", type=float, default=DistillConfig.checkpoint_minutes, show_default=True)
+@click.option("--checkpoint-minutes", type=float, default=DistillConfig.checkpoint_minutes, show_default=True,
+              help="Wall-clock minutes between checkpoints (--resume continues from the last).")
 @click.option("--checkpoint-steps", type=int, default=None, help="Also checkpoint every N steps.")
 def distill(target, out, kind, data, generate_tokens, max_text_tokens, minutes, steps, layers, hidden_size, draft_vocab,
             device, threads, resume, seed, seq_len, batch_size, lr, top_k, unroll, heldout_tokens, eval_every, checkpoint_minutes,

@@ -16,7 +16,8 @@ import json
 import time
 import uuid
 
-from .logprobs import ChoiceLogprobs, TokenText, chat_layout, completion_layout
+from ..runtime.token_text import TokenText
+from .logprobs import ChoiceLogprobs, chat_layout, completion_layout
 from .job import Finished, Piece, finish_reason
 
 DONE = "data: [DONE]\n\n"
