@@ -82,7 +82,8 @@ def read_lines(stream=None, interactive: bool = False) -> Callable[[], str | Non
                 sys.stderr.write(prompt)  # input() would write it into the redirected replies
                 sys.stderr.flush()
                 return input()
-            except EOFError:
+            except EOFError:  # Ctrl-D: the shell's prompt goes on a line of its own, not after "> "
+                (sys.stdout if sys.stdout.isatty() else sys.stderr).write("\n")
                 return None
             except UnicodeDecodeError as exc:  # the terminal's strict encoding: that message fails, not the session
                 raise SpecdeployError(f"this message is not valid {exc.encoding} (the terminal's encoding): byte "
@@ -120,7 +121,8 @@ def run_chat(generator, config: ChatConfig, read: Callable[[], str | None]) -> N
         try:
             line = read()
         except KeyboardInterrupt:  # at the prompt: a fresh prompt, as Python's REPL does
-            click.echo(f"\n(Ctrl-D or /exit quits; {COMMANDS})", err=True)
+            click.echo("\n(Ctrl-D or /exit quits; /reset starts the conversation over; /system TEXT sets its system message)",
+                       err=True)
             continue
         except SpecdeployError as exc:  # a message that is not UTF-8: the session goes on
             click.echo(f"error: {exc}", err=True)

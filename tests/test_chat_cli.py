@@ -174,6 +174,7 @@ def test_ctrl_c_stops_the_answer_not_the_session(capsys):
     out = capsys.readouterr()
     assert out.out == "partial\npartial\n"
     assert "(interrupted)" in out.err and "Ctrl-D or /exit quits" in out.err
+    assert out.err.count("/exit") == 1  # the way out named once
     assert generator.calls[1][:2] == [{"role": "user", "content": "first"}, {"role": "assistant", "content": "partial"}]
     assert "[interrupted]" in out.err and "[eos]" in out.err
 
@@ -289,6 +290,7 @@ def test_a_message_a_strict_terminal_cannot_decode_fails_alone(monkeypatch, caps
     out = capsys.readouterr()
     assert "error: this message is not valid utf-8 (the terminal's encoding): byte 0xe9 at offset 3" in out.err
     assert generator.calls[1] == [{"role": "user", "content": "hello"}] and out.out == "partial\n"
+    assert out.err.endswith("> \n")  # Ctrl-D at the prompt: the shell's prompt comes back on a line of its own
 
 
 class SeedRecorder(ScriptedGenerator):
