@@ -83,33 +83,37 @@ def huge_prompts(url: str, stop: threading.Event) -> list[threading.Thread]:
     return [threading.Thread(target=client, daemon=True) for _ in range(8)]
 
 
-def trickle(url: str, stop: threading.Event) -> list[threading.Thread]:
-    def client() -> None:
-        while not stop.is_set():
-            try:
-                with socket.create_connection(address(url), timeout=30) as connection:
-                    connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
-                    while not stop.is_set():
-                        stop.wait(2.0)
-                        connection.sendall(b"X-Slow: 1\r\n")
-            except OSError:
-                pass  # closed by the server: open another
-
-    return [threading.Thread(target=client, daemon=True) for _ in range(30)]
-
-
-def slow_bodies(url: str, stop: threading.Event) -> list[threading.Thread]:
+def _reconnecting(url: str, stop: threading.Event, conversation, count: int) -> list[threading.Thread]:
+    """count clients, each holding a connection through conversation(connection) and opening another once the
+    server closes it, until stop."""
     def client() -> None:
         while not stop.is_set():
             try:
                 with socket.create_connection(address(url), timeout=60) as connection:
-                    connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                                       b"Content-Length: 100\r\n\r\n{\"prompt\": ")
-                    connection.recv(4096)  # the server's answer, or its close
+                    conversation(connection)
             except OSError:
-                pass
+                pass  # closed by the server: open another
 
-    return [threading.Thread(target=client, daemon=True) for _ in range(30)]
+    return [threading.Thread(target=client, daemon=True) for _ in range(count)]
+
+
+def trickle(url: str, stop: threading.Event) -> list[threading.Thread]:
+    def conversation(connection) -> None:
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        while not stop.is_set():
+            stop.wait(2.0)
+            connection.sendall(b"X-Slow: 1\r\n")
+
+    return _reconnecting(url, stop, conversation, 30)
+
+
+def slow_bodies(url: str, stop: threading.Event) -> list[threading.Thread]:
+    def conversation(connection) -> None:
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+        connection.recv(4096)  # the server's answer, or its close
+
+    return _reconnecting(url, stop, conversation, 30)
 
 
 def idle_flood(url: str, stop: threading.Event) -> list[threading.Thread]:
