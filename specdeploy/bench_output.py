@@ -60,12 +60,14 @@ def print_bench(report: dict) -> None:
 
 
 def memory_line(report: dict) -> str:
-    """Peak RSS against the floor it is held to: each model's weights as stored, in their dtype, and KV caches."""
+    """Peak RSS against the floor it is held to: each model's weights as stored, in their dtype, and KV caches
+    (MiB throughout, a line per model, none longer than a terminal's 80 columns)."""
     budget = report["memory_budget"]
-    parts = [f"{role} {budget[role]['dtype']} weights {budget[role]['weights_bytes'] / 2**20:.1f} + KV "
-             f"{budget[role]['kv_cache_bytes'] / 2**20:.1f}" for role in ("target", "draft") if role in budget]
-    return (f"peak RSS {report['peak_rss_mb']:.0f} MB (bundle weights as stored + KV caches at max context, MiB: "
-            f"{', '.join(parts)}; {budget['total_mb']:.0f} MB in all)")
+    lines = [f"peak RSS {report['peak_rss_mb']:.0f} MiB, against a floor of {budget['total_mb']:.0f} MiB:"]
+    lines += [f"  {role} {budget[role]['dtype']} weights {budget[role]['weights_bytes'] / 2**20:.1f} MiB as stored, "
+              f"KV caches {budget[role]['kv_cache_bytes'] / 2**20:.1f} MiB at max context"
+              for role in ("target", "draft") if role in budget]
+    return "\n".join(lines)
 
 
 def print_context_sweep(rows: list[dict]) -> None:

@@ -216,8 +216,8 @@ def check_bundle(manifest: Manifest, root: Path, report: Callable[[str, str], No
         tokenizer = dataclasses.replace(tokenizer, files=renew(tokenizer.files))
         if genai is not None:
             genai = dataclasses.replace(genai, files=renew(genai.files))
-    for host, record in result.hosts.items():
-        report("validate", f"tokenizer under {host}: {record.status}")
+    for host, record in result.hosts.items():  # a result beside its reason (`inspect` keeps both)
+        report("validate", f"tokenizer under {host}: {record.status}" + (f": {record.reason}" if record.reason else ""))
     genai_record = result.hosts["genai"]
     if genai is not None and genai_record.status == "unsupported" and (genai.speculative or genai.target_only):
         note = (f"onnxruntime-genai's tokenizer reads tokenizer.json differently ({genai_record.reason}): "
