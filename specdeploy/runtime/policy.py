@@ -50,7 +50,7 @@ class SpeculationPolicy:
     passes of two tokens or more agree bit for bit whatever their length where a one-token pass does
     not, so that its text is the same run after run. A
     sampled row's random numbers depend on its draft lengths: alone, or on an exact target, it keeps
-    its request's k, so that a seed gives one sample (the scheduler does not ask, Scheduler._decode);
+    its request's k, so that a seed gives one sample (draft_lengths leaves it its k);
     in a batch on a target that is not exact it takes the choice, each round still an exact sample
     of the target's distribution as its verify pass computes it. "always" speculates with each
     request's k, "never" never does."""
