@@ -90,8 +90,6 @@ def read_prompts_file(path: str) -> list[str]:
 
 def run_request(prompt, prompt_file, chat, system, messages_file) -> dict:
     """`run`'s input as generate's keyword: {"prompt": text} or {"messages": [...]}."""
-    from .runtime.chat import read_messages
-
     given = [name for name, value in (("--prompt", prompt), ("--prompt-file", prompt_file), ("--chat", chat),
                                       ("--messages", messages_file)) if value is not None]
     if len(given) != 1:
@@ -112,3 +110,24 @@ def run_request(prompt, prompt_file, chat, system, messages_file) -> dict:
             raise SpecdeployError(f"--system and the system message of {messages_file}: keep one")
         messages = [{"role": "system", "content": system}, *messages]
     return {"messages": messages}
+
+
+def read_messages(path: str) -> list[dict]:
+    """A --messages file: JSON holding a list of {"role", "content"} objects, checked by check_messages."""
+    import json
+
+    from .runtime.chat import check_messages
+
+    try:
+        with Path(path).open("rb") as stream:
+            data = json.loads(read_capped(stream, f"--messages {path}").decode("utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecdeployError(f"cannot read --messages {path}: {exc}") from None
+    except ValueError as exc:
+        raise SpecdeployError(f"--messages {path} is not JSON: {exc}") from None
+    except RecursionError:
+        raise SpecdeployError(f"--messages {path}: the JSON nests too deeply") from None
+    try:
+        return check_messages(data)
+    except SpecdeployError as exc:
+        raise SpecdeployError(f"--messages {path}: {exc}") from None

@@ -168,25 +168,3 @@ def check_messages(messages) -> list[dict]:
             raise SpecdeployError(f"messages[{index}] ({message['role']}) needs a string \"content\"")
         check_unicode(message["content"], f"messages[{index}] ({message['role']}) content")
     return messages
-
-
-def read_messages(path: str | Path) -> list[dict]:
-    """A JSON file holding a list of {"role", "content"} objects, checked by check_messages."""
-    from ..defaults import MAX_INPUT_BYTES
-
-    try:
-        with Path(path).open("rb") as stream:
-            raw = stream.read(MAX_INPUT_BYTES + 1)
-        if len(raw) > MAX_INPUT_BYTES:
-            raise SpecdeployError(f"--messages {path} is longer than {MAX_INPUT_BYTES >> 20} MiB, the most a command reads")
-        data = json.loads(raw.decode("utf-8"))
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SpecdeployError(f"cannot read --messages {path}: {exc}") from None
-    except ValueError as exc:
-        raise SpecdeployError(f"--messages {path} is not JSON: {exc}") from None
-    except RecursionError:
-        raise SpecdeployError(f"--messages {path}: the JSON nests too deeply") from None
-    try:
-        return check_messages(data)
-    except SpecdeployError as exc:
-        raise SpecdeployError(f"--messages {path}: {exc}") from None
