@@ -1,10 +1,12 @@
 """The README's quickstart, run as a newcomer runs it: its fenced commands, in order, in a plain shell.
 
 The shell starts without the environment on its PATH and with a fresh home, so nothing of the user's
-is touched and no default bundle is there: every command takes the demo bundle shipped in the package.
-`make demo` runs whole except the install step (the environment running this test is the one it would
-make); `make test` is the suite running this test, so it is only checked to exist (`make -n`). A
-command of a kind this file does not know fails the test, so the README cannot drift past it.
+is touched. `make demo` runs whole except the install step (the environment running this test is the one
+it would make) and the fetch of SmolLM2 (a download; a tiny GGUF of the same layout stands in for it, so
+the export, the question and the bench run as they would): it writes the default bundle in the fresh home,
+and every later command runs it. `make test` is the suite running this test, so it is only checked to
+exist (`make -n`). A command of a kind this file does not know fails the test, so the README cannot drift
+past it.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_gguf import write_llama_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV = ROOT / ".venv"
 ACTIVATE = ". .venv/bin/activate"
-CHAT_INPUT = "def add(a, b):\n"
+CHAT_INPUT = "Why is the sky blue?\n"
 
 
 def quickstart_commands(readme: str) -> list[str]:
@@ -69,6 +72,7 @@ def test_the_quickstart_runs_as_written(tmp_path):
     env = shell_env(tmp_path / "home")
     (tmp_path / "home").mkdir()
     demo_bundle = tmp_path / "home" / ".cache" / "specdeploy" / "demo-bundle"
+    gguf = write_llama_gguf(tmp_path / "SmolLM2-stand-in.gguf")
     activated = False
     for command in quickstart_commands((ROOT / "README.md").read_text(encoding="utf-8")):
         if command == ACTIVATE:
@@ -81,16 +85,18 @@ def test_the_quickstart_runs_as_written(tmp_path):
             result = shell("make -n test -o .venv/.installed", env, activated)
             assert result.returncode == 0 and "pytest tests" in result.stdout, result.stderr
         elif command == "make demo":
-            result = shell("make demo -o .venv/.installed", env, activated)  # everything but the install
+            # everything but the install and the download
+            result = shell(f"make demo -o .venv/.installed DEMO_GGUF={gguf}", env, activated)
             assert result.returncode == 0, result.stderr
-            assert not demo_bundle.exists()  # the shipped bundle ran: nothing was exported
-            assert ". .venv/bin/activate" in result.stderr
-            # the demo prompt reaches the model byte for byte, its trailing newline included
-            (tmp_path / "prompt.txt").write_bytes(b"def fibonacci(n):\n")
-            expected = shell(f"{VENV}/bin/specdeploy run --prompt-file {tmp_path / 'prompt.txt'} --max-new-tokens 96",
-                             env, activated=False)
-            assert expected.returncode == 0 and expected.stdout, expected.stderr
-            assert result.stdout.endswith(expected.stdout)
+            assert (demo_bundle / "specdeploy.json").is_file() and "wrote the default bundle" in result.stderr
+            assert "speedup" in result.stdout and ". .venv/bin/activate" in result.stderr  # the bench's table
+            # the question reached the model through its chat template: the same reply as a run of it
+            expected = shell(f"{VENV}/bin/specdeploy run --chat 'Explain in three sentences why the sky is blue.' "
+                             "--max-new-tokens 128", env, activated=False)
+            assert expected.returncode == 0, expected.stderr
+            assert expected.stdout in result.stdout
+            again = shell(f"make demo -o .venv/.installed DEMO_GGUF={gguf}", env, activated)  # keeps the bundle
+            assert again.returncode == 0 and "running the default bundle already in" in again.stderr, again.stderr
         elif command.startswith("specdeploy chat"):
             result = shell(command, env, activated, input=CHAT_INPUT)
             assert result.returncode == 0, result.stderr
@@ -98,4 +104,4 @@ def test_the_quickstart_runs_as_written(tmp_path):
         else:
             result = shell(command, env, activated)
             assert result.returncode == 0, result.stderr
-            assert "exporting" not in result.stderr and not demo_bundle.exists()  # the shipped bundle again
+            assert "exporting" not in result.stderr
