@@ -148,6 +148,7 @@ class KResult:
     num_draft_tokens: int
     speculative: ModeTotals
     identical_outputs: bool | None  # greedy only
+    identical_count: int = 0         # greedy: generations whose tokens equal target-only's
 
     def summary(self, baseline: ModeTotals) -> dict:
         spec = self.speculative
@@ -168,6 +169,7 @@ class KResult:
             "speculative": spec.to_dict(),
             "speedup": speedup,
             "identical_outputs": self.identical_outputs,
+            "identical_count": self.identical_count if self.identical_outputs is not None else None,
             "acceptance_rate": spec.accepted / spec.drafted if spec.drafted else 0.0,
             "mean_accepted_tokens": mean_tokens,
             "accepted_by_position": spec.accepted_by_position,
@@ -266,6 +268,8 @@ def run_bench(generator: Generator, config: BenchConfig, progress=None) -> dict:
                 results[k].speculative.add(out.stats)
                 if greedy and out.token_ids != reference.token_ids:
                     results[k].identical_outputs = False
+                elif greedy:
+                    results[k].identical_count += 1
             progress(f"prompt {index + 1}/{len(config.prompts)}, repeat {repeat + 1}/{config.repeat}")
 
     by_k = [results[k].summary(baseline) for k in ks]
@@ -284,6 +288,8 @@ def run_bench(generator: Generator, config: BenchConfig, progress=None) -> dict:
         "num_draft_tokens": best["num_draft_tokens"],
         "speedup": best["speedup"],
         "identical_outputs": best["identical_outputs"],
+        "identical_count": best["identical_count"],
+        "exact": generator.exact,
         "acceptance_rate": best["acceptance_rate"],
         "mean_accepted_tokens": best["mean_accepted_tokens"],
         "by_num_draft_tokens": by_k,

@@ -66,6 +66,7 @@ def test_bench_smoke(agreeing_bundle, tmp_path):
     for key in ("target_only", "speculative", "speedup", "identical_outputs", "acceptance_rate", "mean_accepted_tokens"):
         assert key in report
     assert report["identical_outputs"] is True and report["target_only"]["tokens_per_s"] > 0
+    assert report["identical_count"] == report["prompts"]  # every generation counted
     assert [r["num_draft_tokens"] for r in report["by_num_draft_tokens"]] == [2, 4]
     assert plot.stat().st_size > 0
     table = runner.invoke(main, ["bench", str(agreeing_bundle), "--prompts", str(tmp_path / "prompts.json"),
