@@ -188,7 +188,15 @@ class _Statements:
     config: dict
     generation: dict
     gguf: Any  # the GGUF's own special tokens, or None
-    repairs: list[str] = dataclasses.field(default_factory=list)
+    repairs: list[str] = dataclasses.field(default_factory=list)  # whole: the manifest records them
+    briefs: list[str] = dataclasses.field(default_factory=list)   # one short line each, for the export's log
+
+    def repair(self, line: str, overruled: list[str]) -> None:
+        """A repair: `line` names the value kept and where from; `overruled`, the statements it replaced."""
+        self.repairs.append(f"{line}, was {', '.join(overruled)}" if overruled else line)
+        count = len(overruled)
+        self.briefs.append(f"{line}, over {count} other statement{'s' if count != 1 else ''} (the manifest lists them)"
+                           if overruled else line)
 
     @classmethod
     def read(cls, checkpoint, tokenizer_dir: Path) -> "_Statements":
@@ -234,7 +242,7 @@ def _agree_bos_pad(stated: _Statements, prepended: list[str] | None) -> dict[str
         if repair:
             wrong = [f"{s} {stated.show(v)}" for s, v in sources if v is not None and v != value]
             origin = authority[0] if authority and authority[1] is not None else "config.json and generation_config.json"
-            stated.repairs.append(f"{stated.role}: {field} {stated.show(value)} from {origin}, was {', '.join(wrong)}")
+            stated.repair(f"{stated.role}: {field} {stated.show(value)} from {origin}", wrong)
     return agreed
 
 
@@ -270,8 +278,8 @@ def _agree_eos(stated: _Statements) -> tuple[int | None, list[int]]:
         stop = [v for _, v in tokenizer_eos if isinstance(v, int)][:1]
         primary = stop[0] if stop else None
     if wrong_eos:
-        stated.repairs.append(f"{stated.role}: eos {stated.show(primary)} from {origin}, was "
-                              + ", ".join(f"{s} {stated.show(v)}" for s, v in wrong_eos))
+        stated.repair(f"{stated.role}: eos {stated.show(primary)} from {origin}",
+                      [f"{s} {stated.show(v)}" for s, v in wrong_eos])
     return primary, stop
 
 
@@ -288,8 +296,8 @@ def _agree_add_bos(stated: _Statements, prepended: list[str] | None, bos: int | 
         repair = True
     if repair:
         wrong = [f"{s} {v!r}" for s, v in add_sources if v is not None and v != add_bos]
-        stated.repairs.append(f"{stated.role}: add_bos_token {add_bos!r} from {authority[0] if authority else 'the tokenizer'}"
-                              + (f", was {', '.join(wrong)}" if wrong else f" (prepending {stated.show(bos)})"))
+        stated.repair(f"{stated.role}: add_bos_token {add_bos!r} from {authority[0] if authority else 'the tokenizer'}"
+                      + ("" if wrong else f" (prepending {stated.show(bos)})"), wrong)
     return add_bos
 
 
@@ -343,9 +351,9 @@ def check_special_tokens(checkpoint, tokenizer_dir: Path, work_dir: Path,
 
     decoder = unstripped(stated.tokenizer.json.get("decoder"))
     if decoder is not None:
-        stated.repairs.append(f"{stated.role}: the tokenizer's decoder drops the space a text starts with; "
-                              "written without that step, so that a reply keeps its first space")
-    for line in stated.repairs + stop_additions:
+        stated.repair(f"{stated.role}: the tokenizer's decoder drops the space a text starts with; "
+                      "written without that step, so that a reply keeps its first space", [])
+    for line in stated.briefs + stop_additions:
         report("load", line)
     checked = dataclasses.replace(checkpoint, bos_token_id=agreed["bos"], eos_token_ids=tuple(stop),
                                   pad_token_id=agreed["pad"])

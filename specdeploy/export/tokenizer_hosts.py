@@ -22,6 +22,7 @@ import copy
 import dataclasses
 import itertools
 import json
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -191,6 +192,18 @@ def _records(before, after, repair, num_samples: int, node_dir: Path) -> dict[st
     return records
 
 
+def _brief(record: HostTokenizerCheck, problem: str | None, repair: str | None) -> str:
+    """One short line for the export's log: the status and why (the first difference stays in the manifest)."""
+    if record.status == "unsupported":
+        counted = re.search(r"\((\d+ of \d+) samples differ\)$", problem or "")
+        how_many = f"{counted.group(1)} samples" if counted else "the samples"
+        return (f"unsupported: {how_many} read otherwise than by tokenizers, with or without a rewrite "
+                "(`specdeploy inspect` shows the first)")
+    if record.status == "repaired":
+        return f"repaired: read alike with {repair}"
+    return record.status + (f": {record.reason}" if record.reason else "")
+
+
 def check_bundle(manifest: Manifest, root: Path, report: Callable[[str, str], None] | None = None,
                  node_dir: Path = NODE_DIR) -> Manifest:
     """check_tokenizer on the bundle in root (its genai configs already written); the manifest with the hosts recorded.
@@ -216,8 +229,8 @@ def check_bundle(manifest: Manifest, root: Path, report: Callable[[str, str], No
         tokenizer = dataclasses.replace(tokenizer, files=renew(tokenizer.files))
         if genai is not None:
             genai = dataclasses.replace(genai, files=renew(genai.files))
-    for host, record in result.hosts.items():  # a result beside its reason (`inspect` keeps both)
-        report("validate", f"tokenizer under {host}: {record.status}" + (f": {record.reason}" if record.reason else ""))
+    for host, record in result.hosts.items():  # a result beside its reason, in brief (`inspect` shows it whole)
+        report("validate", f"tokenizer under {host}: {_brief(record, result.after[host].problem, result.repair)}")
     genai_record = result.hosts["genai"]
     if genai is not None and genai_record.status == "unsupported" and (genai.speculative or genai.target_only):
         note = (f"onnxruntime-genai's tokenizer reads tokenizer.json differently ({genai_record.reason}): "
