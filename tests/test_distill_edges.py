@@ -114,3 +114,15 @@ def test_an_eagle_head_for_a_target_without_a_fused_graph_is_refused_before_trai
                           "--threads", "1")
     assert "fused graph" in one_error(code, stderr)
     assert not out.exists()
+
+
+def test_minutes_bound_the_whole_run_generations_included(target, text_file, tmp_path):
+    """--minutes spent before the target generates anything: each generation stops where its share of the run
+    ends and says how much it made, training takes no step, and the run still ends with an evaluated draft."""
+    notes = []
+    result = distill(tiny(target, tmp_path / "run", text_file, layers=1, minutes=1e-6),
+                     report=lambda event: notes.append(getattr(event, "text", None)))
+    assert result.step == 0 and result.evaluation is not None and (tmp_path / "run" / "checkpoint.pt").is_file()
+    assert notes[0].startswith("starting: --minutes 1e-06 bounds the whole run")
+    cut = [note for note in notes if note and "all that fit in the" in note]
+    assert [note.split(":")[0] for note in cut] == ["training text", "held-out text (greedy)"], notes

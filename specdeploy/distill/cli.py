@@ -43,7 +43,9 @@ def format_event(event) -> str | None:
               help="Tokens of the target's own text from built-in chat and code prompts (0: none).")
 @click.option("--max-text-tokens", type=int, default=DistillConfig.max_text_tokens, show_default=True,
               help="Tokens read from --data at most.")
-@click.option("--minutes", type=float, default=DistillConfig.minutes, show_default=True, help="Training time of this run.")
+@click.option("--minutes", type=float, default=DistillConfig.minutes, show_default=True,
+              help="Wall-clock time of this run, all of it: reading the target, its generations (at most 30% "
+                   "and 10% of the time), training, the last evaluation and save.")
 @click.option("--steps", type=int, default=None, help="Stop at this many optimizer steps in all (resumed runs included).")
 @click.option("--layers", type=int, default=None, help="Decoder layers of the draft (default: 2 for model, 1 for eagle).")
 @click.option("--hidden-size", type=int, default=None, help="Model kind: the draft's width (default: the target's).")

@@ -20,7 +20,7 @@ class DistillConfig:
     data: tuple[str, ...] = ()        # text files, folders (every UTF-8 file under them) or glob patterns
     generate_tokens: int = 16384      # tokens of the target's own text from the seed prompts (0: none)
     max_text_tokens: int = 2_000_000  # tokens read from --data at most (files in a seeded order)
-    minutes: float | None = 60.0      # training time of this invocation (None: no limit)
+    minutes: float | None = 60.0      # this invocation's whole run, generations and saves included (None: no limit)
     steps: int | None = None          # optimizer steps in all, resumed runs included (None: no limit)
     layers: int | None = None         # decoder layers of the draft (None: 2 for model, 1 for eagle)
     hidden_size: int | None = None    # model kind: the draft's width (None: the target's, so its weights can be copied)

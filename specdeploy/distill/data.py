@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import glob
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -113,10 +114,17 @@ def seed_prompts(tokenizer, heldout: bool) -> list[tuple[str, list[int]]]:
     return [(kind, ids) for kind, ids in pairs if ids]
 
 
+PROGRESS_EVERY_S = 5.0  # a progress line at least this often while the target generates
+
+
 def generate(target, prompt_list: list[tuple[str, list[int]]], budget: int, seed: int, sample: bool,
-             report: Callable[[int, int], None] | None = None) -> list[Document]:
-    """About `budget` new tokens of the target's completions of the prompts (cycled), batched with left padding."""
+             report: Callable[[int, int], None] | None = None,
+             deadline: float | None = None) -> tuple[list[Document], int, bool]:
+    """About `budget` new tokens of the target's completions of the prompts (cycled), batched with left padding:
+    (the documents, the new tokens in them, whether the budget was met: False where `deadline`, a
+    time.monotonic() value, ended the generation first)."""
     import torch
+    from transformers import StoppingCriteriaList
 
     model, tokenizer = target.model, target.tokenizer
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -125,6 +133,8 @@ def generate(target, prompt_list: list[tuple[str, list[int]]], budget: int, seed
     documents, produced, start = [], 0, 0
     rows = max(1, min(MAX_BATCH, budget // MAX_NEW_TOKENS)) if sample else len(prompt_list)
     while produced < budget and prompt_list:
+        if deadline is not None and time.monotonic() >= deadline:
+            return documents, produced, False
         batch = [prompt_list[(start + i) % len(prompt_list)] for i in range(rows)]
         width = max(len(ids) for _, ids in batch)
         input_ids = torch.tensor([[pad if pad is not None else 0] * (width - len(ids)) + ids for _, ids in batch], device=device)
@@ -132,9 +142,10 @@ def generate(target, prompt_list: list[tuple[str, list[int]]], budget: int, seed
         new = min(MAX_NEW_TOKENS, max(16, -(-(budget - produced) // len(batch))))
         torch.manual_seed(seed + start)
         options = dict(do_sample=True, **SAMPLING) if sample else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+        watch = _Watch(width, produced, budget, deadline, report)
         with torch.no_grad():
             out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=1,
-                                 pad_token_id=pad, **options)
+                                 pad_token_id=pad, stopping_criteria=StoppingCriteriaList([watch]), **options)
         for (kind, ids), row in zip(batch, out[:, width:].tolist()):
             stop = next((i + 1 for i, token in enumerate(row) if token in eos), len(row))
             documents.append(Document(kind, tuple(ids + row[:stop])))
@@ -142,9 +153,31 @@ def generate(target, prompt_list: list[tuple[str, list[int]]], budget: int, seed
         start += len(batch)
         if report:
             report(min(produced, budget), budget)
+        if watch.stopped:
+            return documents, produced, False
         if not sample:
             break
-    return documents
+    return documents, produced, True
+
+
+class _Watch:
+    """transformers' stopping-criteria hook (called after every generated token): a progress report every
+    PROGRESS_EVERY_S seconds, and the batch's end at the deadline."""
+
+    def __init__(self, width: int, produced: int, budget: int, deadline: float | None, report) -> None:
+        self.width, self.produced, self.budget, self.deadline, self.report = width, produced, budget, deadline, report
+        self.last, self.stopped = time.monotonic(), False
+
+    def __call__(self, input_ids, scores, **kwargs):  # input_ids: [rows, width + generated]
+        import torch
+
+        now = time.monotonic()
+        if self.report and now - self.last >= PROGRESS_EVERY_S:
+            rows, generated = input_ids.shape[0], input_ids.shape[1] - self.width
+            self.report(min(self.budget, self.produced + rows * generated), self.budget)
+            self.last = now
+        self.stopped = self.deadline is not None and now >= self.deadline
+        return torch.full((input_ids.shape[0],), self.stopped, dtype=torch.bool, device=input_ids.device)
 
 
 def _ids(value) -> list[int]:

@@ -80,13 +80,8 @@ class Teaching:
     features: torch.Tensor | None  # [batch, seq, hidden] last hidden state before the final norm (eagle only)
 
 
-def load_target(source: str, device: str) -> Target:
-    """A Hugging Face folder (safetensors weights) or a .gguf file: its tokenizer and config from one reading of its
-    header, its weights dequantized one tensor at a time (export/gguf_weights.py; transformers' GGUF loader for an
-    architecture that module does not read)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
+def check_target(source: str) -> tuple[Path, dict]:
+    """(the folder, transformers' gguf_file argument or nothing) of a --target, checked before anything is read."""
     path = Path(source).expanduser()
     if not path.exists():
         raise SpecdeployError(f"--target {source}: no such file or folder")
@@ -100,6 +95,18 @@ def load_target(source: str, device: str) -> Target:
         folder, kwargs = path.resolve().parent, {"gguf_file": path.name}
     else:
         raise SpecdeployError(f"--target {source}: not a folder, nor a .gguf file")
+    return folder, kwargs
+
+
+def load_target(source: str, device: str) -> Target:
+    """A Hugging Face folder (safetensors weights) or a .gguf file: its tokenizer and config from one reading of its
+    header, its weights dequantized one tensor at a time (export/gguf_weights.py; transformers' GGUF loader for an
+    architecture that module does not read)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    path = Path(source).expanduser()
+    folder, kwargs = check_target(source)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the GGUF loader's progress and notes are not ours to print
     try:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -17,11 +18,30 @@ from .config import DistillConfig
 from .evaluate import Evaluation
 
 DRAFT_FORMAT_VERSION = 1
+# The parts of --minutes the target's generations may take at most (the rest, loading aside, trains).
+GENERATED_SHARE = 0.3   # training text
+HELDOUT_SHARE = 0.1     # held-out text (greedy)
 
 
 @dataclass(frozen=True)
 class Note:
     text: str
+
+
+@dataclass(frozen=True)
+class RunClock:
+    """--minutes over the whole run: loading, generating, training, the last evaluation and save."""
+    minutes: float | None
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def end(self) -> float | None:
+        """The run's end as a time.monotonic() value (None: no limit)."""
+        return None if self.minutes is None else self.started + self.minutes * 60
+
+    def phase_end(self, share: float) -> float | None:
+        """The end of a phase that may take `share` of the run's minutes, from now, and never past the run's end."""
+        return None if self.minutes is None else min(self.end, time.monotonic() + share * self.minutes * 60)
 
 
 @dataclass(frozen=True)
@@ -53,8 +73,11 @@ def _cached_documents(path: Path, params: dict, make: Callable[[], list]) -> lis
     return documents
 
 
-def prepare_data(config: DistillConfig, target, text: list, files: int, out: Path, report: Callable):
-    """(training windows, held-out documents, data summary) from the text read and the target's generations."""
+def prepare_data(config: DistillConfig, target, text: list, files: int, out: Path, report: Callable,
+                 clock: RunClock | None = None):
+    """(training windows, held-out documents, data summary) from the text read and the target's generations,
+    each generation cut short where its share of the run's minutes ends (and said so)."""
+    clock = clock or RunClock(None)
     tokenizer = target.tokenizer
     text_train, text_heldout = data_module.split_text(text, config.heldout_tokens)
     identity = target.identity()
@@ -62,22 +85,28 @@ def prepare_data(config: DistillConfig, target, text: list, files: int, out: Pat
     if not getattr(tokenizer, "chat_template", None):
         report(Note("the target's tokenizer has no chat template: code prompts only"))
 
-    def generate(prompts, budget, sample, label):
+    def generate(prompts, budget, sample, label, share):
         def progress(done, total):
             report(Note(f"generating {label}: {done}/{total} tokens"))
-        return data_module.generate(target, prompts, budget, config.seed, sample, progress)
+        documents, made, complete = data_module.generate(target, prompts, budget, config.seed, sample, progress,
+                                                         clock.phase_end(share))
+        if not complete:
+            report(Note(f"{label}: {made} of {budget} tokens, all that fit in the {share:.0%} of --minutes "
+                        f"{config.minutes:g} a run gives it (fewer tokens, the same kind of text)"))
+        return documents
 
     generated = []
     if config.generate_tokens:
         generated = _cached_documents(out / ckpt.GENERATED_FILE,
                                       {"target": identity, "seed": config.seed, "tokens": config.generate_tokens},
-                                      lambda: generate(train_prompts, config.generate_tokens, True, "training text"))
+                                      lambda: generate(train_prompts, config.generate_tokens, True, "training text",
+                                                       GENERATED_SHARE))
     heldout_generated = []
     if config.heldout_tokens:
         heldout_generated = _cached_documents(
             out / ckpt.HELDOUT_FILE, {"target": identity, "tokens": config.heldout_tokens},
             lambda: generate(data_module.seed_prompts(tokenizer, heldout=True), 2 * config.heldout_tokens, False,
-                             "held-out text (greedy)"))
+                             "held-out text (greedy)", HELDOUT_SHARE))
     separator = target.tokenizer.eos_token_id if target.tokenizer.eos_token_id is not None else 0
     windows = data_module.Windows(text_train + generated, separator, config.seq_len, config.batch_size, config.seed)
     summary = {"data": list(config.data), "text_files": files, "text_tokens": sum(len(d.ids) for d in text_train),
@@ -119,16 +148,17 @@ def _draft_info(config, target, ids_record, eagle_config) -> dict:
 
 def distill(config: DistillConfig, report: Callable = lambda event: None, stop=None) -> DistillResult:
     """Distil a draft of config.kind from config.target into config.out (see docs/distill.md)."""
+    clock = RunClock(config.minutes)  # from the first moment: --minutes bounds the whole run
+    config.validate()
     import torch
 
-    config.validate()
     out = Path(config.out).expanduser()
     made = [folder for folder in (out, *out.parents) if not folder.exists()]  # this run makes them, deepest first
     previous_threads = torch.get_num_threads()
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     try:
-        return _distill(config, report, stop)
+        return _distill(config, report, stop, clock)
     except SpecdeployError:  # bad input found once this run had made the folders (too little text): it leaves none
         if made and out.is_dir() and not (out / ckpt.STATE_FILE).exists():
             shutil.rmtree(out)
@@ -157,7 +187,7 @@ def _restore(state: dict, module, optimizer, generator, draws_noise: bool, path:
     return LoopState(step=state["step"], elapsed_s=state["elapsed_s"], history=list(state["history"]))
 
 
-def _distill(config: DistillConfig, report: Callable, stop) -> DistillResult:
+def _distill(config: DistillConfig, report: Callable, stop, clock: RunClock) -> DistillResult:
     import torch
 
     from . import models
@@ -166,14 +196,14 @@ def _distill(config: DistillConfig, report: Callable, stop) -> DistillResult:
     out = Path(config.out).expanduser()
     device = resolve_device(config.device)
     run = ckpt.prepare_out(out, config.resume)
-    target = models.load_target(config.target, device)
+    target = _read_target(config, device, report)
     state = _check_inputs(config, target, out, run)
     text, files = data_module.read_documents(config.data, target.tokenizer, config.max_text_tokens, config.seed, out)
     if state is None:  # every input checked: the folder becomes a distill run
         ckpt.create_out(out)
         ckpt.write_json(out / ckpt.RUN_FILE, {"format": ckpt.RUN_FORMAT, "version": 1, "kind": config.kind, "step": None})
 
-    windows, heldout_documents, summary = prepare_data(config, target, text, files, out, report)
+    windows, heldout_documents, summary = prepare_data(config, target, text, files, out, report, clock)
     ids, ids_record = draft_vocabulary(config, target, windows, summary)
     if state is not None and ids_record is not None and state["vocab_ids"].tolist() != ids.tolist():
         raise SpecdeployError(f"--resume: the draft vocabulary counted now differs from the checkpoint's in {out} "
@@ -206,13 +236,28 @@ def _distill(config: DistillConfig, report: Callable, stop) -> DistillResult:
     ckpt.copy_tokenizer(out, target)
     save = _Checkpointer(config, out, target, ids, module, optimizer, generator, loop, summary, parameters,
                          _draft_info(config, target, ids_record, eagle_config))
+    if clock.end is not None:
+        report(Note(f"training for {max(0.0, clock.end - time.monotonic()) / 60:.1f} min, less what the last "
+                    "evaluation and save take"))
     evaluation = train_loop(kind, target, windows, full_to_draft, vocab_ids, heldout, optimizer, config, loop, noise,
-                            save, report, stop)
+                            save, report, stop, clock.end)
     interrupted = loop.stopped_by == "interrupt"
     reason = "interrupt" if interrupted else "final"
     report(CheckpointSaved(loop.step, save(reason), reason))
     return DistillResult(out=str(out), kind=config.kind, step=loop.step, evaluation=evaluation, interrupted=interrupted,
                          parameters=parameters, history=loop.history)
+
+
+def _read_target(config: DistillConfig, device, report: Callable):
+    """The target, loaded once its path is checked (bad input is one error line, before any progress line)."""
+    from . import models
+
+    models.check_target(config.target)
+    report(Note("starting" + (f": --minutes {config.minutes:g} bounds the whole run, the target's generations "
+                              f"taking at most {GENERATED_SHARE:.0%} and {HELDOUT_SHARE:.0%} of it"
+                              if config.minutes is not None else "")))
+    report(Note(f"reading the target {config.target}"))
+    return models.load_target(config.target, device)
 
 
 def _check_inputs(config: DistillConfig, target, out: Path, run) -> dict | None:

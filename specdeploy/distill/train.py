@@ -162,20 +162,39 @@ class LoopState:
     stopped_by: str = ""         # steps | minutes | interrupt
 
 
+def train_step(kind, target: Target, windows_batch: np.ndarray, full_to_draft, optimizer, config, step: int,
+               noise) -> dict:
+    """One optimizer step on a batch of windows ([batch, seq_len] token ids), warm-up included; the loss's parts."""
+    batch = torch.from_numpy(windows_batch).to(full_to_draft.device)
+    teaching = target.teach(batch, config.top_k, features=isinstance(kind, EagleKind))
+    loss, parts = kind.loss(batch, teaching, full_to_draft, config, noise)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_([p for p in kind.module().parameters() if p.requires_grad], 1.0)
+    for group in optimizer.param_groups:
+        group["lr"] = config.learning_rate * min(1.0, (step + 1) / config.warmup_steps)
+    optimizer.step()
+    return parts
+
+
+SAVE_ESTIMATE_S = 5.0  # what the last save is taken to cost until a save has been timed
+
+
 def train_loop(kind, target: Target, windows, full_to_draft, vocab_ids, heldout, optimizer, config, state: LoopState,
-               noise, save: Callable[[str], str], report: Callable, stop) -> Evaluation:
-    """Step until --steps, --minutes or `stop` is set; progress every eval_every steps; checkpoints by time and steps."""
-    device = full_to_draft.device
-    module = kind.module()
-    module.train()
-    trainable = [p for p in module.parameters() if p.requires_grad]
+               noise, save: Callable[[str], str], report: Callable, stop, deadline: float | None = None) -> Evaluation:
+    """Step until --steps, `deadline` (time.monotonic(): the end of --minutes, less what the last evaluation and
+    save take, as timed so far) or `stop`; progress every eval_every steps; checkpoints by time and steps."""
+    kind.module().train()
     started = last_checkpoint = time.monotonic()
     elapsed_before, interval, interval_started = state.elapsed_s, [], time.monotonic()
     evaluation = None
+    costs = {"evaluation": 0.0, "save": SAVE_ESTIMATE_S, "step": 0.0}  # seconds, the latest timed
 
     def progress() -> Evaluation:
         nonlocal interval, interval_started
+        began = time.monotonic()
         result = measure(kind, heldout, vocab_ids, config.num_draft_tokens)
+        costs["evaluation"] = time.monotonic() - began
         loss = {name: float(np.mean([parts[name] for parts in interval])) for name in (interval[0] if interval else {})}
         per_step = (time.monotonic() - interval_started) / len(interval) if interval else None
         event = Progress(state.step, state.elapsed_s, loss, result, per_step, windows.epoch(state.step))
@@ -196,27 +215,23 @@ def train_loop(kind, target: Target, windows, full_to_draft, vocab_ids, heldout,
         if config.steps is not None and state.step >= config.steps:
             state.stopped_by = "steps"
             break
-        if config.minutes is not None and time.monotonic() - started >= config.minutes * 60:
+        if deadline is not None and time.monotonic() + costs["step"] + costs["evaluation"] + costs["save"] >= deadline:
             state.stopped_by = "minutes"
             break
-        batch = torch.from_numpy(windows.batch(state.step)).to(device)
-        teaching = target.teach(batch, config.top_k, features=isinstance(kind, EagleKind))
-        loss, parts = kind.loss(batch, teaching, full_to_draft, config, noise)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-        for group in optimizer.param_groups:
-            group["lr"] = config.learning_rate * min(1.0, (state.step + 1) / config.warmup_steps)
-        optimizer.step()
+        step_began = time.monotonic()
+        interval.append(train_step(kind, target, windows.batch(state.step), full_to_draft, optimizer, config, state.step,
+                                   noise))
         state.step += 1
-        interval.append(parts)
+        costs["step"] = time.monotonic() - step_began
         state.elapsed_s = elapsed_before + time.monotonic() - started
         if state.step % config.eval_every == 0:
             evaluation = progress()
         by_steps = config.checkpoint_steps is not None and state.step % config.checkpoint_steps == 0
         if by_steps or time.monotonic() - last_checkpoint >= config.checkpoint_minutes * 60:
+            began = time.monotonic()
             report(CheckpointSaved(state.step, save("interval"), "interval"))
             last_checkpoint = time.monotonic()
+            costs["save"] = last_checkpoint - began
     if state.stopped_by != "interrupt" and (evaluation is None or interval):
         evaluation = progress()
     return evaluation
