@@ -46,9 +46,22 @@ class GenerationConfig:
     # sampling setting), with the `logprobs` most likely alternatives at each position (None: off;
     # 0: the chosen token's only). Every emitted token has its row in a verify or target pass.
     logprobs: int | None = None
+    # The output held to one of these (constraint.py, through llguidance): a JSON schema (a dict or JSON
+    # text), a regular expression, or a grammar (llguidance's Lark syntax, or llama.cpp's GBNF).
+    json_schema: dict | str | None = field(default=None, hash=False, compare=True)
+    regex: str | None = None
+    grammar: str | None = None
+
+    @property
+    def constraint(self):
+        """The ConstraintSpec of the fields above (None: unconstrained); more than one is refused."""
+        from .constraint import spec_from_fields
+
+        return spec_from_fields(self.json_schema, self.regex, self.grammar)
 
     def validate(self) -> None:
         self._check_types()
+        _ = self.constraint  # one constraint at most, of the right type
         if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE):
             raise SpecdeployError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE:g}] "
                                   f"(got {self.temperature})")
@@ -127,6 +140,7 @@ class GenerationStats:
     finish_reason: str = ""  # eos | length (max_new_tokens or the context limit) | stop | interrupted
     note: str = ""  # why generation ended, in words, when the reason alone does not say (the context limit)
     exact: bool = False  # the target ran exactly (load(exact=True)): greedy text independent of k and the batch
+    forced_tokens: int = 0  # tokens a constraint left alone, appended without a pass choosing them
 
     @property
     def acceptance_rate(self) -> float:

@@ -15,6 +15,7 @@ caches when the next round syncs them to the new context (truncate to the shared
 from __future__ import annotations
 
 import numbers
+import threading
 from dataclasses import replace
 from typing import Iterator
 
@@ -22,6 +23,7 @@ import numpy as np
 
 from ..errors import SpecdeployError
 from .chat import NO_TEMPLATE, ChatTemplate, check_messages
+from .constraint import ConstraintCompiler
 from .config import (MAX_DRAFT_TOKENS, MIN_TEMPERATURE, SEED_LIMIT, GenerationConfig, GenerationOutput,
                      GenerationStats, TokenLogprob)
 from .drafters import Drafter
@@ -96,6 +98,7 @@ class Generator:
         self.target_cache = self.slots[0].target_cache
         self.drafter = self.slots[0].drafter
         self.scheduler = Scheduler(target, self.slots, SpeculationPolicy(policy))
+        self._compiler, self._compiler_lock = None, threading.Lock()  # constraints' (made on first use)
 
     @property
     def exact(self) -> bool:
@@ -279,10 +282,21 @@ class Generator:
         return sequence
 
     def _sequence(self, prompt, config: GenerationConfig, streaming: bool) -> Sequence:
+        spec = config.constraint
         sequence = Sequence(self.prompt_ids(prompt), config, self.codec, self.eos_token_ids, self.max_context,
-                            self.target.spec.vocab_size, streaming=streaming)
+                            self.target.spec.vocab_size, streaming=streaming,
+                            constraint=None if spec is None else self._constraint_compiler().constraint(spec))
         sequence.stats.exact = self.exact
         return sequence
+
+    def _constraint_compiler(self) -> ConstraintCompiler:
+        """The bundle's tokenizer as the constraint library reads it, ending where a generation ends (EOS, the
+        chat template's end of turn)."""
+        with self._compiler_lock:
+            if self._compiler is None:
+                ends = self.eos_token_ids | set(self.end_of_turn_ids)
+                self._compiler = ConstraintCompiler(self.codec.tokenizer.to_str(), self.target.spec.vocab_size, ends)
+            return self._compiler
 
     def stream(self, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,
                **kwargs) -> Stream:

@@ -84,11 +84,13 @@ def accept(sampler: Sampler, draft_token_ids: list[int], draft_probs: np.ndarray
     go to it as float32 C-contiguous rows (copied so if they are not), and target_probs must be a
     writable float32 C-contiguous buffer (a TypeError says so)."""
     if sampler.greedy:
-        plain = sampler.penalty is None and not sampler.counted
+        plain = sampler.penalty is None and not sampler.counted and sampler.constraint is None
         return greedy_accept(draft_token_ids, target_logits, None if plain else sampler.argmax)
     uniforms = rng.random(len(draft_token_ids) + 1)
     kernel = sampler.kernel
     if kernel is not None:
+        if sampler.constraint is not None:  # the kernel takes whole rows: each masked after the drafts before it
+            target_logits = sampler.constraint.apply_rows(target_logits, draft_token_ids)
         if sampler.counted:  # the kernel knows the repetition penalty only: the counts come off first
             target_logits = sampler.counted_rows(target_logits, draft_token_ids)
         ids, mask = sampler.penalty_args()

@@ -228,8 +228,10 @@ class Sampler:
     rows are; others are copied so), and out must be a writable float32 C-contiguous row (a TypeError
     says so). Without the kernel the NumPy definition computes the same."""
 
-    def __init__(self, params: SamplingParams, vocab: int, prompt_length: int = 0):
+    def __init__(self, params: SamplingParams, vocab: int, prompt_length: int = 0, constraint=None):
         self.params, self.vocab = params, vocab
+        # A Constraint (constraint.py) masks every row first, after the extras before it (None: unconstrained).
+        self.constraint = constraint
         self.greedy = params.greedy
         # The presence and frequency penalties: each token's count among the generated tokens (the
         # context after prompt_length), what the penalties subtract for it, and a row to subtract into.
@@ -278,6 +280,10 @@ class Sampler:
             row[tokens] = np.asarray(logits, dtype=np.float32)[tokens] - penalties
         return row
 
+    def allowed_prefix(self, tokens: list[int]) -> int:
+        """How many of tokens, in order, the constraint allows (all of them without one)."""
+        return len(tokens) if self.constraint is None else self.constraint.allowed_prefix(tokens)
+
     def penalty_args(self) -> tuple:
         """(ids [count], mask [vocab]) for the C kernel, or (None, None) without a penalty."""
         return self._ids, self._mask
@@ -287,6 +293,8 @@ class Sampler:
 
     def argmax(self, logits: np.ndarray, extras=()) -> int:
         """The greedy token of logits [vocab]: np.argmax of the penalized row (the first maximum)."""
+        if self.constraint is not None:
+            logits = self.constraint.apply(logits, extras)
         if self.counted:
             logits = self._count(logits, extras)
         if self.penalty is None:
@@ -297,6 +305,8 @@ class Sampler:
 
     def distribution(self, logits: np.ndarray, out: np.ndarray, extras=()) -> np.ndarray:
         """out [vocab] = the processed distribution of logits [vocab] (process_row's)."""
+        if self.constraint is not None:
+            logits = self.constraint.apply(logits, extras)
         if self.counted:
             logits = self._count(logits, extras)
         if self.kernel is not None:
@@ -308,6 +318,8 @@ class Sampler:
         """The token uniform (in [0, 1)) draws from the processed distribution of logits [vocab], which out
         [vocab] receives. The C kernel draws from the row's exponentials just before they are divided
         by their sum (the same distribution, without a second pass over the row)."""
+        if self.constraint is not None:
+            logits = self.constraint.apply(logits, extras)
         if self.counted:
             logits = self._count(logits, extras)
         if self.kernel is not None:

@@ -69,7 +69,8 @@ class Sequence:
     """One generation from prompt ids to a finish reason; see the module docstring."""
 
     def __init__(self, prompt_ids: list[int], config: GenerationConfig, codec: TextCodec,
-                 eos_token_ids: frozenset[int], max_context: int, vocab_size: int, streaming: bool = False):
+                 eos_token_ids: frozenset[int], max_context: int, vocab_size: int, streaming: bool = False,
+                 constraint=None):
         self.prompt_ids = list(prompt_ids)
         self.config = config
         self.slot: Slot | None = None  # given by the scheduler when the sequence starts (bind)
@@ -82,7 +83,8 @@ class Sequence:
         positions = config.num_draft_tokens if config.speculative else 0
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids), accepted_by_position=[0] * positions,
                                      drafted_by_position=[0] * positions)
-        self.sampler = Sampler(config.sampling, vocab_size, prompt_length=len(prompt_ids))  # every row of this sequence is processed through it
+        # every row of this sequence is processed through it (a Constraint, constraint.py, masks each first)
+        self.sampler = Sampler(config.sampling, vocab_size, prompt_length=len(prompt_ids), constraint=constraint)
         self.rng = np.random.default_rng(config.seed)  # every draw of this sequence comes from it
         self.target_probs = None if self.sampler.greedy else np.empty((config.num_draft_tokens + 1, vocab_size),
                                                                      dtype=np.float32)  # [k + 1, vocab]
@@ -206,6 +208,30 @@ class Sequence:
         if self.logprobs is not None and logits is not None:
             self.logprobs += token_logprobs(logits[: len(tokens)], tokens, self.config.logprobs)
         self._known = len(self.context)  # the last pass ran every token up to here (the pending ones included)
+        constraint = self.sampler.constraint
+        if constraint is None:
+            self._append(tokens)
+            return
+        self._append(tokens[: constraint.commit(tokens)])  # none past the end token that completes it
+        self._force(constraint)
+
+    def _force(self, constraint) -> None:
+        """Append the tokens the constraint leaves alone, one after another: each has probability 1 under the
+        constrained target, so no pass chooses it (the next pass computes its cache entry). With logprobs
+        asked for, every token keeps its row in a pass, and none is forced."""
+        while self.finish_reason is None:
+            if constraint.done and self.config.ignore_eos:  # complete: only an end token, which it ignores, may follow
+                self.finish("stop")
+                return
+            token = None if self.logprobs is not None else constraint.forced()
+            if token is None:
+                return
+            constraint.commit([token])
+            self.stats.forced_tokens += 1
+            self._append([token])
+
+    def _append(self, tokens: list[int]) -> None:
+        """Tokens onto the context, each through the end tokens, the stop strings and the budget."""
         text = self.text
         for token in tokens:
             if self.finish_reason is not None:
