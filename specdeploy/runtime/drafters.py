@@ -275,6 +275,7 @@ class PromptLookupDrafter:
             if end is not None:
                 tokens = context[end + 1 : end + 1 + num_tokens]
                 break
+        tokens = tokens[: sampler.allowed_prefix(tokens)]  # none a constraint refuses: the target could not keep it
         if not tokens or sampler.greedy:
             return tokens, None
         count = len(tokens)

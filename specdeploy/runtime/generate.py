@@ -289,6 +289,13 @@ class Generator:
         sequence.stats.exact = self.exact
         return sequence
 
+    def check_constraint(self, options: dict) -> None:
+        """Compile the constraint among generate's options (if any) against this bundle's tokenizer: a
+        SpecdeployError where the constraint library refuses it (a server checks before it queues a request)."""
+        spec = self._config(dict(options)).constraint
+        if spec is not None:
+            self._constraint_compiler().constraint(spec)
+
     def _constraint_compiler(self) -> ConstraintCompiler:
         """The bundle's tokenizer as the constraint library reads it, ending where a generation ends (EOS, the
         chat template's end of turn)."""

@@ -263,6 +263,10 @@ def _prepare(service: Service, parsed: GenerationRequest) -> tuple[list[int], di
     except SpecdeployError as exc:
         too_long = "max context" in str(exc)
         raise ApiError(400, str(exc), param=param, code="context_length_exceeded" if too_long else None) from None
+    try:  # compiled here, on this thread, so that a constraint the library refuses is the client's 400
+        generator.check_constraint(options)
+    except SpecdeployError as exc:
+        raise ApiError(400, str(exc), param="response_format") from None
     return ids, options
 
 

@@ -8,7 +8,10 @@ does not have is a 400. `ignore_eos` (vLLM's extension) generates max_tokens wha
 end of turn says (GenerationConfig.ignore_eos). `n` asks for n choices of one prompt: n sequences,
 choice i seeded `seed + i` (mod 2**64) when the request gives a seed, each its own fresh seed
 otherwise. Completions' `logprobs` (0..5) and chat's `logprobs` + `top_logprobs` (0..20) become
-GenerationConfig.logprobs. The values are checked here, once, by GenerationConfig's own
+GenerationConfig.logprobs. A constraint on the output, on both endpoints (as vLLM takes it): OpenAI's
+`response_format` (`json_object`; `json_schema` with its `schema`, `strict` or not: the output always
+matches), vLLM's `guided_json`, `guided_regex` and `guided_grammar`, or llama.cpp's `json_schema` and
+`grammar` (GBNF; Lark too); one per request. The values are checked here, once, by GenerationConfig's own
 validation: the server passes on only options that passed it.
 """
 
@@ -25,15 +28,18 @@ from ..runtime.config import MAX_LOGPROBS, SEED_LIMIT
 # name -> the JSON type its value must have (float takes integers too)
 EXTENSIONS = {"top_k": int, "min_p": float, "repetition_penalty": float, "num_draft_tokens": int, "speculative": bool,
               "draft_confidence": float}
+# The constraint's request fields: name -> (GenerationConfig's field, the JSON types its value may have)
+CONSTRAINTS = {"guided_json": ("json_schema", (dict, str)), "json_schema": ("json_schema", (dict, str)),
+               "guided_regex": ("regex", (str,)), "guided_grammar": ("grammar", (str,)), "grammar": ("grammar", (str,))}
 COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "user",
-          "ignore_eos", "n", "logprobs", "presence_penalty", "frequency_penalty", *EXTENSIONS)
+          "ignore_eos", "n", "logprobs", "presence_penalty", "frequency_penalty", "response_format", *CONSTRAINTS,
+          *EXTENSIONS)
 STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")  # the ones read; others are ignored
 # name -> the values that mean "not used"; anything else is refused.
 UNSUPPORTED_COMMON = {"logit_bias": (None, {})}
 UNSUPPORTED = {
     "completion": {**UNSUPPORTED_COMMON, "echo": (None, False), "suffix": (None, "")},
-    "chat": {**UNSUPPORTED_COMMON, "tools": (None, []),
-             "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
+    "chat": {**UNSUPPORTED_COMMON, "tools": (None, []), "tool_choice": (None, "none"),
              "parallel_tool_calls": (None, True, False), "functions": (None, []), "function_call": (None, "none")},
 }
 ACCEPTED = {"completion": frozenset(COMMON + ("prompt", "best_of") + tuple(UNSUPPORTED["completion"])),
@@ -157,6 +163,7 @@ def _options(body: dict, kind: str, num_draft_tokens: int, max_context: int) -> 
         "logprobs": _logprobs(body, kind),
         "presence_penalty": _number(body, "presence_penalty", 0.0),  # OpenAI's, over the generated tokens
         "frequency_penalty": _number(body, "frequency_penalty", 0.0),
+        **_constraint(body),
     }
     fields = {f.name for f in dataclasses.fields(GenerationConfig)}
     for name, kind in EXTENSIONS.items():
@@ -166,6 +173,34 @@ def _options(body: dict, kind: str, num_draft_tokens: int, max_context: int) -> 
             raise ApiError(400, f"{name} is not supported by this server's runtime", param=name)
         options[name] = _number(body, name, 0.0) if kind is float else _check_type(body, name, kind)
     return options
+
+
+def _constraint(body: dict) -> dict:
+    """The request's constraint as GenerationConfig's field ({} without one); more than one is a 400."""
+    given = {}
+    response_format = body.get("response_format")
+    if response_format is not None:
+        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        if kind == "json_object":
+            given["response_format"] = ("json_schema", {"type": "object"})
+        elif kind == "json_schema":
+            spec = response_format.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise ApiError(400, "response_format.json_schema.schema must be a JSON schema (an object)",
+                               param="response_format")
+            given["response_format"] = ("json_schema", schema)
+        elif kind != "text":
+            raise ApiError(400, "response_format.type must be text, json_object or json_schema", param="response_format")
+    for name, (field, types) in CONSTRAINTS.items():
+        if body.get(name) is not None:
+            if not isinstance(body[name], types):
+                raise ApiError(400, f"{name} must be {' or '.join('an object' if t is dict else 'a string' for t in types)}",
+                               param=name)
+            given[name] = (field, body[name])
+    if len(given) > 1:
+        raise ApiError(400, f"one constraint per request: got {', '.join(given)}", param=sorted(given)[1])
+    return dict(given.values())
 
 
 def _checked(options: dict) -> dict:
