@@ -85,7 +85,8 @@ class ConstraintCompiler:
         self.tokenizer_json, self.vocab_size, self.eos_token_ids = tokenizer_json, vocab_size, sorted(eos_token_ids)
         self._tokenizer = None
 
-    def _llg_tokenizer(self):
+    def llg_tokenizer(self):
+        """The llguidance.LLTokenizer of the bundle's tokenizer (made on first use)."""
         if self._tokenizer is None:
             try:
                 import llguidance
@@ -100,7 +101,7 @@ class ConstraintCompiler:
         """A new matcher of spec at the start of the output; a constraint llguidance cannot compile is refused."""
         from llguidance import LLMatcher
 
-        tokenizer = self._llg_tokenizer()
+        tokenizer = self.llg_tokenizer()
         grammar = spec.grammar()
         error = LLMatcher.validate_grammar(grammar, tokenizer)
         if error:

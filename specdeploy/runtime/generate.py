@@ -285,7 +285,7 @@ class Generator:
         spec = config.constraint
         sequence = Sequence(self.prompt_ids(prompt), config, self.codec, self.eos_token_ids, self.max_context,
                             self.target.spec.vocab_size, streaming=streaming,
-                            constraint=None if spec is None else self._constraint_compiler().constraint(spec))
+                            constraint=None if spec is None else self.constraint_compiler().constraint(spec))
         sequence.stats.exact = self.exact
         return sequence
 
@@ -294,9 +294,9 @@ class Generator:
         SpecdeployError where the constraint library refuses it (a server checks before it queues a request)."""
         spec = self._config(dict(options)).constraint
         if spec is not None:
-            self._constraint_compiler().constraint(spec)
+            self.constraint_compiler().constraint(spec)
 
-    def _constraint_compiler(self) -> ConstraintCompiler:
+    def constraint_compiler(self) -> ConstraintCompiler:
         """The bundle's tokenizer as the constraint library reads it, ending where a generation ends (EOS, the
         chat template's end of turn)."""
         with self._compiler_lock:
