@@ -56,7 +56,7 @@ def test_a_cache_rolls_back_to_the_shared_prefix(bundles):
 
 def test_prompt_lookup_finds_the_latest_earlier_ngram():
     from specdeploy.runtime.drafters import PromptLookupDrafter
-    from specdeploy.runtime.sampling import SamplingParams
+    from specdeploy.runtime.sampling import Sampler, SamplingParams
 
     def reference(context, k, max_ngram=3, min_ngram=1):
         for size in range(min(max_ngram, len(context) - 1), min_ngram - 1, -1):
@@ -68,7 +68,7 @@ def test_prompt_lookup_finds_the_latest_earlier_ngram():
 
     rng = np.random.default_rng(0)
     drafter = PromptLookupDrafter(vocab_size=8)
-    greedy = SamplingParams()
+    greedy = Sampler(SamplingParams(), vocab=8)
     for length in range(1, 60):  # a new sequence every time: prefill starts its index afresh
         context = [int(t) for t in rng.integers(0, 4, size=length)]
         drafter.prefill(context)
