@@ -195,7 +195,7 @@ def peak_memory_mb() -> float:
     """This process's peak resident memory in MiB.
 
     /proc/self/status VmHWM where there is one: Linux carries ru_maxrss across exec, so a bench
-    started by a big parent (scripts/bench_peers.py holds PyTorch models) reported the parent's
+    started by a big parent (benchmarks/bench_peers.py holds PyTorch models) reported the parent's
     546 MB as its own."""
     try:
         with open("/proc/self/status") as status:

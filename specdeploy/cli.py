@@ -10,14 +10,12 @@ import click
 
 from . import defaults
 from .cli_input import run_request
-from .cli_options import DEFAULTS, LOAD_OPTIONS, PENALTY_OPTIONS, SAMPLING_OPTIONS, TEXT, resolve_bundle
+from .cli_options import DEFAULTS, LOAD_OPTIONS, PENALTY_OPTIONS, SAMPLING_OPTIONS, SEED, TEXT, resolve_bundle
 from .cli_support import (DEBUG_HELP, EXIT_INTERRUPTED, ErrorMappingGroup, checked_generation, end_text, format_stats,
                           note_debug, parse_draft_tokens, parse_prompt_tokens, require_chat_template, require_export_extra,
-                          return_freed_memory, stream_text, export_with_progress as _export)
+                          stream_text, export_with_progress as _export)
 from .errors import SpecdeployError
 from .export.config import DTYPES, GRAPHS, QUANTIZE
-
-_return_freed_memory = return_freed_memory  # scripts/first_request.py sets the allocator up as `run` does
 
 
 @click.group(cls=ErrorMappingGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -115,21 +113,53 @@ def inspect(bundle, as_json, verify) -> None:
 
 @main.command()
 @click.argument("bundle", type=click.Path(), required=False)
-def verify(bundle) -> None:
+@click.option("--lossless", is_flag=True,
+              help="Then check that speculative decoding gives the target's own output: greedy token ids equal "
+                   "target-only's (exact; each drafter, k 1, 2, 4, 8), sampled continuations follow the target's exact "
+                   "distribution (chi-square; nine settings). Minutes on a real model.")
+@click.option("--runs", type=int, default=4000, show_default=True, help="With --lossless: seeded generations per sampled check.")
+@click.option("--max-new-tokens", type=int, default=64, show_default=True, help="With --lossless: tokens per greedy generation.")
+@click.option("--prompts", "prompts_file", type=click.Path(), default=None,
+              help="With --lossless: the greedy check's prompts, a JSON list or JSONL with 'prompt' (default: 20 built-in "
+                   "code prompts); the sampled checks use the first.")
+@click.option("--seed", type=SEED, default=0, show_default=True,
+              help="With --lossless: the first seed of each sampled check (a lone p-value under 0.001 is worth another).")
+@click.option("--json", "as_json", is_flag=True, help="With --lossless: print the report as one JSON object.")
+@click.pass_context
+def verify(ctx, bundle, lossless, runs, max_new_tokens, prompts_file, seed, as_json) -> None:
     """Re-hash every file of a bundle against its manifest; name each damaged one (exit 2 if any).
+    With --lossless, then check the bundle's speculative output against the target's (exit 2 if it differs).
 
     BUNDLE defaults to the demo bundle."""
     import time
 
     from .bundle import listed_files, load_manifest
+    from .cli_bench import options_given
     from .inspect_output import format_size
 
+    given = options_given(ctx, ("runs", "max_new_tokens", "prompts_file", "seed", "as_json"))
+    if given and not lossless:
+        raise SpecdeployError(f"{', '.join(given)}: only with --lossless")
     bundle = resolve_bundle(bundle)
     start = time.perf_counter()
     manifest = load_manifest(bundle, verify=True)
     entries = listed_files(manifest)
     size = sum(entry.size for entry in entries)
-    click.echo(f"ok: {len(entries)} files, {format_size(size)}, match their sha256 ({time.perf_counter() - start:.2f} s)")
+    click.echo(f"ok: {len(entries)} files, {format_size(size)}, match their sha256 ({time.perf_counter() - start:.2f} s)",
+               err=as_json)
+    if lossless:
+        from rich.console import Console
+
+        from .cli_input import read_prompts_file
+        from .lossless import LosslessConfig, check_lossless, lossless_lines
+
+        config = LosslessConfig(prompts=tuple(read_prompts_file(prompts_file)) if prompts_file else (),
+                                max_new_tokens=max_new_tokens, runs=runs, seed=seed)
+        with Console(stderr=True).status("lossless") as status:
+            report = check_lossless(bundle, config, progress=status.update)
+        click.echo(json.dumps(report) if as_json else "\n".join(lossless_lines(report)))
+        if not report["passed"]:
+            raise SpecdeployError("speculative decoding did not give the target's output on this bundle (above)")
 
 
 @main.command()
@@ -276,18 +306,33 @@ def chat(bundle, system, max_new_tokens, temperature, top_k, top_p, min_p, repet
 @LOAD_OPTIONS
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on the last line of stdout.")
 @click.option("--plot", type=click.Path(), default=None, help="Draw speedup vs k and acceptance by position (PNG).")
-def bench(bundle, prompts_file, prompt_file, max_new_tokens, prompt_tokens, num_draft_tokens, temperature, top_k, top_p, min_p,
-          repetition_penalty, draft_confidence, repeat, chat, seed, device, drafter, verify, exact, as_json, plot) -> None:
-    """Target-only vs speculative decoding on the same prompts: speed, acceptance, cost model.
+@click.option("--url", "urls", multiple=True,
+              help="Measure this running OpenAI-compatible server (ours, llama-server, vLLM; repeatable: the servers "
+                   "alternate) with concurrent streaming clients instead of a bundle. Needs the bench extra.")
+@click.option("--concurrency", default=None, help="With --url: the concurrent clients of each cell, a list (default 1,2,4,8).")
+@click.option("--requests", type=int, default=None, help="With --url: requests per cell (default: 2 per client, at least 4).")
+@click.option("--ignore-eos", is_flag=True, help='With --url: send "ignore_eos": true (exactly --max-new-tokens each).')
+@click.option("--api-key", default=None, help="With --url: sent as Authorization: Bearer KEY.")
+@click.option("--model", default=None, help="With --url: the requests' model (default: the first one /v1/models lists).")
+@click.pass_context
+def bench(ctx, bundle, prompts_file, prompt_file, max_new_tokens, prompt_tokens, num_draft_tokens, temperature, top_k, top_p,
+          min_p, repetition_penalty, draft_confidence, repeat, chat, seed, device, drafter, verify, exact, as_json, plot, **_) -> None:
+    """Target-only vs speculative decoding on the same prompts: speed, acceptance, cost model. With --url, a running
+    server instead: tokens/s, time to first token and inter-token latency at each --concurrency, failures.
 
     Each k is measured as given (policy "always", as the cost model assumes); `serve` may draft fewer."""
+    from datetime import datetime
+
     from rich.console import Console
 
     from .bench import BenchConfig, context_sweep, lengthen_prompts, run_bench
-    from .bench_output import machine_description, plot_file
+    from .bench_output import machine_description, plot_file, plot_report, print_bench, print_context_sweep
+    from .cli_bench import bench_servers, check_url_options
     from .cli_input import bench_prompts
     from .runtime.loader import drafter_for, load
 
+    if check_url_options(ctx):  # a running server, not a bundle
+        return bench_servers(ctx)
     if repeat < 1 or max_new_tokens < 1:
         raise SpecdeployError("--repeat and --max-new-tokens must be at least 1")
     ks = parse_draft_tokens(num_draft_tokens)
@@ -318,10 +363,6 @@ def bench(bundle, prompts_file, prompt_file, max_new_tokens, prompt_tokens, num_
                       chat=chat)  # the drafter load ran
         reports.append(report)
     report = reports[0] if len(reports) == 1 else context_sweep(reports)
-    from datetime import datetime
-
-    from .bench_output import plot_report, print_bench, print_context_sweep
-
     report.update(bundle=str(Path(bundle).resolve()), date=datetime.now().astimezone().isoformat(timespec="seconds"),
                   machine=machine_description())
     if as_json:  # the figures first: a plot that fails to draw loses nothing

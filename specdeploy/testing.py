@@ -1,7 +1,8 @@
-"""Oracles for tests and the lossless check (scripts/check_lossless.py): what the runtime must equal.
+"""Oracles for tests and the lossless check (`specdeploy verify --lossless`, lossless.py): what the runtime must equal.
 
-Nothing in the product imports this module (a test proves it): it holds the slow, obvious
-computations that the fast paths are measured against.
+Nothing on the way to a token imports this module (a test proves it; only the lossless check, which
+measures the runtime against it, does): it holds the slow, obvious computations that the fast paths
+are measured against.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from .runtime.sampling import SamplingParams, process_logits
 
 
 # The sampled settings users run (each benchmarked in docs/performance.md), as generate's options:
-# what the lossless checks of the tests and of scripts/check_lossless.py go through.
+# what the lossless checks of the tests and of `specdeploy verify --lossless` go through.
 SAMPLED_SETTINGS = {
     "T 0.8": dict(temperature=0.8),
     "T 0.8, top-k 50": dict(temperature=0.8, top_k=50),

@@ -333,7 +333,7 @@ def test_the_plot_formats_bench_checks_are_the_ones_matplotlib_writes():
 
 def test_an_option_of_another_command_is_named_as_such():
     code, stdout, stderr = invoke("chat", "--json")
-    assert_one_line(code, stderr, "chat takes no --json (an option of bench, inspect, run)")
+    assert_one_line(code, stderr, "chat takes no --json (an option of bench, inspect, run, verify)")
     assert stdout == ""
     code, _, stderr = invoke("run", "--temprature", "1")  # a misspelling keeps click's guess
     assert_one_line(code, stderr, "No such option '--temprature'. Did you mean '--temperature'?")

@@ -1,5 +1,6 @@
 """scripts/gpu_check.py's carrying of large files in parts: what runs on the device machine, checked here."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -7,7 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from test_bench_scripts import SCRIPTS, script
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def script(name: str):
+    """scripts/NAME.py imported from its file: a script, run as `python scripts/NAME.py`, is no package's module."""
+    spec = importlib.util.spec_from_file_location(f"script_{name}", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture()

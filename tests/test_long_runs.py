@@ -3,7 +3,7 @@ context, and reaching the context limit ends generation as `length`, with a note
 
 Memory is counted, not sampled: tracemalloc traces every Python object and NumPy buffer the runtime
 allocates, the same on every run whatever else the machine does. The process's resident memory (what
-ONNX Runtime's own allocations add) is a benchmark, scripts/long_run_memory.py, not a test."""
+ONNX Runtime's own allocations add) is a measurement, recorded in docs/performance.md, not a test."""
 
 import tracemalloc
 

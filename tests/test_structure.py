@@ -1,5 +1,6 @@
 """The package's shape, checked from its source (AST): no import cycles, no function over
-MAX_FUNCTION_LINES lines and no module over MAX_MODULE_LINES lines in specdeploy/."""
+MAX_FUNCTION_LINES lines and no module over MAX_MODULE_LINES lines in specdeploy/; and benchmarks/ and
+scripts/ use specdeploy's public names only, with no sys.path imports."""
 
 import ast
 from pathlib import Path
@@ -124,3 +125,47 @@ def test_no_test_is_shadowed_by_a_later_one_of_the_same_name():
                             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test"))
             shadowed += [f"{path.name}: {name}" for name, count in names.items() if count > 1]
     assert not shadowed
+
+
+# The tools beside the package use what a user can: its public names. gpu_check.py runs on a device machine
+# before anything is installed, so it alone puts the checkout on sys.path (its comment says so).
+TOOL_FOLDERS = ("benchmarks", "scripts")
+SYS_PATH_ALLOWED = {"scripts/gpu_check.py"}
+
+
+def private_uses(source: str, label: str) -> list[str]:
+    """Each import of a private specdeploy name (a module or name starting with "_", dunders aside), each private
+    attribute read from anything but self or cls, and each change to sys.path in source, one line each."""
+    def private(name: str) -> bool:
+        return any(part.startswith("_") and not part.startswith("__") for part in name.split("."))
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        names = []
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "specdeploy":
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names if alias.name.split(".")[0] == "specdeploy"]
+        found += [f"{label}:{node.lineno} imports {name}" for name in names if private(name)][:1]
+        if (isinstance(node, ast.Attribute) and private(node.attr)
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+            found.append(f"{label}:{node.lineno} reads {ast.unparse(node)}")
+        if (isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name)
+                and node.value.id == "sys" and label not in SYS_PATH_ALLOWED):
+            found.append(f"{label}:{node.lineno} uses sys.path")
+    return found
+
+
+def test_the_private_name_check_finds_imports_attributes_and_sys_path():
+    source = ("from specdeploy.cli import _return_freed_memory\nimport specdeploy.runtime._fastsample\n"
+              "from specdeploy.runtime import load, __version__\nimport sys\nsys.path.insert(0, 'scripts')\n"
+              "generator._request(1)\nself._build()\n")
+    assert sorted(line.split(" ", 1)[1] for line in private_uses(source, "m.py")) == [
+        "imports specdeploy.cli._return_freed_memory", "imports specdeploy.runtime._fastsample", "reads generator._request",
+        "uses sys.path"]
+
+
+@pytest.mark.parametrize("path", sorted(p for folder in TOOL_FOLDERS for p in (ROOT.parent / folder).glob("*.py")),
+                         ids=lambda p: str(p.relative_to(ROOT.parent)))
+def test_benchmarks_and_scripts_use_public_names_only(path):
+    assert private_uses(path.read_text(encoding="utf-8"), str(path.relative_to(ROOT.parent))) == []

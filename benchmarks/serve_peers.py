@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """guidellm against OpenAI-compatible servers: ours (batched) and a peer, one after the other.
 
 guidellm (vLLM's benchmarking client, installed apart: `pip install guidellm`) sends synthetic prompts
@@ -12,7 +11,7 @@ body (`extras.body`) to every server alike.
 Run (from the repo root; BUNDLE is served with `specdeploy serve BUNDLE --port 0`, its default
 --max-batch; a peer is started by hand, e.g. `llama-server -m MODEL.gguf -t 2 -np 8 -cb -c 8192 --port 8080`)::
 
-    .venv/bin/python scripts/serve_peers.py --guidellm GUIDELLM_VENV/bin/guidellm --tokenizer BUNDLE/tokenizer \
+    .venv/bin/python -m benchmarks.serve_peers --guidellm GUIDELLM_VENV/bin/guidellm --tokenizer BUNDLE/tokenizer \
         --bundle BUNDLE --target llama-server=http://127.0.0.1:8080 --streams 1,2,4,8 --json-out peers.json
 
 Prints a Markdown table, then one JSON object on the last line of stdout.
@@ -27,8 +26,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from load_test import fixed, start_server  # noqa: E402  (fixed: guidellm gives no figure where nothing succeeded)
+from .load_test import fixed  # an empty cell where guidellm gives no figure (nothing succeeded)
+from .servers import start_server, stop_server
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -115,7 +114,7 @@ def main(argv=None) -> int:
     rows, failures = [], {}
     try:
         if args.bundle:
-            process, url = start_server(args.bundle, max(levels) * 4 + 8, 8)
+            process, url = start_server(args.bundle, "--max-queue", str(max(levels) * 4 + 8), "--max-batch", "8")
             targets.insert(0, ("specdeploy", url))
         with tempfile.TemporaryDirectory() as folder:
             for name, url in targets:  # one guidellm process per server: each start costs tens of seconds here
@@ -131,8 +130,7 @@ def main(argv=None) -> int:
                           file=sys.stderr, flush=True)
     finally:
         if process is not None:
-            process.terminate()
-            process.wait(60)
+            stop_server(process)
     rank = {name: i for i, (name, _) in enumerate(targets)}
     rows.sort(key=lambda r: (rank[r["server"]], r["streams"]))
     print(markdown(rows, version, args))

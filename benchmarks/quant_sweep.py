@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """Weight-only quantization settings on one checkpoint: greedy agreement with fp32 PyTorch and decode speed.
 
-    python scripts/quant_sweep.py HF_FOLDER WORK 8:32:4 4:32:4 4:32:0 4:64:4 4:128:4 4:16:4
+    python -m benchmarks.quant_sweep HF_FOLDER WORK 8:32:4 4:32:4 4:32:0 4:64:4 4:128:4 4:16:4
 
 Each setting is BITS:BLOCK_SIZE:ACCURACY_LEVEL, applied by specdeploy's own quantizer
 (specdeploy/export/quantize.py: MatMulNBits for every MatMul, the embedding and a tied head on one

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """One bundle through every host, greedy, same prompts: decode tokens/s of each, and whether their tokens agree.
 
 Hosts: specdeploy's Python runtime (hybrid and model drafters, and target-only), onnxruntime-genai
@@ -8,7 +7,7 @@ and the bundle's accept graph). Each host runs every prompt once after one warm-
 new tokens over decode time as each host reports it (prefill apart), summed over the prompts.
 
     make host && (cd examples/node && npm ci --ignore-scripts)
-    .venv/bin/python scripts/bench_hosts.py BUNDLE [--max-new-tokens 128] [--limit N]
+    .venv/bin/python -m benchmarks.bench_hosts BUNDLE [--max-new-tokens 128] [--limit N]
 
 Prints a Markdown table to stderr and one JSON object on the last line of stdout.
 """

@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """How long a well-behaved client's 2-token request takes while hostile clients load the server.
 
-Starts `specdeploy serve BUNDLE` (the checkout's package: run it from the checkout, or with PYTHONPATH),
+Starts `specdeploy serve BUNDLE` (the checkout's package: run it from the checkout's root),
 then, for each scenario, keeps the hostile load running while a second client sends 2-token
 completions one after another, and reports their latency against the same requests on an idle
 server:
@@ -11,7 +10,7 @@ server:
   slow-bodies    30 requests whose bodies stop short of their Content-Length
   idle-flood     400 connections opened and left silent
 
-    python scripts/hostile_load.py BUNDLE --requests 10 --json-out hostile.json
+    python -m benchmarks.hostile_load BUNDLE --requests 10 --json-out hostile.json
 """
 
 from __future__ import annotations
@@ -19,40 +18,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
 
 import httpx
 
+from .servers import start_server, stop_server
+
 SHORT = {"prompt": "def f(x):", "max_tokens": 2, "temperature": 0}
 SCENARIOS = ("huge-prompts", "trickle", "slow-bodies", "idle-flood")
-
-
-def start_server(bundle: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    command = [sys.executable, "-m", "specdeploy", "serve", bundle, "--port", "0", *extra]
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
-    for line in process.stderr:
-        found = re.search(r"on (http://[\d.]+:\d+)", line)
-        if found:
-            url = found.group(1)
-            break
-    else:
-        raise SystemExit(f"the server did not start: {process.wait()}")
-    threading.Thread(target=lambda: [None for _ in process.stderr], daemon=True).start()  # keep its pipe drained
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit("the model did not load")
 
 
 def latencies(url: str, count: int) -> list[float]:
@@ -146,7 +123,7 @@ def main() -> int:
     parser.add_argument("--serve-arg", action="append", default=[], help="an argument for `specdeploy serve` (repeatable)")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
-    process, url = start_server(args.bundle, args.serve_arg)
+    process, url = start_server(args.bundle, *args.serve_arg)
     results = {"bundle": args.bundle, "cpu_count": os.cpu_count(), "scenarios": {}}
     try:
         latencies(url, 3)  # the first requests' shapes
@@ -167,8 +144,7 @@ def main() -> int:
             print(f"{name}: p50 {result['p50_s']} s, max {result['max_s']} s (+{result['added_max_s']} s over idle)", flush=True)
             time.sleep(2.0)  # the load's connections close
     finally:
-        process.terminate()
-        process.wait(60)
+        stop_server(process)
     if args.json_out:
         with open(args.json_out, "w") as handle:
             json.dump(results, handle, indent=1)

@@ -1,9 +1,11 @@
-"""Measurement checks of the benchmark scripts in scripts/ (each script imported from its file)."""
+"""Measurement checks of the benchmarks package (benchmarks/, run as `python -m benchmarks.NAME` from the root).
+
+The client they share with `specdeploy bench --url` is tested in test_load_test.py."""
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import json
 import signal
 import sys
@@ -13,15 +15,10 @@ from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
-
-def script(name: str):
-    spec = importlib.util.spec_from_file_location(f"_script_{name}", SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+def benchmark(name: str):
+    """benchmarks.NAME, imported as the package's module (the repository root is on pytest's pythonpath)."""
+    return importlib.import_module(f"benchmarks.{name}")
 
 
 def _record(prompt: int = 0, tokens: int = 8) -> dict:
@@ -36,7 +33,7 @@ def _record(prompt: int = 0, tokens: int = 8) -> dict:
 def test_load_test_markdown_of_an_interrupted_run_says_so(tmp_path, monkeypatch):
     """SIGTERM after the first cell: the JSON says interrupted, so must the Markdown (it otherwise reads as
     a complete run of --repeat 2, medians and all)."""
-    load_test = script("load_test")
+    load_test = benchmark("load_test")
     calls = {"n": 0}
 
     async def fake_run_cell(url, headers, bodies, concurrency):
@@ -62,7 +59,7 @@ def test_load_test_markdown_of_an_interrupted_run_says_so(tmp_path, monkeypatch)
 def test_load_test_markdown_survives_a_sequential_cell_whose_requests_all_failed():
     """A cell of failures is a result to report (failed 4), not a ZeroDivisionError that loses the whole run's
     tables and JSON (main builds the Markdown before it writes either)."""
-    load_test = script("load_test")
+    load_test = benchmark("load_test")
     args = load_test.parse_args(["--url", "http://127.0.0.1:9", "--max-tokens", "8", "--ignore-eos"])
     failed = [{"ok": False, "prompt": i, "text": "", "status": 503, "error": "busy"} for i in range(4)]
     fine = [_record(i) for i in range(4)]
@@ -82,7 +79,7 @@ def test_load_test_references_come_from_a_child_loading_the_bundle_as_run_does(t
     import specdeploy
     from specdeploy.defaults import DEMO_DIR
 
-    load_test = script("load_test")
+    load_test = benchmark("load_test")
     bundle = str(DEMO_DIR / "demo-bundle")
     args = load_test.parse_args([bundle, "--max-tokens", "12", "--ignore-eos"])
     prompts = ["def add(a, b):", "class Stack:"]
@@ -97,45 +94,8 @@ def test_load_test_references_come_from_a_child_loading_the_bundle_as_run_does(t
     assert str(raised.value.code).startswith("error: ")
 
 
-def _streamed_request(body: str) -> dict:
-    """load_test's one_request against a server that answers with this event-stream body."""
-    import asyncio
-
-    import aiohttp
-    from aiohttp import web
-    from aiohttp.test_utils import TestServer
-
-    load_test = script("load_test")
-
-    async def answer(request: web.Request) -> web.Response:
-        return web.Response(text=body, content_type="text/event-stream")
-
-    async def request() -> dict:
-        app = web.Application()
-        app.router.add_post("/v1/completions", answer)
-        async with TestServer(app) as server, aiohttp.ClientSession() as session:
-            return await load_test.one_request(session, str(server.make_url("")).rstrip("/"), {"_prompt": 0, "prompt": "x", "stream": True})
-
-    return asyncio.run(request())
-
-
-def test_load_test_an_answer_the_client_cannot_read_fails_its_request_not_the_run():
-    """A data line over aiohttp's line limit (LineTooLong, no ClientError) or a chunk without the fields the client
-    reads: that request fails, and the cell goes on (it used to raise through gather and lose the run)."""
-    for body in ("data: " + "x" * 600_000 + "\n\ndata: [DONE]\n\n", 'data: {"choices": [{"text": "a"}], "usage": {"prompt_tokens": 1}}\n\n'):
-        record = _streamed_request(body)
-        assert record["ok"] is False and record["status"].startswith("unreadable answer"), record
-
-
-def test_load_test_a_data_line_that_is_not_json_fails_its_request_not_the_run():
-    chunk = {"choices": [{"index": 0, "text": "ab", "finish_reason": None}]}
-    for bad in ("data: <html>busy</html>", "data: [1, 2]"):
-        record = _streamed_request(f"data: {json.dumps(chunk)}\n\n{bad}\n\ndata: [DONE]\n\n")
-        assert record["ok"] is False and "not" in record["status"] and bad[6:] in record["error"]
-
-
 def test_serve_peers_keeps_the_rows_of_servers_measured_before_guidellm_failed(tmp_path, monkeypatch, capsys):
-    serve_peers = script("serve_peers")
+    serve_peers = benchmark("serve_peers")
     row = {"streams": 1, "output_tokens_per_s": 50.0, "ttft_p50_ms": 100.0, "ttft_p99_ms": 120.0, "itl_p50_ms": 10.0,
            "itl_p99_ms": 12.0, "output_tokens_mean": 128, "successful": 3, "errored": 0, "incomplete": 0}
 
@@ -163,7 +123,7 @@ def test_real_models_time_ours_counts_as_many_tokens_as_the_peers(monkeypatch):
     """The peers decode exactly --tokens tokens whatever EOS does (genai min_length, llama-bench -n,
     llama-speculative --ignore-eos) and the docstring says EOS may not end a run: ours must not stop
     early at EOS either, or it is timed over fewer (and earlier, cheaper) tokens."""
-    real_models = script("real_models")
+    real_models = benchmark("real_models")
 
     class FakeGenerator:
         def generate(self, ids, max_new_tokens, ignore_eos=False, **_):
@@ -228,7 +188,7 @@ def test_bench_peers_genai_decode_rate_does_not_count_the_prefills_token():
     """ours: N new tokens over the N decode passes that made them; HF: the first chunk's tokens left out
     with its time. genai's first token comes out of append_tokens (timed as prefill), so counting it as a
     decode token gives N tokens over N - 1 passes: 4 tokens over 3 passes reads 33% fast here."""
-    bench_peers = script("bench_peers")
+    bench_peers = benchmark("bench_peers")
     peer = object.__new__(bench_peers.GenaiPeer)
     peer.og, peer.args = _fake_onnxruntime_genai(), argparse.Namespace(num_draft_tokens=4)
     run = peer.run(None, "target_only", [1, 2, 3], bench_peers.Setting("greedy"), 0, 4)
@@ -237,22 +197,13 @@ def test_bench_peers_genai_decode_rate_does_not_count_the_prefills_token():
     assert rate < 1.1 * per_pass, (rate, per_pass)
 
 
-@pytest.mark.parametrize("done", [True, False])
-def test_load_test_a_stream_cut_short_is_a_failed_request(done):
-    """A stream that ends cleanly without [DONE] (a server that dropped it mid-reply) is a failure, not a
-    shorter success that raises the cell's rate."""
-    chunk = {"choices": [{"index": 0, "text": "ab", "finish_reason": None}]}
-    record = _streamed_request(f"data: {json.dumps(chunk)}\n\n" + ("data: [DONE]\n\n" if done else ""))
-    assert record["ok"] is done and record["text"] == "ab"
-
-
 # ------------------------------------------------------------------------------------------- load_test
 
 
 def test_load_test_a_server_that_fails_to_start_says_why(monkeypatch, capsys):
     """start_server's `error: the server exited ...` (a bad bundle, a bad --max-batch) must reach the user, not
     turn into "interrupted: writing the cells so far" and an empty table."""
-    load_test = script("load_test")
+    load_test = benchmark("load_test")
 
     def failing_start(*_args, **_kwargs):
         raise SystemExit("error: the server exited (2) before listening")
@@ -277,7 +228,7 @@ def test_load_test_a_server_that_fails_to_start_says_why(monkeypatch, capsys):
     ["--url", "http://127.0.0.1:9", "--num-prompts", "0"],  # ZeroDivisionError
 ])
 def test_load_test_bad_arguments_are_one_error_line(argv, capsys):
-    load_test = script("load_test")
+    load_test = benchmark("load_test")
     previous = signal.getsignal(signal.SIGTERM)
     try:
         with pytest.raises(SystemExit) as exc:
@@ -296,7 +247,7 @@ def test_batch_bench_every_timed_run_prefills_its_prompts(monkeypatch):
     """The docstring's figures include the prefill; a generator keeps its slots' prompts cached, so from the second
     round (or setting) on, the batched generators (one slot per prompt) skip every prefill while the sequential one
     (one slot, the prompts in turn) prefills each again: the batched / sequential ratio is inflated."""
-    batch_bench = script("batch_bench")
+    batch_bench = benchmark("batch_bench")
     import specdeploy
     from specdeploy.defaults import SHIPPED_BUNDLE
 
@@ -333,7 +284,7 @@ def test_batch_bench_every_timed_run_prefills_its_prompts(monkeypatch):
 def test_bench_hosts_genai_decode_rate_does_not_count_the_prefills_token(monkeypatch):
     """As in bench_peers: genai's first token comes out of append_tokens (the prefill, outside the timer), so
     counting it over the generate_next_token loop gives N tokens over N - 1 passes."""
-    bench_hosts = script("bench_hosts")
+    bench_hosts = benchmark("bench_hosts")
     og = _fake_onnxruntime_genai()
 
     class Config:
@@ -357,7 +308,7 @@ def test_real_models_time_ours_runs_on_two_threads_as_every_peer(monkeypatch):
     """The docstring and the table say 2 threads for every system (genai's config set to 2, llama-bench -t 2);
     ours loads with ONNX Runtime's default (one thread per physical core: 1 on the docs' VMs, 16 on a bigger
     host), so the ratios compare different thread counts."""
-    real_models = script("real_models")
+    real_models = benchmark("real_models")
     seen = {}
 
     class FakeGenerator:
@@ -382,7 +333,7 @@ def test_real_models_time_ours_runs_on_two_threads_as_every_peer(monkeypatch):
 def test_quant_sweep_keeps_what_the_work_folder_already_holds(tmp_path, monkeypatch):
     """docs/performance.md runs `real_models.py prepare --work WORK` and `quant_sweep.py HF_FOLDER WORK ...` with the
     same WORK; quant_sweep removed the whole folder (wheels, GGUF files, bundles) before writing its settings."""
-    quant_sweep = script("quant_sweep")
+    quant_sweep = benchmark("quant_sweep")
     work = tmp_path / "work"
     (work / "bundles").mkdir(parents=True)
     (work / "bundles" / "keep.txt").write_text("an export of an hour")
@@ -399,55 +350,23 @@ def test_quant_sweep_keeps_what_the_work_folder_already_holds(tmp_path, monkeypa
     assert (work / "bundles" / "keep.txt").read_text() == "an export of an hour"
 
 
-# --------------------------------------------------------------------------------- coupling_acceptance
-
-
-def test_coupling_acceptance_is_one_for_equal_distributions_and_zero_for_disjoint_ones():
-    torch = pytest.importorskip("torch")
-    coupling = script("coupling_acceptance")
-    generator = torch.Generator().manual_seed(0)
-    p = torch.log_softmax(torch.randn(3, 16, generator=generator), -1)
-    rejection, coupled = coupling.acceptances(p, p.clone(), 200, generator)
-    assert torch.allclose(rejection, torch.ones(3)) and torch.equal(coupled, torch.ones(3))
-    disjoint_p = torch.log(torch.tensor([[0.5, 0.5, 0.0, 0.0]]))
-    disjoint_q = torch.log(torch.tensor([[0.0, 0.0, 0.5, 0.5]]))
-    rejection, coupled = coupling.acceptances(disjoint_p, disjoint_q, 200, generator)
-    assert rejection.item() == 0.0 and coupled.item() == 0.0
-
-
-def test_coupling_acceptance_estimates_a_known_case_where_the_two_rules_differ():
-    # p = (1/2, 1/2, 0) and q = (0, 1/2, 1/2): the rejection rule keeps sum min(p, q) = 1/2; the coupled
-    # argmaxes agree only on token 1, which needs g1 above both g0 and g2: probability 1/3.
-    torch = pytest.importorskip("torch")
-    coupling = script("coupling_acceptance")
-    p, q = torch.log(torch.tensor([[0.5, 0.5, 0.0]])), torch.log(torch.tensor([[0.0, 0.5, 0.5]]))
-    rejection, coupled = coupling.acceptances(p, q, 200_000, torch.Generator().manual_seed(1))
-    assert rejection.item() == pytest.approx(0.5)
-    assert coupled.item() == pytest.approx(1 / 3, abs=0.006)
-
-
-@pytest.mark.parametrize("streamed", [True, False])
-def test_load_test_drives_a_real_server_and_compares_its_outputs(tmp_path, capsys, streamed):
-    """The whole path on the demo bundle: a server of ours started, answers read by the aiohttp clients, each
-    greedy output compared with the runtime's own. Streamed, every token is counted from the chunks' usage;
-    whole (--no-stream), from the answer's, and no time to first token or chunk figures are made up for it."""
+def test_load_test_drives_a_real_server_and_compares_its_outputs(tmp_path, capsys):
+    """The whole path on the demo bundle: a server of ours started, answers read by the package's clients, each
+    greedy output compared with the runtime's own (whole answers, --no-stream: test_load_test.py)."""
     from specdeploy.defaults import DEMO_DIR
 
-    load_test = script("load_test")
+    load_test = benchmark("load_test")
     out = tmp_path / "load.json"
     previous = signal.getsignal(signal.SIGTERM)  # main installs its own
     try:
         load_test.main([str(DEMO_DIR / "demo-bundle"), "--max-batch", "2", "--concurrency", "2", "--modes", "greedy",
                         "--max-tokens", "8", "--ignore-eos", "--requests-per-stream", "1", "--min-requests", "2",
-                        "--num-prompts", "2", "--json-out", str(out)] + ([] if streamed else ["--no-stream"]))
+                        "--num-prompts", "2", "--json-out", str(out)])
     finally:
         signal.signal(signal.SIGTERM, previous)
     report = json.loads(out.read_text())
     (cell,) = report["cells"]
     assert (cell["requests"], cell["failed"], cell["compared"], cell["altered"]) == (2, 0, 2, 0), cell
-    assert cell["generated_tokens"] == 16 and cell["latency_p50_s"] > 0 and report["stream"] is streamed
-    if streamed:
-        assert cell["usage_per_chunk"] and cell["ttft_p50_s"] > 0 and cell["tokens_per_chunk"] > 0
-    else:
-        assert cell["ttft_p50_s"] is None and cell["tokens_per_chunk"] is None and cell["itl_p50_ms"] is None
+    assert cell["generated_tokens"] == 16 and cell["latency_p50_s"] > 0 and report["stream"] is True
+    assert cell["usage_per_chunk"] and cell["ttft_p50_s"] > 0 and cell["tokens_per_chunk"] > 0
     assert "| code | greedy | 2 | batched (2) |" in capsys.readouterr().out

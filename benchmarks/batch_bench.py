@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """Batched decoding against one-at-a-time, in one process: aggregate tok/s of generate_many at each batch size.
 
-    python scripts/batch_bench.py BUNDLE --batch 1,2,4,8 --tokens 128 --rounds 2 [--setting "t0.8=temperature=0.8"]
+    python -m benchmarks.batch_bench BUNDLE --batch 1,2,4,8 --tokens 128 --rounds 2 [--setting "t0.8=temperature=0.8"]
         [--requests 64]
 
 For each batch size B and setting: B code prompts (specdeploy/data/code_prompts.json, cycled)

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Python function calls per decoding round: the interpreter's share of a step, counted, not timed.
 
 Loads a bundle, warms it, then generates with a profile hook that counts every call into a Python
@@ -6,8 +5,8 @@ function (`sys.setprofile`'s "call" events; C functions and NumPy's kernels are 
 divides by the scheduler's steps, by the rows' rounds the stats report (a step of n decoding rows
 is n rounds) and by the tokens. Run it from a checkout to count that checkout's code:
 
-    python scripts/step_calls.py BUNDLE --max-batch 1 --prompts 4 --max-new-tokens 64
-    python scripts/step_calls.py BUNDLE --max-batch 8 --prompts 8 --temperature 0.8 --json
+    python -m benchmarks.step_calls BUNDLE --max-batch 1 --prompts 4 --max-new-tokens 64
+    python -m benchmarks.step_calls BUNDLE --max-batch 8 --prompts 8 --temperature 0.8 --json
 """
 
 from __future__ import annotations

@@ -1,16 +1,15 @@
-#!/usr/bin/env python3
 """Ray Serve against single-process `specdeploy serve`, interleaved: the overhead of Ray's proxy at one
 stream, and replica layouts at higher concurrency.
 
 For each --layout REPLICASxTHREADS (default: 1x2, then 2x1 on a 2-core machine), this starts
 `specdeploy serve BUNDLE --replicas R --threads-per-replica T` on its own local Ray cluster, then runs
-scripts/load_test.py with that server as a --url beside the single-process server load_test starts
+benchmarks.load_test with that server as a --url beside the single-process server load_test starts
 itself (--max-batch, all threads), so every ratio comes from one interleaved run. The Ray server's
 outputs are compared with the runtime's like our own server's (greedy identical, seeded samples at one
 stream). Then the Ray server gets SIGTERM and the next layout starts.
 
-    .venv/bin/python scripts/ray_bench.py BUNDLE --layout 1x2 --concurrency 1 --repeat 3 --out ray-overhead
-    .venv/bin/python scripts/ray_bench.py BUNDLE --layout 1x2 --layout 2x1 --concurrency 1,2,4,8 --out ray-layouts
+    .venv/bin/python -m benchmarks.ray_bench BUNDLE --layout 1x2 --concurrency 1 --repeat 3 --out ray-overhead
+    .venv/bin/python -m benchmarks.ray_bench BUNDLE --layout 1x2 --layout 2x1 --concurrency 1,2,4,8 --out ray-layouts
 
 Writes OUT-LAYOUT.json and OUT-LAYOUT.md (load_test's tables) for each layout and prints them.
 """
@@ -19,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-from load_test import start_server  # noqa: E402
+from .servers import start_server, stop_server
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
@@ -37,32 +35,29 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1")
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--out", default="ray-bench")
-    parser.add_argument("--kinds", default="code", help="load_test.py's --kinds")
-    parser.add_argument("--modes", default="greedy,sampled", help="load_test.py's --modes")
-    parser.add_argument("--speculative", choices=("on", "off"), default="on", help="load_test.py's --speculative")
-    parser.add_argument("--num-prompts", default=None, help="load_test.py's --num-prompts")
+    parser.add_argument("--kinds", default="code", help="load_test's --kinds")
+    parser.add_argument("--modes", default="greedy,sampled", help="load_test's --modes")
+    parser.add_argument("--speculative", choices=("on", "off"), default="on", help="load_test's --speculative")
+    parser.add_argument("--num-prompts", default=None, help="load_test's --num-prompts")
     args = parser.parse_args()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # the servers' local clusters report nothing outside
     for layout in args.layout or ["1x2", "2x1"]:
         replicas, threads = (int(v) for v in layout.split("x"))
-        process, url = start_server(args.bundle, 64, args.max_batch,
-                                    ("--replicas", str(replicas), "--threads-per-replica", str(threads)))
+        process, url = start_server(args.bundle, "--max-queue", "64", "--max-batch", str(args.max_batch),
+                                    "--replicas", str(replicas), "--threads-per-replica", str(threads))
         try:
-            command = [sys.executable, str(ROOT / "scripts" / "load_test.py"), args.bundle, "--max-batch",
+            command = [sys.executable, "-m", "benchmarks.load_test", os.path.abspath(args.bundle), "--max-batch",
                        str(args.max_batch), "--url", url, "--name", f"ray ({replicas} x {threads} threads)",
                        "--concurrency", args.concurrency, "--repeat", str(args.repeat), "--ignore-eos",
-                       "--json-out", f"{args.out}-{layout}.json", "--markdown-out", f"{args.out}-{layout}.md",
+                       "--json-out", os.path.abspath(f"{args.out}-{layout}.json"),
+                       "--markdown-out", os.path.abspath(f"{args.out}-{layout}.md"),
                        "--kinds", args.kinds, "--modes", args.modes, "--speculative", args.speculative,
                        *(["--num-prompts", args.num_prompts] if args.num_prompts else [])]
             subprocess.run(command, check=True, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
                            stdout=subprocess.DEVNULL)
             print(f"## {layout}\n\n{Path(f'{args.out}-{layout}.md').read_text()}")
         finally:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(120)
-            except subprocess.TimeoutExpired:
-                process.kill()
+            stop_server(process, 120)
 
 
 if __name__ == "__main__":
