@@ -9,8 +9,9 @@ from pathlib import Path
 import click
 
 from . import defaults
-from .cli_input import run_request
-from .cli_options import DEFAULTS, LOAD_OPTIONS, PENALTY_OPTIONS, SAMPLING_OPTIONS, SEED, TEXT, resolve_bundle
+from .cli_input import read_constraint, run_request
+from .cli_options import (CONSTRAINT_OPTIONS, DEFAULTS, LOAD_OPTIONS, PENALTY_OPTIONS, SAMPLING_OPTIONS, SEED, TEXT,
+                          resolve_bundle)
 from .cli_support import (DEBUG_HELP, EXIT_INTERRUPTED, ErrorMappingGroup, checked_generation, end_text, format_stats,
                           note_debug, parse_draft_tokens, parse_prompt_tokens, require_chat_template, require_export_extra,
                           stream_text, export_with_progress as _export)
@@ -177,6 +178,7 @@ def verify(ctx, bundle, lossless, runs, max_new_tokens, prompts_file, seed, as_j
 @click.option("--max-new-tokens", type=int, default=128, show_default=True, help="Tokens to generate at most.")
 @SAMPLING_OPTIONS
 @PENALTY_OPTIONS
+@CONSTRAINT_OPTIONS
 @click.option("--num-draft-tokens", "-k", type=int, default=DEFAULTS.num_draft_tokens, show_default=True,
               help="Draft tokens per round at most (the policy may draft fewer where that is faster).")
 @click.option("--no-speculative", is_flag=True, help="Target-only decoding (the baseline).")
@@ -188,7 +190,7 @@ def verify(ctx, bundle, lossless, runs, max_new_tokens, prompts_file, seed, as_j
               help="With --json: each token's log-probability under the target and the N most likely tokens (0-20).")
 def run(bundle, prompt, prompt_file, chat, system, messages_file, max_new_tokens, temperature, top_k, top_p, min_p,
         repetition_penalty, seed, num_draft_tokens, draft_confidence, no_speculative, stop, device, drafter, verify,
-        exact, stream, as_json, logprobs, presence_penalty, frequency_penalty) -> None:
+        exact, stream, as_json, logprobs, presence_penalty, frequency_penalty, json_schema, regex, grammar) -> None:
     """Generate from a prompt (--prompt, --prompt-file) or a conversation (--chat, --messages) with
     speculative decoding (BUNDLE defaults to the demo bundle).
 
@@ -203,7 +205,7 @@ def run(bundle, prompt, prompt_file, chat, system, messages_file, max_new_tokens
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                    repetition_penalty=repetition_penalty, seed=seed, num_draft_tokens=num_draft_tokens, draft_confidence=draft_confidence,
                    speculative=not no_speculative, stop=stop, logprobs=logprobs, presence_penalty=presence_penalty,
-                   frequency_penalty=frequency_penalty)
+                   frequency_penalty=frequency_penalty, **read_constraint(json_schema, regex, grammar))
     checked_generation(**options)
     generator = load(bundle := resolve_bundle(bundle), device=device, drafter=drafter, verify=verify, exact=exact)
     if "messages" in request:
@@ -251,6 +253,7 @@ def run(bundle, prompt, prompt_file, chat, system, messages_file, max_new_tokens
 @click.option("--max-new-tokens", type=int, default=256, show_default=True, help="Tokens per reply at most.")
 @SAMPLING_OPTIONS
 @PENALTY_OPTIONS
+@CONSTRAINT_OPTIONS
 @click.option("--num-draft-tokens", "-k", type=int, default=DEFAULTS.num_draft_tokens, show_default=True,
               help="Draft tokens per round at most (the policy may draft fewer where that is faster).")
 @click.option("--no-speculative", is_flag=True, help="Target-only decoding (the baseline).")
@@ -259,7 +262,7 @@ def run(bundle, prompt, prompt_file, chat, system, messages_file, max_new_tokens
 @click.option("--stats", is_flag=True, help="Print the stats line (stderr) after each reply.")
 def chat(bundle, system, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed,
          num_draft_tokens, draft_confidence, no_speculative, stop, device, drafter, verify, exact, stats, presence_penalty,
-         frequency_penalty) -> None:
+         frequency_penalty, json_schema, regex, grammar) -> None:
     """Chat with a bundle on its tokenizer's chat template, the reply streaming as it decodes
     (BUNDLE defaults to the demo bundle).
 
@@ -274,7 +277,7 @@ def chat(bundle, system, max_new_tokens, temperature, top_k, top_p, min_p, repet
                                     min_p=min_p, repetition_penalty=repetition_penalty, seed=seed,
                                     num_draft_tokens=num_draft_tokens, draft_confidence=draft_confidence,
                                     speculative=not no_speculative, stop=stop, presence_penalty=presence_penalty,
-                                    frequency_penalty=frequency_penalty)
+                                    frequency_penalty=frequency_penalty, **read_constraint(json_schema, regex, grammar))
     bundle = resolve_bundle(bundle)
     generator = load(bundle, device=device, drafter=drafter, verify=verify, exact=exact)
     require_chat_template(generator, bundle, "use run --prompt")

@@ -66,6 +66,13 @@ def read_text_file(path: str, option: str) -> str:
     return strict_utf8(data, f"{option} {path}")
 
 
+def read_constraint(json_schema: str | None, regex: str | None, grammar: str | None) -> dict:
+    """--json-schema FILE, --regex TEXT, --grammar FILE as GenerationConfig's constraint fields (only those given)."""
+    fields = {"json_schema": read_text_file(json_schema, "--json-schema") if json_schema is not None else None,
+              "regex": regex, "grammar": read_text_file(grammar, "--grammar") if grammar is not None else None}
+    return {name: value for name, value in fields.items() if value is not None}
+
+
 def bench_prompts(prompts_file: str | None, prompt_file: str | None) -> list[str]:
     """bench's prompts: --prompts' list, --prompt-file's one text, or the built-in code prompts."""
     from .bench import builtin_prompts

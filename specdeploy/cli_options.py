@@ -38,6 +38,14 @@ PENALTY_OPTIONS = combine_options(
     click.option("--frequency-penalty", type=float, default=DEFAULTS.frequency_penalty, show_default=True,
                  help="Subtracted per occurrence among the tokens generated so far (OpenAI's); -2..2, 0 is off."),
 )
+# A constraint on the output, for `run` and `chat`: one of them (runtime/constraint.py).
+CONSTRAINT_OPTIONS = combine_options(
+    click.option("--json-schema", type=click.Path(dir_okay=False), default=None,
+                 help="Hold the output to the JSON schema in this file (the output is one JSON value)."),
+    click.option("--regex", type=TEXT, default=None, help="Hold the output to this regular expression (all of it matches)."),
+    click.option("--grammar", type=click.Path(dir_okay=False), default=None,
+                 help="Hold the output to the grammar in this file: Lark (llguidance's) or GBNF (llama.cpp's)."),
+)
 # How `run`, `bench` and `serve` load a bundle.
 DEVICE_OPTION = click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True,
                              help="Where the models run (cuda and tensorrt need onnxruntime-gpu).")

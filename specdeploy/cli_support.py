@@ -229,6 +229,8 @@ def format_stats(stats) -> str:
     if stats.drafted:
         line += (f", acceptance {stats.acceptance_rate:.2f}, {stats.mean_accepted_tokens:.2f} tokens/round over "
                  f"{stats.rounds} rounds, by position {stats.accepted_by_position}")
+    if stats.forced_tokens:
+        line += f", {stats.forced_tokens} forced by the constraint"
     exact = ", exact" if stats.exact else ""
     return line + (f"; draft {stats.draft_ms:.0f} ms, target {stats.target_ms:.0f} ms, other {stats.other_ms:.0f} ms "
                    f"[{stats.finish_reason}{exact}]")

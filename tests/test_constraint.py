@@ -13,6 +13,7 @@ from scipy import stats as scipy_stats
 import specdeploy
 from specdeploy.errors import SpecdeployError
 from specdeploy.runtime.sampling import SamplingParams, process_logits
+from test_serve import chat_bundle  # noqa: F401 (fixture)
 
 PROMPT = "def f(x):"
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "size": {"type": "integer"}},
@@ -28,8 +29,8 @@ def reference_greedy(generator, prompt_ids: list[int], grammar: str, max_new_tok
     import llguidance
     from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
-    compiler = generator._constraint_compiler()
-    matcher = llguidance.LLMatcher(compiler._llg_tokenizer(), grammar, log_level=0)
+    compiler = generator.constraint_compiler()
+    matcher = llguidance.LLMatcher(compiler.llg_tokenizer(), grammar, log_level=0)
     vocab = generator.target.spec.vocab_size
     bitmask = allocate_token_bitmask(1, vocab)
     tokens: list[int] = []
@@ -92,11 +93,11 @@ def test_sampled_constrained_speculative_matches_the_constrained_target_distribu
     prompt_ids = generator.codec.encode(PROMPT)
     regex = r"[a-z]{1,3}[ (][a-z]+"
     params = SamplingParams(temperature=1.0, top_k=3)
-    compiler = generator._constraint_compiler()
+    compiler = generator.constraint_compiler()
     grammar = grammar_of(regex=regex)
 
     def probs(tokens: list[int]) -> np.ndarray:  # [vocab] the constrained target's distribution after tokens
-        matcher = llguidance.LLMatcher(compiler._llg_tokenizer(), grammar, log_level=0)
+        matcher = llguidance.LLMatcher(compiler.llg_tokenizer(), grammar, log_level=0)
         assert all(matcher.consume_token(t) for t in tokens)
         from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
         bitmask = allocate_token_bitmask(1, generator.target.spec.vocab_size)
@@ -152,3 +153,28 @@ def test_a_bad_constraint_is_one_error(agreeing_bundle, constraint, message):
     with pytest.raises(SpecdeployError, match=re.escape(message)) as error:
         generator.generate(PROMPT, max_new_tokens=4, **constraint)
     assert "\n" not in str(error.value)
+
+
+def test_run_and_chat_take_a_constraint_from_their_flags(agreeing_bundle, chat_bundle, tmp_path):
+    from click.testing import CliRunner
+
+    from specdeploy.cli import main
+
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(SCHEMA))
+    grammar_file = tmp_path / "list.gbnf"
+    grammar_file.write_text(GBNF)
+    runner = CliRunner()
+    result = runner.invoke(main, ["run", str(agreeing_bundle), "--prompt", PROMPT, "--json-schema", str(schema_file),
+                                  "--max-new-tokens", "200", "--no-stream"])
+    assert result.exit_code == 0, result.output
+    assert set(json.loads(result.stdout)) == {"name", "size"} and "forced by the constraint" in result.stderr
+    result = runner.invoke(main, ["run", str(agreeing_bundle), "--prompt", PROMPT, "--grammar", str(grammar_file)])
+    assert result.exit_code == 0 and re.fullmatch(r"x = [0-9]{1,2}(,[0-9]{1,2})*", result.stdout), result.output
+    result = runner.invoke(main, ["chat", str(chat_bundle), "--regex", REGEX], input="hello\n")
+    assert result.exit_code == 0 and re.search(REGEX, result.stdout), result.output
+    for args, message in ((["--regex", "("], "error: regex: "), (["--regex", "a", "--json-schema", str(schema_file)],
+                          "error: one constraint at a time"), (["--grammar", str(tmp_path / "none")], "--grammar")):
+        result = runner.invoke(main, ["run", str(agreeing_bundle), "--prompt", PROMPT, *args])
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+        assert result.exit_code == 2 and len(errors) == 1 and message in errors[0], result.output
