@@ -1,7 +1,7 @@
 """Seed prompts the target writes its own training text from: chat requests and code openings.
 
 The held-out ones are never trained on; none of them is a prompt of the benchmarks
-(specdeploy/data/code_prompts.json, scripts/), so an acceptance measured there stays held out.
+(specdeploy/data/code_prompts.json, benchmarks/), so an acceptance measured there stays held out.
 """
 
 CHAT = (

@@ -13,8 +13,8 @@ differently from llama.cpp (and from the model's own training):
 
 So the export rebuilds those parts from the GGUF metadata, as llama.cpp's llama-vocab.cpp tokenizes
 (llama.cpp of llama-cpp-python 0.3.36), and keeps the rest of transformers' file (added tokens,
-post-processor). scripts/gguf_tokenizers.py checks the result against llama.cpp's own test vectors
-and against llama-server on the real models.
+post-processor). Checked against llama.cpp's own test vectors and llama-server on the real models
+(docs/performance.md, "Tokenization against llama.cpp").
 """
 
 from __future__ import annotations
