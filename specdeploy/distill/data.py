@@ -142,7 +142,7 @@ def generate(target, prompt_list: list[tuple[str, list[int]]], budget: int, seed
         new = min(MAX_NEW_TOKENS, max(16, -(-(budget - produced) // len(batch))))
         torch.manual_seed(seed + start)
         options = dict(do_sample=True, **SAMPLING) if sample else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-        watch = _Watch(width, produced, budget, deadline, report)
+        watch = _Watch(len(batch), produced, budget, deadline, report, eos)
         with torch.no_grad():
             out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=1,
                                  pad_token_id=pad, stopping_criteria=StoppingCriteriaList([watch]), **options)
@@ -162,19 +162,23 @@ def generate(target, prompt_list: list[tuple[str, list[int]]], budget: int, seed
 
 class _Watch:
     """transformers' stopping-criteria hook (called after every generated token): a progress report every
-    PROGRESS_EVERY_S seconds, and the batch's end at the deadline."""
+    PROGRESS_EVERY_S seconds (each row's tokens counted up to its end token, as the documents will hold
+    them), and the batch's end at the deadline."""
 
-    def __init__(self, width: int, produced: int, budget: int, deadline: float | None, report) -> None:
-        self.width, self.produced, self.budget, self.deadline, self.report = width, produced, budget, deadline, report
+    def __init__(self, rows: int, produced: int, budget: int, deadline: float | None, report, eos: set[int]) -> None:
+        self.produced, self.budget, self.deadline, self.report = produced, budget, deadline, report
+        self.eos = np.array(sorted(eos), dtype=np.int64)
+        self.lengths, self.ended = np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=bool)  # [rows]
         self.last, self.stopped = time.monotonic(), False
 
     def __call__(self, input_ids, scores, **kwargs):  # input_ids: [rows, width + generated]
         import torch
 
+        self.lengths += ~self.ended
+        self.ended |= np.isin(input_ids[:, -1].cpu().numpy(), self.eos)
         now = time.monotonic()
         if self.report and now - self.last >= PROGRESS_EVERY_S:
-            rows, generated = input_ids.shape[0], input_ids.shape[1] - self.width
-            self.report(min(self.budget, self.produced + rows * generated), self.budget)
+            self.report(min(self.budget, self.produced + int(self.lengths.sum())), self.budget)
             self.last = now
         self.stopped = self.deadline is not None and now >= self.deadline
         return torch.full((input_ids.shape[0],), self.stopped, dtype=torch.bool, device=input_ids.device)
