@@ -7,7 +7,7 @@ on as if it had never been there; only a failed batched pass fails the rows it r
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -28,8 +28,9 @@ class DraftRequest:
     rng: np.random.Generator
     min_confidence: float = 0.0
 
-    def propose(self) -> Proposal:
-        return self.drafter.propose(self.context, self.num_tokens, self.sampler, self.rng, self.min_confidence)
+    def propose(self, drafter: Drafter | None = None) -> Proposal:
+        """drafter (default: the request's own; a hybrid's model drafter where its lookup found nothing).propose."""
+        return (drafter or self.drafter).propose(self.context, self.num_tokens, self.sampler, self.rng, self.min_confidence)
 
 
 def propose_many(requests: list[DraftRequest], steps: list[tuple[int, float]] | None = None) -> list[Proposal | Exception]:
@@ -51,14 +52,14 @@ def propose_many(requests: list[DraftRequest], steps: list[tuple[int, float]] | 
             if isinstance(found, Exception) or found[0]:
                 results[index] = found
                 continue
-            request = replace(request, drafter=drafter.model_drafter)
-        if getattr(request.drafter, "batched", False):
-            model_rows.append((index, request))
+            drafter = drafter.model_drafter
+        if getattr(drafter, "batched", False):
+            model_rows.append((index, request, drafter))
         else:
-            results[index] = _own(request.propose)
+            results[index] = _own(request.propose, drafter)
     if len(model_rows) == 1:
-        index, request = model_rows[0]
-        results[index] = _own(request.propose)
+        index, request, drafter = model_rows[0]
+        results[index] = _own(request.propose, drafter)
     elif model_rows:
         _propose_model_rows(model_rows, results, steps)
     return results
@@ -72,12 +73,13 @@ def _own(work, *arguments, **keywords):
         return exc
 
 
-def _propose_model_rows(model_rows: list[tuple[int, DraftRequest]], results: list,
+def _propose_model_rows(model_rows: list[tuple[int, DraftRequest, Drafter]], results: list,
                         steps: list[tuple[int, float]] | None) -> None:
-    engine = model_rows[0][1].drafter.engine
+    """model_rows: (index, request, the model drafter that proposes for it)."""
+    engine = model_rows[0][2].engine
     rows, indices = [], {}
-    for index, request in model_rows:
-        row = _own(request.drafter.start_row, request.context, request.num_tokens, request.sampler, request.rng,
+    for index, request, drafter in model_rows:
+        row = _own(drafter.start_row, request.context, request.num_tokens, request.sampler, request.rng,
                    request.min_confidence)
         if isinstance(row, DraftRow):
             if row.logits is not None:

@@ -334,8 +334,6 @@ def kernel_rows(array: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(array, dtype=FLOAT32)
 
 
-
-
 BLOCK = 64
 
 

@@ -99,6 +99,7 @@ class Sequence:
         self.logprobs: list[TokenLogprob] | None = [] if config.logprobs is not None else None
         self.pieces: list[str] = []  # text that is ready and nobody has taken yet (see take_pieces)
         self.finish_reason: str | None = None
+        self.finished = False  # finish() sets it, with finish_reason (an attribute: the scheduler reads it every step)
         self.ended_at = [0] * (config.num_draft_tokens + 1)  # [i]: rounds that accepted exactly i draft tokens
         self.lengths = [0] * (config.num_draft_tokens + 1)  # [i]: rounds that drafted exactly i tokens (the policy may cut k)
         # [i]: rounds whose i-th draft token was tested (drafted, and every one before it kept), and kept
@@ -260,7 +261,7 @@ class Sequence:
         """End the sequence (eos | length | stop | interrupted | cancelled | error); its stats are settled here."""
         if self.finish_reason is not None:
             return
-        self.finish_reason = reason
+        self.finish_reason, self.finished = reason, True
         stats = self.stats
         if self.text is not None:
             piece = self.text.finish()
@@ -282,10 +283,6 @@ class Sequence:
         if reason == "length" and self.budget < self.config.max_new_tokens:
             stats.note = (f"stopped at the bundle's max context of {self.max_context} tokens "
                           f"(prompt {len(self.prompt_ids)} + {self.budget} new)")
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
     def take_pieces(self) -> list[str]:
         """The text pieces that became ready since the last call (streaming sequences)."""
