@@ -247,3 +247,16 @@ def test_an_id_difference_is_shown_where_the_readings_part():
     line = th.compare(th.Reading((want,), ("x",)), th.Reading((got,), ("x",)), ("naive text",))
     assert line == ('encodes "naive text" as [..., 110, 111, -1, -1, 113, 114, 115, 116, 117, 118, ...] '
                     'where tokenizers gives [..., 110, 111, 112, 113, 114, 115, 116, 117, 118, 119] (1 of 1 samples differ)')
+
+
+@needs_genai
+def test_check_bundle_reports_a_host_that_is_not_installed_in_its_line(bundles, tmp_path):
+    """A host not installed (no node packages here) has no reading: its line says "not checked" and why, and
+    the export goes on."""
+    bundle = shutil.copytree(bundles("llama"), tmp_path / "bundle")
+    lines = []
+    manifest = th.check_bundle(put_tokenizer(bundle, build_folder(tmp_path / "hybrid", "hybrid")), bundle,
+                               report=lambda stage, detail: lines.append(detail), node_dir=tmp_path / "no-node-host")
+    assert manifest.tokenizer.hosts["node"].status == "not checked"
+    assert any(line.startswith("tokenizer under node: not checked: ") for line in lines), lines
+    assert any(line.startswith("tokenizer under genai: repaired: read alike with ") for line in lines), lines

@@ -230,7 +230,8 @@ def check_bundle(manifest: Manifest, root: Path, report: Callable[[str, str], No
         if genai is not None:
             genai = dataclasses.replace(genai, files=renew(genai.files))
     for host, record in result.hosts.items():  # a result beside its reason, in brief (`inspect` shows it whole)
-        report("validate", f"tokenizer under {host}: {_brief(record, result.after[host].problem, result.repair)}")
+        after = result.after.get(host)  # none for a host not checked (not installed)
+        report("validate", f"tokenizer under {host}: {_brief(record, after and after.problem, result.repair)}")
     genai_record = result.hosts["genai"]
     if genai is not None and genai_record.status == "unsupported" and (genai.speculative or genai.target_only):
         note = (f"onnxruntime-genai's tokenizer reads tokenizer.json differently ({genai_record.reason}): "
