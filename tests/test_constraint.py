@@ -178,3 +178,32 @@ def test_run_and_chat_take_a_constraint_from_their_flags(agreeing_bundle, chat_b
         result = runner.invoke(main, ["run", str(agreeing_bundle), "--prompt", PROMPT, *args])
         errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
         assert result.exit_code == 2 and len(errors) == 1 and message in errors[0], result.output
+
+
+@pytest.mark.parametrize("bundle_name", ["eagle_bundle", "subset_bundle"])
+def test_drafts_that_read_target_features_or_cover_a_vocabulary_subset(request, bundle_name):
+    """An eagle head needs the target's features at every position, so no token is forced past it; a draft
+    over a vocabulary subset stops proposing where the constraint allows none of its tokens (sampled rows
+    would have no distribution). Greedy: the constrained target-only output; sampled: valid and complete."""
+    generator = specdeploy.load(request.getfixturevalue(bundle_name), drafter="model")
+    prompt_ids = generator.codec.encode(PROMPT)
+    expected = reference_greedy(generator, prompt_ids, grammar_of(json_schema=SCHEMA), 120)
+    for k in (2, 4):
+        assert generator.generate(prompt_ids, max_new_tokens=120, json_schema=SCHEMA, num_draft_tokens=k).token_ids \
+            == expected
+    for seed in range(3):
+        out = generator.generate(prompt_ids, max_new_tokens=200, json_schema=SCHEMA, temperature=1.0, seed=seed)
+        assert out.stats.finish_reason == "eos" and set(json.loads(out.text)) == {"name", "size"}, out.text
+
+
+def test_a_constraint_ended_by_an_end_of_turn_the_request_does_not_stop_at_stops_there(chat_bundle):
+    """The matcher may end at the chat template's end of turn; a prompt request stops only at the bundle's EOS
+    ids. Where they differ, the generation stops once the constraint has taken its end token, not at
+    max_new_tokens."""
+    generator = specdeploy.load(chat_bundle)
+    assert generator.end_of_turn_ids
+    generator.eos_token_ids = frozenset()  # this bundle's end of turn is its EOS: make them differ
+    for seed in range(3):
+        out = generator.generate(PROMPT, max_new_tokens=60, regex=REGEX, temperature=1.0, seed=seed)
+        assert out.stats.finish_reason == "stop" and out.stats.new_tokens < 60, out.token_ids
+        assert re.fullmatch(REGEX, generator.codec.decode(out.token_ids[:-1])), out.text

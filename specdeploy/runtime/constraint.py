@@ -119,6 +119,7 @@ class Constraint:
         from llguidance.numpy import allocate_token_bitmask
 
         self.matcher, self.vocab_size = matcher, vocab_size
+        self.ended = False  # it consumed an end token: it takes nothing more
         # End tokens are never consumed tentatively: a generation ends at one, and a matcher rolled back
         # over one does not return to where it was.
         self.end_ids = frozenset(end_ids)
@@ -151,7 +152,8 @@ class Constraint:
         for token in extras[common:]:
             if not 0 <= token < self.vocab_size or self._masks[-1][token] or token in self.end_ids:
                 return None
-            self.matcher.consume_token(token)
+            if not self.matcher.consume_token(token):  # allowed, yet refused: the row is treated as unreachable
+                return None
             self._ahead.append(token)
             self._masks.append(self._mask_here())
         return self._masks[len(extras)]
@@ -198,6 +200,7 @@ class Constraint:
                 raise SpecdeployError(f"the constraint refused token {token} it had allowed: "
                                       f"{self.matcher.get_error().splitlines()[0]}")
             if token in self.end_ids:
+                self.ended = True
                 return count + 1
         return len(tokens)
 

@@ -32,6 +32,9 @@ MAX_NGRAM = 3  # the longest n-gram prompt lookup matches
 
 class Drafter(Protocol):
     engine: OrtEngine | None  # the draft model it runs, if any (timed by the generator)
+    # It reads the target's features at every position (an eagle head): every token of the context must
+    # have run through the target (a constraint forces none past it).
+    reads_target_features: bool
 
     def propose(
         self, context: list[int], num_tokens: int, sampler: Sampler, rng: np.random.Generator,
@@ -73,6 +76,7 @@ class ModelDrafter:
     vocab_ids: the token of each of the draft's logits columns (None: all of the vocabulary)."""
 
     batched = True  # draft_rows.propose_many steps several of these together
+    reads_target_features = False
 
     def __init__(self, engine: OrtEngine, capacity: int, cache=None, vocab_ids: np.ndarray | None = None):
         self.engine = engine
@@ -207,6 +211,10 @@ class DraftRow:
         """Choose the next token from self.logits; False once the row has proposed all it will (else the
         token is `pending`, for the next pass)."""
         sampler, logits, tokens = self.sampler, self.logits, self.tokens
+        if sampler.constraint is not None and self.drafter.vocab_ids is not None:
+            disallowed = sampler.constraint.disallowed(tokens)  # a draft over a vocabulary subset may have no token
+            if disallowed is None or disallowed[self.drafter.vocab_ids].all():  # the constraint allows: stop here
+                return False
         if self._rows is None:
             token = sampler.argmax(logits, tokens)
             tokens.append(token)
@@ -240,6 +248,7 @@ class PromptLookupDrafter:
     follows one sequence from prefill on (its context only grows); prefill starts a new index."""
 
     engine = None  # no model to run
+    reads_target_features = False
 
     def __init__(self, vocab_size: int, max_ngram: int = MAX_NGRAM, min_ngram: int = 1):
         self.vocab_size = vocab_size
@@ -319,6 +328,7 @@ class HybridDrafter:
     def __init__(self, model_drafter: ModelDrafter, lookup: PromptLookupDrafter, sampled_ngram: int = 3):
         self.engine = model_drafter.engine
         self.model_drafter = model_drafter
+        self.reads_target_features = model_drafter.reads_target_features
         self.lookup = lookup
         self.sampled_ngram = min(max(sampled_ngram, lookup.min_ngram), lookup.max_ngram)
 

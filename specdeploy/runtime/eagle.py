@@ -22,6 +22,8 @@ class EagleDrafter(ModelDrafter):
     """A ModelDrafter whose passes also take feature rows: the target's for the positions it has
     verified, the head's own for the ones it drafts. Each slot's drafter reads that slot's target cache."""
 
+    reads_target_features = True
+
     def __init__(self, engine, capacity: int, cache=None, vocab_ids: np.ndarray | None = None, target_cache=None):
         super().__init__(engine, capacity, cache, vocab_ids)
         if self.cache.features is None:

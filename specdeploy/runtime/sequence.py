@@ -100,6 +100,9 @@ class Sequence:
         self.pieces: list[str] = []  # text that is ready and nobody has taken yet (see take_pieces)
         self.finish_reason: str | None = None
         self.finished = False  # finish() sets it, with finish_reason (an attribute: the scheduler reads it every step)
+        # A constraint's forced tokens are appended without a pass, unless the drafter reads the target's
+        # features of every position (an eagle head): then each token runs through the target (bind sets it).
+        self.forcing = True
         self.ended_at = [0] * (config.num_draft_tokens + 1)  # [i]: rounds that accepted exactly i draft tokens
         self.lengths = [0] * (config.num_draft_tokens + 1)  # [i]: rounds that drafted exactly i tokens (the policy may cut k)
         # [i]: rounds whose i-th draft token was tested (drafted, and every one before it kept), and kept
@@ -116,6 +119,7 @@ class Sequence:
         self.admitted_at = time.perf_counter()
         self.drafter = slot.drafter if self.config.speculative else None
         self._draft_prefilled = self.drafter is None
+        self.forcing = not getattr(self.drafter, "reads_target_features", False)  # a drafter of its own may not say
 
     # -- prefill ---------------------------------------------------------------------------------------
 
@@ -221,10 +225,12 @@ class Sequence:
         constrained target, so no pass chooses it (the next pass computes its cache entry). With logprobs
         asked for, every token keeps its row in a pass, and none is forced."""
         while self.finish_reason is None:
-            if constraint.done and self.config.ignore_eos:  # complete: only an end token, which it ignores, may follow
+            # Complete: it took an end token this sequence does not stop at (a chat template's end of turn in a
+            # prompt request), or only end tokens may follow and the request ignores them.
+            if constraint.ended or (constraint.done and self.config.ignore_eos):
                 self.finish("stop")
                 return
-            token = None if self.logprobs is not None else constraint.forced()
+            token = None if self.logprobs is not None or not self.forcing else constraint.forced()
             if token is None:
                 return
             constraint.commit([token])
