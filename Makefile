@@ -40,15 +40,13 @@ install: $(VENV)/.installed
 lock: | $(BIN)/python
 	$(BIN)/python scripts/lock.py
 
-$(DEMO_GGUF): | $(BIN)/python
-	$(BIN)/python scripts/fetch_demo_model.py $@
-
 # The bench asks the 10 built-in code prompts as chat messages: prompt lookup, the drafter of a bundle
 # of one model, pays where an answer repeats its context, as code does.
-demo: $(VENV)/.installed $(DEMO_GGUF)
+# The model is fetched (once: scripts/fetch_demo_model.py keeps a file already there) only to export it.
+demo: $(VENV)/.installed
 	@bundle=$$($(BIN)/python -c 'from specdeploy.defaults import default_bundle; print(default_bundle())'); \
 	if [ -e "$$bundle/specdeploy.json" ]; then echo "make demo: running the default bundle already in $$bundle" >&2; \
-	else $(BIN)/specdeploy export --target $(DEMO_GGUF) || exit 1; fi
+	else $(BIN)/python scripts/fetch_demo_model.py $(DEMO_GGUF) && $(BIN)/specdeploy export --target $(DEMO_GGUF) || exit 1; fi
 	$(BIN)/specdeploy run --chat '$(DEMO_QUESTION)' --max-new-tokens 128
 	$(BIN)/specdeploy bench --chat --max-new-tokens 128
 	@echo "specdeploy is in $(BIN)/: '. $(BIN)/activate' puts it on this shell's PATH" >&2

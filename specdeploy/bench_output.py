@@ -43,7 +43,7 @@ def print_bench(report: dict) -> None:
     add("tokens/s", f"{base['tokens_per_s']:.1f}", lambda r: f"{r['speculative']['tokens_per_s']:.1f}")
     add("speedup", "1.00", lambda r: f"{r['speedup']:.2f}")
     generations = report["prompts"] * report["repeat"]
-    add("same text as target-only", "", lambda r: "" if r.get("identical_count") is None else f"{r['identical_count']}/{generations}")
+    add("same tokens as target-only", "", lambda r: "" if r.get("identical_count") is None else f"{r['identical_count']}/{generations}")
     add("acceptance rate", "", lambda r: f"{r['acceptance_rate']:.2f}")
     add("tokens per round", "1.00", lambda r: f"{r['mean_accepted_tokens']:.2f}")
     add("accepted by position", "", lambda r: " ".join("-" if rate is None else f"{rate:.2f}"
