@@ -207,3 +207,17 @@ def test_a_constraint_ended_by_an_end_of_turn_the_request_does_not_stop_at_stops
         out = generator.generate(PROMPT, max_new_tokens=60, regex=REGEX, temperature=1.0, seed=seed)
         assert out.stats.finish_reason == "stop" and out.stats.new_tokens < 60, out.token_ids
         assert re.fullmatch(REGEX, generator.codec.decode(out.token_ids[:-1])), out.text
+
+
+def test_a_constraint_compiled_once_gives_each_sequence_a_matcher_of_its_own(agreeing_bundle):
+    """The compiler keeps a compiled constraint and hands out copies: two sequences of one schema advance apart."""
+    from specdeploy.runtime.constraint import ConstraintSpec
+
+    compiler = specdeploy.load(agreeing_bundle).constraint_compiler()
+    spec = ConstraintSpec("regex", REGEX)
+    first, second = compiler.constraint(spec), compiler.constraint(spec)
+    assert first.matcher is not second.matcher
+    start = second.disallowed(()).copy()
+    token = int(np.flatnonzero(~start)[0])
+    first.commit([token])
+    assert np.array_equal(second.disallowed(()), start) and not np.array_equal(first.disallowed(()), start)

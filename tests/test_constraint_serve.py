@@ -70,12 +70,12 @@ def test_constrained_requests_beside_free_ones_each_match_their_constraint(serve
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"guided_regex": "(unclosed"}, "response_format"),
+    ({"guided_regex": "(unclosed"}, "guided_regex"),
     ({"guided_regex": "a", "guided_json": SCHEMA}, "guided_regex"),
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
     ({"grammar": 5}, "grammar"),
-    ({"json_schema": "[1, 2]"}, "response_format"),
+    ({"json_schema": "[1, 2]"}, "json_schema"),
 ], ids=["bad-regex", "two", "unknown-type", "no-schema", "grammar-type", "schema-not-object"])
 def test_a_bad_constraint_is_a_400_naming_it(server, body, param):
     response = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4, **body})

@@ -266,7 +266,7 @@ def _prepare(service: Service, parsed: GenerationRequest) -> tuple[list[int], di
     try:  # compiled here, on this thread, so that a constraint the library refuses is the client's 400
         generator.check_constraint(options)
     except SpecdeployError as exc:
-        raise ApiError(400, str(exc), param="response_format") from None
+        raise ApiError(400, str(exc), param=parsed.constraint_param) from None
     return ids, options
 
 

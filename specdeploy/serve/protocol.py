@@ -77,6 +77,7 @@ class GenerationRequest:
     include_usage: bool  # stream_options.include_usage: a last chunk carrying usage
     continuous_usage: bool  # stream_options.continuous_usage_stats (with include_usage): usage on every chunk
     chat: bool
+    constraint_param: str | None = None  # the request field that carried a constraint (a refused one's 400 names it)
 
 
 def parse_request(body, kind: str, num_draft_tokens: int, max_context: int) -> GenerationRequest:
@@ -100,9 +101,11 @@ def parse_request(body, kind: str, num_draft_tokens: int, max_context: int) -> G
     prompt = _messages(body) if kind == "chat" else _prompt(body)
     n = _choices(body, kind)
     options = _checked(_options(body, kind, num_draft_tokens, max_context))
+    constraint_param = next((name for name in ("response_format", *CONSTRAINTS) if body.get(name) is not None
+                             and body[name] != {"type": "text"}), None)
     return GenerationRequest(prompt=prompt, options=options, seeds=_seeds(body, options["seed"], n), stream=stream,
                              include_usage=include_usage, continuous_usage=include_usage and continuous_usage,
-                             chat=kind == "chat")
+                             chat=kind == "chat", constraint_param=constraint_param)
 
 
 def _choices(body: dict, kind: str) -> int:
