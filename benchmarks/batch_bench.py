@@ -16,8 +16,8 @@ Rounds repeat the whole grid in the same order; the table gives each cell's medi
 ratio to the sequential speculative figure of the same B and setting.
 
 First it prints the pass costs the largest batch's speculation policy measured at load (calibrate):
-a batched one-token step of n rows, a verify pass of one row, and a pass of each rows graph
-(runtime/rows.py) at each number of tokens per row.
+a batched one-token step of n rows, a verify pass of one row, and a pass of each packed graph
+(runtime/packed.py) at each number of tokens per row.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def print_costs(policy) -> None:
     print("| batched one-token step, n rows | " + " | ".join(f"{policy.target_ms.get(n, float('nan')):.1f}" for n in range(1, 9)) + " |")
     verify = [f"{policy.verify_ms[n]:.1f}" if n in policy.verify_ms else "" for n in range(1, 9)]
     print("| verify pass of one row, n tokens | " + " | ".join(verify) + " |")
-    for size, table in sorted(policy.rows_ms.items()):
+    for size, table in sorted(policy.packed_ms.items()):
         print(f"| {size}-row graph, n tokens per row | " + " | ".join(f"{table[size * n]:.1f}" if size * n in table else ""
                                                                     for n in range(1, 9)) + " |")
     print()

@@ -221,7 +221,7 @@ def test_batched_draft_steps_propose_what_a_sequence_alone_does(request, name):
 
 def test_a_long_prompts_head_prefill_keeps_pace_with_the_targets_chunks(eagle_bundle):
     """A prompt of several chunks joining a decoding row: the head prefills as far as the target's cache
-    holds features each iteration (its chunk rides in the rows pass after the head's step), never the
+    holds features each iteration (its chunk rides in the packed pass after the head's step), never the
     whole prompt at once, and the outputs are those each gives alone."""
     from specdeploy.runtime.session import PREFILL_CHUNK
 

@@ -206,7 +206,7 @@ def test_an_eagle_head_for_gemma3_round_trips(gemma3, tmp_path):
 
 
 def test_gemma3_verify_rows_share_one_pass_bit_for_bit(gemma3):
-    """Its sliding-window and global attention nodes split by rows as any (runtime/rows.py)."""
-    from test_rows import check_rows_pass
+    """Its sliding-window and global attention nodes split by rows as any (runtime/packed.py)."""
+    from test_packed import check_packed_pass
 
-    check_rows_pass(gemma3[1], {0: [5, 6, 7], 2: [9 + i % 40 for i in range(20)], 3: [8, 8]})
+    check_packed_pass(gemma3[1], {0: [5, 6, 7], 2: [9 + i % 40 for i in range(20)], 3: [8, 8]})

@@ -303,24 +303,24 @@ def test_draft_steps_are_timed_without_the_catch_ups_before_them(agreeing_bundle
     assert all(seconds > 0 for _, seconds in steps)
 
 
-def test_a_rounds_rows_share_one_packed_rows_pass_where_that_costs_less():
-    """A rows pass costs the tokens it runs (packed, a filler token per idle row): one verify row of 5
-    tokens beside 7 target-only rows is a 12-token pass, cheaper than its own pass plus a rows pass of
+def test_a_rounds_rows_share_one_packed_pass_where_that_costs_less():
+    """A packed pass costs the tokens it runs (every row's, and a filler token per idle row): one verify row of 5
+    tokens beside 7 target-only rows is a 12-token pass, cheaper than its own pass plus a packed pass of
     the 7; an fp32 target's plain rows never join one."""
     policy = SpeculationPolicy("auto")
-    policy.rows_sizes, policy.single_rows = [2, 4, 8], True
+    policy.packed_sizes, policy.single_packed = [2, 4, 8], True
     policy.verify_ms.update({2: 10.0, 5: 16.0})
     policy.target_ms.update({7: 70.0, 8: 80.0})  # a quantized target's batched step: a pass per row
     for size, scale in ((2, 1.0), (4, 1.6), (8, 2.8)):
-        policy.rows_ms[size] = {size: 8.0 * scale, 2 * size: 10.0 * scale, 5 * size: 20.0 * scale}
+        policy.packed_ms[size] = {size: 8.0 * scale, 2 * size: 10.0 * scale, 5 * size: 20.0 * scale}
     assert policy.choose_passes(1, 7, 5) == PassChoice(pytest.approx(28.0), True, False, False)
-    assert policy.rows_cost(7, 7) == pytest.approx(22.4)  # 7 tokens and a filler's: the 8-token pass
-    assert policy.rows_cost(3, 6) == pytest.approx(16.0)  # 6 and a filler's, beside 8 and 4 measured: 8's cost
-    assert policy.choose_passes(0, 8, 1).plain_shared  # target-only: one rows pass
-    policy.single_rows = False  # an fp32 target's plain rows never join a rows pass: one batched step
+    assert policy.packed_cost(7, 7) == pytest.approx(22.4)  # 7 tokens and a filler's: the 8-token pass
+    assert policy.packed_cost(3, 6) == pytest.approx(16.0)  # 6 and a filler's, beside 8 and 4 measured: 8's cost
+    assert policy.choose_passes(0, 8, 1).plain_shared  # target-only: one packed pass
+    policy.single_packed = False  # an fp32 target's plain rows never join a packed pass: one batched step
     assert policy.choose_passes(1, 7, 5) == PassChoice(pytest.approx(86.0), False, False, False)
-    assert policy.choose_passes(3, 0, 5).verify_shared  # the verify rows in one rows pass
-    policy.rows_ms[4][20] = 100.0  # a rows pass dearer than a pass per row: one each
+    assert policy.choose_passes(3, 0, 5).verify_shared  # the verify rows in one packed pass
+    policy.packed_ms[4][20] = 100.0  # a packed pass dearer than a pass per row: one each
     assert policy.choose_passes(3, 0, 5) == PassChoice(pytest.approx(48.0), False, False, False)
 
 

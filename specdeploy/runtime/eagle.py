@@ -45,7 +45,7 @@ class EagleDrafter(ModelDrafter):
 
     def prefill(self, context: list[int], limit: int | None = None) -> bool:
         """As ModelDrafter.prefill; with a limit, the head also runs only as far as the target's cache
-        holds features (a prompt chunk riding in this iteration's rows pass has none yet)."""
+        holds features (a prompt chunk riding in this iteration's packed pass has none yet)."""
         self._catch_up(context, min_rest=0, start=0, limit=limit)
         return self.cache.length == max(len(context) - 1, 0)  # a one-token prompt's context is empty
 

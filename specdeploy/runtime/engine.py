@@ -2,8 +2,8 @@
 
 `OrtEngine` runs a bundle model in an ONNX Runtime session on the CPU, CUDA or TensorRT execution
 provider. Three passes reach its sessions: `run` (one cache; `prefill` / `logits_after` run what
-a cache lacks of a context), `run_batch` (a token after each of several caches) and `run_rows`
-(tokens after several caches, rows.py), called by the runner (runner.py) and the drafters. The
+a cache lacks of a context), `run_batch` (a token after each of several caches) and `run_packed`
+(tokens after several caches, packed.py), called by the runner (runner.py) and the drafters. The
 cache (kv_cache.py) holds the tokens it has seen and rolls back by `truncate(n)`. An engine serves
 any number of caches one after another (a server's requests): everything it keeps between passes
 is either fixed at load or rebound when the cache changes.
@@ -19,7 +19,7 @@ import numpy as np
 from ..bundle import ModelSpec
 from ..errors import SpecdeployError
 from .kv_cache import KVCache, KVSlots, SharedKVCache, ort_value
-from .rows import RowsPass
+from .packed import PackedPass
 from .session import PREFILL_CHUNK, SessionConfig, check_exact, model_weights, open_session
 
 BOUND_IDS = 64  # passes up to this many tokens bind their ids from a fixed buffer (see OrtEngine)
@@ -72,7 +72,7 @@ class OrtEngine:
         self._present_names = [name for i in range(spec.num_layers) for name in (kv.present_key % i, kv.present_value % i)]
         self.cache_dtype = np.dtype(kv.dtype)
         self.shared_buffer = kv.shared_buffer
-        self.logits_dtype = np.dtype(next(t.dtype for t in spec.outputs if t.name == "logits"))  # the graph's (rows.py reads it)
+        self.logits_dtype = np.dtype(next(t.dtype for t in spec.outputs if t.name == "logits"))  # the graph's (packed.py reads it)
         self.float32_logits = self.logits_dtype == np.float32
         self.scratch_logits = scratch_logits
         if exact:
@@ -123,30 +123,30 @@ class OrtEngine:
                        feature_size=self.feature_size)
         if spec.role == "target" and slots > 1:  # verify passes (and an exact target's steps) share one run
             try:
-                pool.rows_pass = RowsPass(self, pool, self.model_path, self.config)
-            except SpecdeployError:  # a graph rows.py cannot split: each row runs its own passes, as exactly
-                pool.rows_pass = None
+                pool.packed_pass = PackedPass(self, pool, self.model_path, self.config)
+            except SpecdeployError:  # a graph packed.py cannot split: each row runs its own passes, as exactly
+                pool.packed_pass = None
         return pool
 
-    def run_rows(self, token_lists: list[list[int]], caches: list, wanted: list[int] | None = None) -> list[np.ndarray]:
+    def run_packed(self, token_lists: list[list[int]], caches: list, wanted: list[int] | None = None) -> list[np.ndarray]:
         """Each cache runs its tokens after its valid positions, as run(tokens, cache) would; returns each
         one's logits at its last `wanted` positions (None: all of them), [wanted, vocab], valid until the
         next pass.
 
-        Caches that are rows of one KVSlots with a rows graph (rows.py) run in one pass, each row bit
+        Caches that are rows of one KVSlots with a packed graph (packed.py) run in one pass, each row bit
         for bit as its own pass: lists of two or more tokens, or of any length on an engine whose single
-        tokens never run alone (min_pass_tokens > 1: its rows graphs have a spare attention row). Anything
+        tokens never run alone (min_pass_tokens > 1: its packed graphs have a spare attention row). Anything
         else runs one pass per cache."""
         wanted = [len(tokens) for tokens in token_lists] if wanted is None else wanted
         pool = getattr(caches[0], "pool", None)
-        rows = getattr(pool, "rows_pass", None)
+        packed = getattr(pool, "packed_pass", None)
         single = any(len(tokens) == 1 for tokens in token_lists)
-        if (rows is not None and len(caches) > 1 and all(cache.pool is pool for cache in caches)
-                and len({cache.slot_index for cache in caches}) == len(caches) and (rows.spare or not single)):
-            slots = rows.slots(token_lists, caches)
+        if (packed is not None and len(caches) > 1 and all(cache.pool is pool for cache in caches)
+                and len({cache.slot_index for cache in caches}) == len(caches) and (packed.spare or not single)):
+            slots = packed.slots(token_lists, caches)
             if slots is not None:
                 self._stepping = None
-                return rows.run(token_lists, caches, slots, wanted)
+                return packed.run(token_lists, caches, slots, wanted)
         return [np.array(self.run(tokens, cache)[len(tokens) - want :]) for tokens, cache, want in zip(token_lists, caches, wanted)]
 
     def run_batch(self, token_ids: list[int], caches: list, features: list[np.ndarray] | None = None) -> np.ndarray:

@@ -156,7 +156,7 @@ class Generator:
 
     def calibrate(self, prompt: list[int], num_draft_tokens: int) -> None:
         """Time a batched target step and a batched draft step at every batch size, a verify pass of
-        every length up to num_draft_tokens + 1 and a rows pass (rows.py) of each length a round can
+        every length up to num_draft_tokens + 1 and a packed pass (packed.py) of each length a round can
         take, into the speculation policy's tables."""
         import time
 
@@ -187,11 +187,11 @@ class Generator:
             policy.target_ms[rows] = timed(lambda: _step_back(target, caches[:rows], length))
         for tokens in range(2, num_draft_tokens + 2):
             policy.verify_ms[tokens] = timed(lambda: _verify_back(target, caches[0], prompt, tokens))
-        single = 1 if policy.single_rows else 2  # target-only rows of one token each join rows passes
-        for size in policy.rows_sizes:
-            table = policy.rows_ms.setdefault(size, {})
+        single = 1 if policy.single_packed else 2  # target-only rows of one token each join packed passes
+        for size in policy.packed_sizes:
+            table = policy.packed_ms.setdefault(size, {})
             for tokens in range(single, num_draft_tokens + 2):  # filed under the pass's tokens, as rounds file it
-                table[size * tokens] = timed(lambda: _rows_back(target, caches[:size], prompt, tokens))
+                table[size * tokens] = timed(lambda: _packed_back(target, caches[:size], prompt, tokens))
         engine = self.drafter.engine if self.drafter is not None else None
         if engine is None:
             return
@@ -382,9 +382,9 @@ def _step_back(engine: OrtEngine, caches: list, length: int) -> None:
         cache.truncate(length)
 
 
-def _rows_back(engine: OrtEngine, caches: list, prompt: list[int], tokens: int) -> None:
-    """One rows pass of `tokens` after the prompt in every cache, then each back (calibration)."""
-    engine.run_rows([prompt[-tokens:]] * len(caches), caches)
+def _packed_back(engine: OrtEngine, caches: list, prompt: list[int], tokens: int) -> None:
+    """One packed pass of `tokens` after the prompt in every cache, then each back (calibration)."""
+    engine.run_packed([prompt[-tokens:]] * len(caches), caches)
     for cache in caches:
         cache.truncate(len(prompt))
 

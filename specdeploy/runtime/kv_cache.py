@@ -227,7 +227,7 @@ class KVSlots:
         for index, cache in enumerate(self.caches):
             cache.pool, cache.slot_index = self, index
         self._prefixes: dict[int, tuple[list, object]] = {}
-        self.rows_pass = None  # the target's rows graph over these slots (rows.py), set by OrtEngine.new_slots
+        self.packed_pass = None  # the target's packed graph over these slots (packed.py), set by OrtEngine.new_slots
 
     def feature_rows(self, rows: int):
         """The OrtValue a batched pass over the first `rows` slots writes its feature rows to ([rows, 1, F])."""

@@ -1,12 +1,12 @@
 """The speculation policy: how many draft tokens a batched round proposes, and whether its target passes
-share one rows pass, from costs measured as the rounds run (see SpeculationPolicy)."""
+share one packed pass, from costs measured as the rounds run (see SpeculationPolicy)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ..errors import SpecdeployError
-from .rows import rows_size
+from .packed import packed_size
 from .sequence import Sequence
 from .step import PassCost
 
@@ -21,9 +21,9 @@ class PassChoice:
     """The cheapest target passes for a round (SpeculationPolicy.choose_passes)."""
 
     cost: float  # ms, as measured (0: nothing measured yet)
-    together: bool  # every row in one rows pass
-    verify_shared: bool  # else: the verify rows in one rows pass (False: a pass each)
-    plain_shared: bool  # and the target-only rows in one rows pass (False: one batched step)
+    together: bool  # every row in one packed pass
+    verify_shared: bool  # else: the verify rows in one packed pass (False: a pass each)
+    plain_shared: bool  # and the target-only rows in one packed pass (False: one batched step)
 
 
 class SpeculationPolicy:
@@ -32,11 +32,11 @@ class SpeculationPolicy:
     The rule (after SmartSpec, Liu et al. 2024, "Optimizing Speculative Decoding for Serving Large
     Language Models Using Goodput"): for a batch of B rows whose acceptance rates are a_i, a
     round of k draft tokens emits sum_i (1 - a_i^(k+1)) / (1 - a_i) tokens in about
-    min(B * verify_ms[k + 1], rows_ms[R][B * (k + 1) + R - B]) + k * draft_ms[B] (a verify pass per
-    row, or one pass of the smallest rows graph of R >= B rows, rows.py, whose cost is filed under the
+    min(B * verify_ms[k + 1], packed_ms[R][B * (k + 1) + R - B]) + k * draft_ms[B] (a verify pass per
+    row, or one pass of the smallest packed graph of R >= B rows, packed.py, whose cost is filed under the
     tokens it runs, a filler token per idle row included; and k batched draft steps), and a
     target-only round emits B tokens in target_ms[B] (one batched pass; an exact target's rows, whose
-    single tokens never run alone, in rows_ms[R][R] where that is less). Each kind of round also
+    single tokens never run alone, in packed_ms[R][R] where that is less). Each kind of round also
     costs its time outside the engines until the next round (sampling, acceptance, bookkeeping,
     and a server's detokenizing and streaming: outside_ms, measured as rounds run), which a
     target-only round pays per token and a speculative round shares among the tokens it emits;
@@ -62,12 +62,12 @@ class SpeculationPolicy:
         self.target_ms: dict[int, float] = {}  # rows -> one batched target step
         self.draft_ms: dict[int, float] = {}  # rows -> one batched draft step
         self.verify_ms: dict[int, float] = {}  # tokens -> one verify pass of one row
-        # graph rows -> tokens in the pass (filler tokens included) -> one pass of that rows graph (rows.py)
-        self.rows_ms: dict[int, dict[int, float]] = {}
-        self.rows_sizes: list[int] = []  # the target's rows graphs (none: it runs a pass per row)
-        # Target-only rows join rows passes: an exact target, whose single tokens never run alone, has rows
-        # graphs with a spare attention row (rows.py), where its batched step would run a pass per row.
-        self.single_rows = False
+        # graph rows -> tokens in the pass (filler tokens included) -> one pass of that packed graph (packed.py)
+        self.packed_ms: dict[int, dict[int, float]] = {}
+        self.packed_sizes: list[int] = []  # the target's packed graphs (none: it runs a pass per row)
+        # Target-only rows join packed passes: an exact target, whose single tokens never run alone, has packed
+        # graphs with a spare attention row (packed.py), where its batched step would run a pass per row.
+        self.single_packed = False
         # The target is exact (OrtEngine): every pass computes each token with the same bits, so a lone row may
         # run target-only rounds too; the scheduler asks about greedy rows only.
         self.exact = False
@@ -141,23 +141,23 @@ class SpeculationPolicy:
 
     def choose_passes(self, verify_rows: int, plain_rows: int, tokens: int) -> PassChoice:
         """The cheapest target passes for a round of verify rows (`tokens` each, the longest) and plain rows
-        (target-only, one token each). A rows pass runs each row's own tokens, packed; apart,
-        the verify rows take one rows pass or a pass each, and the plain rows one rows pass (a target
-        whose single tokens join them, single_rows) or one batched step. A rows pass not measured yet
+        (target-only, one token each). A packed pass runs each row's own tokens, one after another; apart,
+        the verify rows take one packed pass or a pass each, and the plain rows one packed pass (a target
+        whose single tokens join them, single_packed) or one batched step. A packed pass not measured yet
         is taken, at the cost of the passes it replaces."""
-        rows = bool(self.rows_sizes)
-        joined = rows and verify_rows + plain_rows > 1 and (self.single_rows or not plain_rows)  # one pass can hold them
-        together = self.rows_cost(verify_rows + plain_rows, verify_rows * tokens + plain_rows) if joined else None
+        packed = bool(self.packed_sizes)
+        joined = packed and verify_rows + plain_rows > 1 and (self.single_packed or not plain_rows)  # one pass can hold them
+        together = self.packed_cost(verify_rows + plain_rows, verify_rows * tokens + plain_rows) if joined else None
         verify = verify_rows * (_nearest(self.verify_ms, tokens) or 0.0)
-        verify_shared = rows and verify_rows > 1
+        verify_shared = packed and verify_rows > 1
         if verify_shared:
-            shared = self.rows_cost(verify_rows, verify_rows * tokens)
+            shared = self.packed_cost(verify_rows, verify_rows * tokens)
             verify_shared = shared is None or shared < verify
             verify = verify if shared is None else min(shared, verify)
         plain = (_nearest(self.target_ms, plain_rows) or 0.0) if plain_rows else 0.0
-        plain_shared = rows and self.single_rows and plain_rows > 1
+        plain_shared = packed and self.single_packed and plain_rows > 1
         if plain_shared:
-            shared = self.rows_cost(plain_rows, plain_rows)
+            shared = self.packed_cost(plain_rows, plain_rows)
             plain_shared = shared is None or not plain or shared < plain
             plain = plain if shared is None else min(shared, plain or shared)
         apart = verify + plain
@@ -165,14 +165,14 @@ class SpeculationPolicy:
             return PassChoice(apart if together is None else together, True, False, False)
         return PassChoice(apart, False, verify_shared, plain_shared)
 
-    def rows_size(self, count: int) -> int | None:
-        """The rows graph a pass of `count` rows runs (None: no graph)."""
-        return rows_size(self.rows_sizes, count)
+    def packed_size(self, count: int) -> int | None:
+        """The packed graph a pass of `count` rows runs (None: no graph)."""
+        return packed_size(self.packed_sizes, count)
 
-    def rows_cost(self, count: int, tokens: int) -> float | None:
-        """One rows pass of `count` rows of `tokens` in all, as measured (None: not yet)."""
-        size = self.rows_size(count)
-        return _nearest(self.rows_ms.get(size, {}), tokens + size - count) if size is not None else None
+    def packed_cost(self, count: int, tokens: int) -> float | None:
+        """One packed pass of `count` rows of `tokens` in all, as measured (None: not yet)."""
+        size = self.packed_size(count)
+        return _nearest(self.packed_ms.get(size, {}), tokens + size - count) if size is not None else None
 
     def observe(self, table: dict[int, float], size: int, ms: float) -> None:
         """Fold a timed pass into the cost table (a running mean that follows the machine's load)."""
@@ -188,7 +188,7 @@ class SpeculationPolicy:
         elif cost.kind == "verify":
             self.observe(self.verify_ms, cost.tokens, cost.ms)
         else:
-            self.observe(self.rows_ms.setdefault(cost.rows, {}), cost.tokens, cost.ms)
+            self.observe(self.packed_ms.setdefault(cost.rows, {}), cost.tokens, cost.ms)
 
     def observe_round(self, num_drafted: int, num_accepted: int) -> None:
         if num_drafted:

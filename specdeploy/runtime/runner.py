@@ -4,17 +4,17 @@ shapes, moves the KV caches and calls the engines for a step; it decides nothing
 For a StepPlan (step.py) it runs, in order:
   1. each prefill step: the sequence's next target chunk (PREFILL_CHUNK tokens, after copying a
      donor slot's positions where the plan names one) and its draft's next prefill step. Where the
-     target has rows graphs (rows.py) and other rows run beside it, a chunk rides in this step's
-     rows pass beside the decoding rows, packed, so that a prompt costs its neighbours the time its
+     target has packed graphs (packed.py) and other rows run beside it, a chunk rides in this step's
+     packed pass beside the decoding rows, so that a prompt costs its neighbours the time its
      own tokens take in that pass, not a pass of its own; else it runs in its own pass;
   2. the drafts: every row with a draft length proposes together (propose_many: one batched draft
      pass per draft position);
   3. the target passes, the cheapest the policy's measured costs give (SpeculationPolicy.choose_passes):
-     every row in one rows pass (its graph has one attention node per slot, since ONNX Runtime's CPU
+     every row in one packed pass (its graph has one attention node per slot, since ONNX Runtime's CPU
      GroupQueryAttention refuses a batch of several rows with several tokens each over a past; each
-     row computes as its own pass would, bit for bit), or the verify rows in one rows pass or a pass
-     each, and the target-only rows in one batched step ([rows, 1], OrtEngine.run_batch) or a rows
-     pass of their own (a target whose single tokens join rows passes, policy.single_rows).
+     row computes as its own pass would, bit for bit), or the verify rows in one packed pass or a pass
+     each, and the target-only rows in one batched step ([rows, 1], OrtEngine.run_batch) or a packed
+     pass of their own (a target whose single tokens join packed passes, policy.single_packed).
 
 It returns each row's drafts and the target's logits over them (a StepResult), and each pass's cost.
 A row whose own work fails is reported in the result's errors and left out of later passes; a
@@ -34,7 +34,7 @@ from .step import PassCost, PrefillDone, RowResult, StepPlan, StepResult
 
 @dataclass(frozen=True)
 class _Rider:
-    """A prefill chunk that rides in this step's rows pass."""
+    """A prefill chunk that rides in this step's packed pass."""
 
     sequence: Sequence
     chunk: list[int]
@@ -52,8 +52,8 @@ class Runner:
     def execute(self, plan: StepPlan) -> StepResult:
         result = StepResult()
         self._views = []
-        rows = bool(self.policy.rows_sizes) and len(plan.prefill) + len(plan.decode) > 1
-        riders = self._prefill(plan, rows, result)
+        packed = bool(self.policy.packed_sizes) and len(plan.prefill) + len(plan.decode) > 1
+        riders = self._prefill(plan, packed, result)
         if not plan.decode:
             self._prefill_apart(riders, result)
             return result
@@ -87,16 +87,16 @@ class Runner:
 
     # -- prefill -------------------------------------------------------------------------------------
 
-    def _prefill(self, plan: StepPlan, rows: bool, result: StepResult) -> list[_Rider]:
-        """Each prefill step: chunks a rows pass can hold (two tokens or more, or any on a target whose
-        single tokens join rows passes) ride, with their draft's step run now; the rest run now."""
+    def _prefill(self, plan: StepPlan, packed: bool, result: StepResult) -> list[_Rider]:
+        """Each prefill step: chunks a packed pass can hold (two tokens or more, or any on a target whose
+        single tokens join packed passes) ride, with their draft's step run now; the rest run now."""
         riders = []
         for work in plan.prefill:
             sequence, begin = work.sequence, time.perf_counter()
             chunk = self._guarded(result, sequence, sequence.take_prefill_chunk, work.donor)
             if sequence in result.errors:
                 continue
-            if rows and chunk is not None and (len(chunk) > 1 or self.policy.single_rows):
+            if packed and chunk is not None and (len(chunk) > 1 or self.policy.single_packed):
                 self._guarded(result, sequence, sequence.draft_prefill_step)
                 if sequence not in result.errors:
                     riders.append(_Rider(sequence, chunk, begin))
@@ -114,7 +114,7 @@ class Runner:
         sequence.draft_prefill_step()
 
     def _prefill_apart(self, riders: list[_Rider], result: StepResult) -> None:
-        """Riding chunks in a pass of their own: one rows pass for several, or the chunk's own."""
+        """Riding chunks in a pass of their own: one packed pass for several, or the chunk's own."""
         if len(riders) == 1:
             rider = riders[0]
             self._pass()
@@ -122,7 +122,7 @@ class Runner:
             if rider.sequence not in result.errors:
                 result.prefilled.append(PrefillDone(rider.sequence, rider.start))
         elif riders:
-            self._rows_pass([], [], riders, result)
+            self._packed_pass([], [], riders, result)
 
     # -- drafts --------------------------------------------------------------------------------------
 
@@ -162,29 +162,29 @@ class Runner:
 
     def _target_passes(self, verifying: list[RowResult], plain: list[RowResult], riders: list[_Rider],
                        result: StepResult) -> None:
-        """The cheapest passes for the round (see the module docstring); riders join the rows pass of every
+        """The cheapest passes for the round (see the module docstring); riders join the packed pass of every
         row, or of the verify rows, or else run in one of their own."""
         tokens = 1  # the longest row's
         for row in verifying:
             tokens = max(tokens, len(row.drafts) + 1)
         choice = self.policy.choose_passes(len(verifying), len(plain), tokens)
         together, verify_shared, plain_shared = choice.together, choice.verify_shared, choice.plain_shared
-        if riders:  # a target whose single tokens join rows passes takes every row; else the verify rows
-            together = together or self.policy.single_rows
+        if riders:  # a target whose single tokens join packed passes takes every row; else the verify rows
+            together = together or self.policy.single_packed
             verify_shared = not together and bool(verifying)
             if not together and not verifying:
                 self._prefill_apart(riders, result)
                 riders = []
         if together:
-            self._rows_pass(verifying, plain, riders, result)
+            self._packed_pass(verifying, plain, riders, result)
             return
         if verify_shared:
-            self._rows_pass(verifying, [], riders, result)
+            self._packed_pass(verifying, [], riders, result)
         else:
             for row in verifying:
                 self._guarded(result, row.sequence, self._verify, row, result)
         if plain_shared:
-            self._rows_pass([], plain, [], result)
+            self._packed_pass([], plain, [], result)
         elif plain:
             self._batched_step(plain, result)
 
@@ -246,9 +246,9 @@ class Runner:
             row.logits = logits[index : index + 1]  # [1, vocab]
         self._took(ready, result, spent, target.calls - calls)
 
-    def _rows_pass(self, verifying: list[RowResult], plain: list[RowResult], riders: list[_Rider],
-                   result: StepResult) -> None:
-        """One rows pass (OrtEngine.run_rows): each verify row's pending token and drafts, each target-only
+    def _packed_pass(self, verifying: list[RowResult], plain: list[RowResult], riders: list[_Rider],
+                     result: StepResult) -> None:
+        """One packed pass (OrtEngine.run_packed): each verify row's pending token and drafts, each target-only
         row's pending tokens, each rider's prefill chunk."""
         target, entries = self.target, []  # (row, tokens, logits wanted)
         for row in verifying + plain:
@@ -266,17 +266,17 @@ class Runner:
         self._pass()
         seconds, calls = target.seconds, target.calls
         try:
-            logits = target.run_rows(token_lists, caches, [want for _, _, want in entries] + [0] * len(riders))
+            logits = target.run_packed(token_lists, caches, [want for _, _, want in entries] + [0] * len(riders))
         except Exception as exc:  # noqa: BLE001 - a failed pass fails its rows
             for sequence in [row.sequence for row, _, _ in entries] + [rider.sequence for rider in riders]:
                 self._fail(result, sequence, exc)
             return
         spent = (target.seconds - seconds) * 1000
-        if target.calls - calls == 1 and not riders:  # one rows pass (not the one-by-one fallback), filed under its
+        if target.calls - calls == 1 and not riders:  # one packed pass (not the one-by-one fallback), filed under its
             # tokens; prompt chunks skip the head, so a pass that carries them would price verify tokens low
-            size = self.policy.rows_size(len(entries))
+            size = self.policy.packed_size(len(entries))
             total = sum(len(tokens) for tokens in token_lists) + size - len(entries)  # with a filler token per idle row
-            result.passes.append(PassCost("rows", size, total, spent))
+            result.passes.append(PassCost("packed", size, total, spent))
         for (row, _, _), row_logits in zip(entries, logits[:decoding]):
             row.logits = row_logits
         self._took([row for row, _, _ in entries], result, spent, target.calls - calls)

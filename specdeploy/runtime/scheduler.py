@@ -50,9 +50,9 @@ class Scheduler:
         self.slots = slots
         self.free: list[Slot] = list(slots)
         self.policy = policy or SpeculationPolicy("always" if len(slots) == 1 else "auto")
-        rows = getattr(getattr(slots[0].target_cache, "pool", None), "rows_pass", None)
-        self.policy.rows_sizes = rows.sizes if rows is not None else []
-        self.policy.single_rows = bool(rows is not None and rows.spare)
+        packed = getattr(getattr(slots[0].target_cache, "pool", None), "packed_pass", None)
+        self.policy.packed_sizes = packed.sizes if packed is not None else []
+        self.policy.single_packed = bool(packed is not None and packed.spare)
         self.policy.exact = getattr(target, "exact", False)
         spec = getattr(target, "spec", None)
         rounded = spec is not None and (spec.quantize != "none" or spec.dtype != "fp32")

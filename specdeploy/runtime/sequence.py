@@ -150,7 +150,7 @@ class Sequence:
         """The target tokens of this sequence's next prefill step, taken off what is left (None: the
         target's prefill is done). The cache may already hold a prefix of the prompt (an earlier request
         on this slot), and a donor (another slot's target cache that holds more of it) gives its
-        positions first. The runner runs the chunk (in its own pass, or in a rows pass beside other
+        positions first. The runner runs the chunk (in its own pass, or in a packed pass beside other
         rows), and the scheduler's update ends the step (end_prefill_step)."""
         cache = self.slot.target_cache
         if self._prefill_rest is None:

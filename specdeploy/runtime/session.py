@@ -1,7 +1,7 @@
 """ONNX Runtime sessions for bundle models: the options, the execution providers, the thread pools.
 
 `open_session` makes a bundle model's InferenceSession (OrtEngine calls it), after checking that
-the engine can run it; `open_rows_session` makes one of its rows graphs' (rows.py), with the same
+the engine can run it; `open_packed_session` makes one of its packed graphs' (packed.py), with the same
 options. No other module creates a session.
 """
 
@@ -186,7 +186,7 @@ def session_options(config: SessionConfig, spec: ModelSpec | None = None):
     # session lives. A concatenating KV cache (a new past length every pass), or a GPU pass's mask
     # as wide as the context, makes a new set nearly every pass: the patterns then grow without
     # bound (resident memory then grows with every token). Only a CPU shared-buffer graph, whose shapes
-    # are the buffers' plus 1..PREFILL_CHUNK ids, keeps them (its rows graphs do not: rows.py).
+    # are the buffers' plus 1..PREFILL_CHUNK ids, keeps them (its packed graphs do not: packed.py).
     options.enable_mem_pattern = spec is not None and spec.kv_cache.shared_buffer and config.device == "cpu"
 
     options.log_severity_level = 4  # fatal only: a failed run is reported as one line, by the caller
@@ -279,8 +279,8 @@ def check_rotary_positions(graph, spec: ModelSpec) -> None:
                               f"manifest's max_context {spec.max_context}: this manifest does not belong to these graphs")
 
 
-def open_rows_session(graph: bytes, model_path: Path, spec: ModelSpec, config: SessionConfig, weights: dict | None = None):
-    """The CPU session of a rows graph (rows.py) of the model at model_path, whose weights stay in the
+def open_packed_session(graph: bytes, model_path: Path, spec: ModelSpec, config: SessionConfig, weights: dict | None = None):
+    """The CPU session of a packed graph (packed.py) of the model at model_path, whose weights stay in the
     bundle's data file beside it (or come from memory: open_session's weights)."""
     import onnxruntime as ort
 
@@ -293,5 +293,5 @@ def open_rows_session(graph: bytes, model_path: Path, spec: ModelSpec, config: S
     try:
         return ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
     except Exception as exc:
-        raise SpecdeployError(f"ONNX Runtime cannot load the rows graph of {model_path}: "
+        raise SpecdeployError(f"ONNX Runtime cannot load the packed graph of {model_path}: "
                               f"{str(exc).splitlines()[0]}") from None

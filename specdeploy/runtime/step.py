@@ -68,9 +68,9 @@ class StepPlan:
 class PassCost:
     """One timed pass, for the policy's cost tables (SpeculationPolicy.observe_pass)."""
 
-    kind: str  # "target" (a batched step), "draft" (a batched draft step), "verify" (one row's pass), "rows" (rows.py)
-    rows: int  # rows in the pass (a rows pass: its graph's rows)
-    tokens: int  # tokens in the pass (a rows pass: filler tokens included)
+    kind: str  # "target" (a batched step), "draft" (a batched draft step), "verify" (one row's pass), "packed" (packed.py)
+    rows: int  # rows in the pass (a packed pass: its graph's rows)
+    tokens: int  # tokens in the pass (a packed pass: filler tokens included)
     ms: float
 
 

@@ -1,4 +1,4 @@
-"""Row passes: several sequences' passes in one ONNX Runtime run, packed, each row exactly as alone.
+"""Packed passes: several sequences' passes in one ONNX Runtime run, each row exactly as alone.
 
 ONNX Runtime's CPU GroupQueryAttention refuses a batch of several rows with several tokens each over
 a past ("batch_size must be 1 when sequence_length > 1 and past context is given"), so a batched
@@ -12,7 +12,7 @@ pass over [rows, 1] is all a fused graph runs as it is. That is not enough for t
   compute in MatMulNBits) whose logits differ from verification's, where a pass of two or more tokens
   matches it bit for bit.
 
-The rows graph is the target's own graph over one flat token axis, the rows' tokens one after another
+The packed graph is the target's own graph over one flat token axis, the rows' tokens one after another
 (no padding), with each attention node split into one node per row:
 
     qkv [1, T, D] -> Split(axis 1, each row's length) -> GroupQueryAttention (batch 1, the row's tokens,
@@ -21,17 +21,17 @@ The rows graph is the target's own graph over one flat token axis, the rows' tok
 Everything else (the MatMuls, norms and the head) runs over every token at once. Every kernel but
 attention computes each token of its input independently, and each row's attention node is the one a
 pass of that sequence alone runs, so a row's logits and keys and values are bit for bit those of its
-own pass (tests/test_rows.py). A row of 64 prompt tokens then costs 64 tokens beside rows of one.
+own pass (tests/test_packed.py). A row of 64 prompt tokens then costs 64 tokens beside rows of one.
 For a target whose single tokens never run alone, each row's attention also runs a spare query row,
-a copy of its last one at the next position (past the valid ones; `rows/spread` lays the copies out
-with one Gather, `rows/own` drops their outputs): a row of one token then takes attention's
+a copy of its last one at the next position (past the valid ones; `packed/spread` lays the copies out
+with one Gather, `packed/own` drops their outputs): a row of one token then takes attention's
 several-row kernels, as its two-token pass alone does, and the MatMuls see every token of the pass
-at once, so no token runs twice. The head computes the positions in `rows/keep` only (a prefill
+at once, so no token runs twice. The head computes the positions in `packed/keep` only (a prefill
 chunk's logits are never read; at least two positions, so that it takes its several-row kernels).
 
 The graph is built from the bundle's graph at load (the `onnx` package edits it in memory; the
 weights are the bundle's data file, read again by each graph's session), for a fixed number of rows
-(one graph per size, rows_sizes): a slot without tokens in a pass of its graph computes one filler
+(one graph per size, packed_sizes): a slot without tokens in a pass of its graph computes one filler
 token at its pending position (and its spare row one past it), past its valid ones, and keeps its
 length.
 """
@@ -53,17 +53,17 @@ _HEADS = ("MatMul", "MatMulNBits", "FusedMatMul")  # the op of the LM head (over
 _AFTER_HEAD = ("Mul", "Tanh", "Div", "Cast")  # what may follow it before `logits` (Gemma's softcap)
 # graph inputs: each row's token count in attention (its own, and its spare row's), the spare rows'
 # layout (an index into the flat tokens) and the own rows in it, the positions the head computes
-LENGTHS, SPREAD, OWN, KEEP = "rows/lengths", "rows/spread", "rows/own", "rows/keep"
-_ONES, _ONE32 = "rows/ones", "rows/one32"  # the Split sizes of per-row tensors ([rows] seqlens), the spare's count
+LENGTHS, SPREAD, OWN, KEEP = "packed/lengths", "packed/spread", "packed/own", "packed/keep"
+_ONES, _ONE32 = "packed/ones", "packed/one32"  # the Split sizes of per-row tensors ([rows] seqlens), the spare's count
 
 
 def row_name(name: str, row: int) -> str:
-    """A cache input or output of the rows graph: `name` for row `row` alone."""
+    """A cache input or output of the packed graph: `name` for row `row` alone."""
     return f"{name}.row{row}"
 
 
-def rows_graph(model_path: Path, rows: int, spare_row: bool = False) -> bytes:
-    """The rows graph of the fused graph at model_path (see the module docstring), serialized; with
+def packed_graph(model_path: Path, rows: int, spare_row: bool = False) -> bytes:
+    """The packed graph of the fused graph at model_path (see the module docstring), serialized; with
     spare_row, each row's attention node runs one query row more (see _split_nodes).
 
     Raises SpecdeployError for a graph it cannot split: one with no attention node, one whose attention
@@ -77,15 +77,15 @@ def rows_graph(model_path: Path, rows: int, spare_row: bool = False) -> bytes:
     nodes = list(graph.node)
     attention = [node for node in nodes if node.op_type == _ATTENTION]
     if not attention or any(len([i for i in node.input[9:] if i]) for node in attention):
-        raise SpecdeployError(f"{model_path.name}: no attention nodes a rows graph can split")
+        raise SpecdeployError(f"{model_path.name}: no attention nodes a packed graph can split")
     head = _head_node(nodes)
     if head is None:
-        raise SpecdeployError(f"{model_path.name}: no LM head a rows graph can find")
+        raise SpecdeployError(f"{model_path.name}: no LM head a packed graph can find")
     graph.initializer.append(helper.make_tensor(_ONES, TensorProto.INT64, [rows], [1] * rows))
     if spare_row:
         graph.initializer.append(helper.make_tensor(_ONE32, TensorProto.INT32, [1], [1]))
-    kept = f"{head.input[0]}/kept"  # the head reads the positions in rows/keep only
-    nodes.insert(nodes.index(head), helper.make_node("Gather", [head.input[0], KEEP], [kept], axis=1, name="rows/keep"))
+    kept = f"{head.input[0]}/kept"  # the head reads the positions in packed/keep only
+    nodes.insert(nodes.index(head), helper.make_node("Gather", [head.input[0], KEEP], [kept], axis=1, name="packed/keep"))
     head.input[0] = kept
     cache_io: set[str] = set()  # the cache inputs and outputs, one per row in the new graph
     new_nodes = _split_nodes(nodes, rows, cache_io, spare_row)
@@ -95,7 +95,7 @@ def rows_graph(model_path: Path, rows: int, spare_row: bool = False) -> bytes:
     names = [LENGTHS, KEEP] + ([SPREAD, OWN] if spare_row else [])
     inputs += [helper.make_tensor_value_info(name, TensorProto.INT64, [f"{name}_count"]) for name in names]
     ids = next(value for value in inputs if value.name == "input_ids").type.tensor_type.shape
-    ids.dim[0].dim_value, ids.dim[1].dim_param = 1, "rows/tokens"  # one flat axis; the mask keeps [rows, ...]
+    ids.dim[0].dim_value, ids.dim[1].dim_param = 1, "packed/tokens"  # one flat axis; the mask keeps [rows, ...]
     outputs = _per_row(graph.output, rows, cache_io)
     del graph.input[:]
     graph.input.extend(inputs)
@@ -136,7 +136,7 @@ def _split_nodes(nodes: list, rows: int, cache_io: set[str], spare_row: bool) ->
 
     def with_spare(name: str, index: int) -> str:
         """The attention input `name` with the spare rows: each row's last token again after its own (query,
-        key, value: rows/spread), or one more in each row's count (seqlens_k, index 5)."""
+        key, value: packed/spread), or one more in each row's count (seqlens_k, index 5)."""
         if name not in spare:
             spare[name] = f"{name}/spare"
             if index == 5:
@@ -190,8 +190,8 @@ def _per_row(values, rows: int, cache_io: set[str]) -> list:
     return kept
 
 
-def rows_sizes(slots: int) -> list[int]:
-    """The rows graphs a pool of `slots` gets: 2, 4, 8, ... below slots, and slots itself."""
+def packed_sizes(slots: int) -> list[int]:
+    """The packed graphs a pool of `slots` gets: 2, 4, 8, ... below slots, and slots itself."""
     sizes, size = [], 2
     while size < slots:
         sizes.append(size)
@@ -199,29 +199,29 @@ def rows_sizes(slots: int) -> list[int]:
     return sizes + [slots]
 
 
-def rows_size(sizes: list[int], count: int) -> int | None:
-    """The rows graph (of `sizes`) a pass of `count` rows runs: the smallest of count rows or more."""
+def packed_size(sizes: list[int], count: int) -> int | None:
+    """The packed graph (of `sizes`) a pass of `count` rows runs: the smallest of count rows or more."""
     return next((size for size in sizes if size >= count), None)
 
 
-class RowsPass:
-    """The rows graphs of one engine over one KVSlots pool: one per size in rows_sizes(slots), so that a
+class PackedPass:
+    """The packed graphs of one engine over one KVSlots pool: one per size in packed_sizes(slots), so that a
     pass of n rows runs the smallest graph of n rows or more (slots not given fill the rest). Each
     graph is a session of its own, with the target's weights: a pool of 8 slots holds them 3 more times.
 
-    `slots` then `run`: see OrtEngine.run_rows, their one caller."""
+    `slots` then `run`: see OrtEngine.run_packed, their one caller."""
 
     def __init__(self, engine, pool, model_path: Path, config):
         from .kv_cache import ort_value
-        from .session import open_rows_session
+        from .session import open_packed_session
 
-        self.engine, self.pool, self.sizes = engine, pool, rows_sizes(pool.num_slots)
+        self.engine, self.pool, self.sizes = engine, pool, packed_sizes(pool.num_slots)
         # An engine whose single tokens never run alone (min_pass_tokens > 1) gets graphs with a spare
         # attention row, so that a pass of single tokens computes each as its own two-token pass does.
         self.spare = int(engine.min_pass_tokens > 1)
         spec = engine.spec
-        self._sessions = {size: open_rows_session(rows_graph(model_path, size, spare_row=bool(self.spare)), model_path,
-                                                  spec, config, engine.weights) for size in self.sizes}
+        self._sessions = {size: open_packed_session(packed_graph(model_path, size, spare_row=bool(self.spare)), model_path,
+                                                    spec, config, engine.weights) for size in self.sizes}
         kv = spec.kv_cache
         # (past, present, pool buffer index) of every cache tensor
         self._names = [(name % i, present % i, 2 * i + j) for i in range(spec.num_layers)
@@ -280,7 +280,7 @@ class RowsPass:
         for tokens, cache in zip(token_lists, caches):
             if cache.length + len(tokens) + self.spare > cache.capacity:
                 return None
-        size = rows_size(self.sizes, len(caches))
+        size = packed_size(self.sizes, len(caches))
         given = {cache.slot_index for cache in caches}
         fillers = [index for index, cache in enumerate(self.pool.caches)
                    if index not in given and cache.length + 1 + self.spare <= cache.capacity][: size - len(given)]
@@ -289,7 +289,7 @@ class RowsPass:
         return tuple(sorted(given.union(fillers)))
 
     def run(self, token_lists: list, caches: list, slots: tuple[int, ...], wanted: list[int]) -> list[np.ndarray]:
-        """One pass over `slots` (from slots()); see OrtEngine.run_rows."""
+        """One pass over `slots` (from slots()); see OrtEngine.run_packed."""
         engine, pool, spare = self.engine, self.pool, self.spare
         size = len(slots)
         given = {cache.slot_index: (tokens, want) for cache, tokens, want in zip(caches, token_lists, wanted)}
