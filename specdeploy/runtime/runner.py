@@ -211,7 +211,8 @@ class Runner:
         count = len(row.drafts) + 1
         row.logits = target.run(pending + row.drafts, row.sequence.slot.target_cache)[-count:]  # [k + 1, vocab]
         spent = (target.seconds - seconds) * 1000
-        result.passes.append(PassCost("verify", 1, count, spent))
+        # filed under the tokens it ran: more than k + 1 after tokens a constraint forced (or a catch-up)
+        result.passes.append(PassCost("verify", 1, len(pending) + len(row.drafts), spent))
         self._took([row], result, spent, target.calls - calls)
 
     def _batched_step(self, rows: list[RowResult], result: StepResult) -> None:
