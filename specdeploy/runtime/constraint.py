@@ -181,23 +181,26 @@ class Constraint:
     def apply(self, logits: np.ndarray, extras=()) -> np.ndarray:
         """logits [vocab] with the disallowed tokens at -inf, in a row the next call reuses (logits are left as
         they are: logprobs read the raw rows)."""
-        row = self._row
-        np.copyto(row, logits, casting="unsafe")
-        disallowed = self.disallowed(extras)
-        if disallowed is not None:
-            row[disallowed] = -np.inf
-        return row
+        np.copyto(self._row, logits, casting="unsafe")
+        self._mask(self._row, extras)
+        return self._row
 
     def apply_rows(self, logits: np.ndarray, drafts: list[int]) -> np.ndarray:
         """Rows [k + 1, vocab] of a verify pass, row i masked after drafts[:i] (a fresh array); a row past a
         disallowed draft is left as it is (the scan stops before it)."""
         rows = np.array(logits, dtype=np.float32)
         for i in range(len(rows)):
-            disallowed = self.disallowed(drafts[:i])
-            if disallowed is None:
+            if not self._mask(rows[i], drafts[:i]):
                 break
-            rows[i][disallowed] = -np.inf
         return rows
+
+    def _mask(self, row: np.ndarray, extras) -> bool:
+        """row [vocab] with the tokens disallowed after extras at -inf, in place; False where the row is one
+        no kept draft reaches (left as it is)."""
+        disallowed = self.disallowed(extras)
+        if disallowed is not None:
+            row[disallowed] = -np.inf
+        return disallowed is not None
 
     def allowed_prefix(self, tokens: list[int]) -> int:
         """How many of tokens, in order, the constraint allows after the emitted tokens."""
@@ -226,11 +229,10 @@ class Constraint:
 
     def forced(self) -> int | None:
         """The one token the constraint allows next, or None where it allows several (or none)."""
-        disallowed = self.disallowed(())
-        allowed = np.flatnonzero(~disallowed[: self.vocab_size])
+        allowed = np.flatnonzero(~self.disallowed(()))
         return int(allowed[0]) if len(allowed) == 1 else None
 
     @property
     def done(self) -> bool:
-        """The constraint takes no more tokens (it ended at an end token)."""
+        """The constraint is complete: only an end token may follow (or one did: see `ended`)."""
         return self.matcher.is_stopped()
