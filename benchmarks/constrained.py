@@ -23,13 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
 import time
 
 import numpy as np
 
-from .servers import start_server, stop_server
+from .servers import start_llama_server, start_server, stop_server
 
 TASKS = [
     ("Describe a fictional person as JSON: name, age and city.",
@@ -209,34 +207,6 @@ def example(schema: dict):
     if kind == "array":
         return [example(schema["items"]), example(schema["items"])]
     return {"string": "text", "integer": 2, "number": 1.5, "boolean": True}[kind]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_llama_server(binary: str, gguf: str) -> tuple[subprocess.Popen, str]:
-    """llama.cpp's server on a free port (its libraries beside the binary), once /health answers 200."""
-    import httpx
-
-    port = free_port()
-    process = subprocess.Popen([binary, "-m", gguf, "-t", "2", "-c", "4096", "-np", "1", "--port", str(port)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               env={**os.environ, "LD_LIBRARY_PATH": os.path.dirname(os.path.abspath(binary))})
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"error: llama-server exited ({process.returncode}) before it was ready")
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    process.terminate()
-    raise SystemExit("error: llama-server did not become ready in 300 s")
 
 
 def served(bundle: str, llama_server: str, gguf: str, rounds: int, max_new_tokens: int, drafter: str) -> dict:
