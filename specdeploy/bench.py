@@ -289,7 +289,6 @@ def run_bench(generator: Generator, config: BenchConfig, progress=None) -> dict:
         "speedup": best["speedup"],
         "identical_outputs": best["identical_outputs"],
         "identical_count": best["identical_count"],
-        "exact": generator.exact,
         "acceptance_rate": best["acceptance_rate"],
         "mean_accepted_tokens": best["mean_accepted_tokens"],
         "by_num_draft_tokens": by_k,
