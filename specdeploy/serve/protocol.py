@@ -100,12 +100,11 @@ def parse_request(body, kind: str, num_draft_tokens: int, max_context: int) -> G
         _check_type(stream_options, name, bool, f"stream_options.{name}") or False for name in STREAM_OPTIONS)
     prompt = _messages(body) if kind == "chat" else _prompt(body)
     n = _choices(body, kind)
-    options = _checked(_options(body, kind, num_draft_tokens, max_context))
-    constraint_param = next((name for name in ("response_format", *CONSTRAINTS) if body.get(name) is not None
-                             and body[name] != {"type": "text"}), None)
+    constraint = _constraint(body)
+    options = _checked({**_options(body, kind, num_draft_tokens, max_context), **dict(constraint.values())})
     return GenerationRequest(prompt=prompt, options=options, seeds=_seeds(body, options["seed"], n), stream=stream,
                              include_usage=include_usage, continuous_usage=include_usage and continuous_usage,
-                             chat=kind == "chat", constraint_param=constraint_param)
+                             chat=kind == "chat", constraint_param=next(iter(constraint), None))
 
 
 def _choices(body: dict, kind: str) -> int:
@@ -166,7 +165,6 @@ def _options(body: dict, kind: str, num_draft_tokens: int, max_context: int) -> 
         "logprobs": _logprobs(body, kind),
         "presence_penalty": _number(body, "presence_penalty", 0.0),  # OpenAI's, over the generated tokens
         "frequency_penalty": _number(body, "frequency_penalty", 0.0),
-        **_constraint(body),
     }
     fields = {f.name for f in dataclasses.fields(GenerationConfig)}
     for name, kind in EXTENSIONS.items():
@@ -179,7 +177,8 @@ def _options(body: dict, kind: str, num_draft_tokens: int, max_context: int) -> 
 
 
 def _constraint(body: dict) -> dict:
-    """The request's constraint as GenerationConfig's field ({} without one); more than one is a 400."""
+    """{the request field: (GenerationConfig's field, its value)} of the request's constraint ({} without one);
+    more than one is a 400."""
     given = {}
     response_format = body.get("response_format")
     if response_format is not None:
@@ -203,7 +202,7 @@ def _constraint(body: dict) -> dict:
             given[name] = (field, body[name])
     if len(given) > 1:
         raise ApiError(400, f"one constraint per request: got {', '.join(given)}", param=sorted(given)[1])
-    return dict(given.values())
+    return given
 
 
 def _checked(options: dict) -> dict:
