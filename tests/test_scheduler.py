@@ -468,6 +468,16 @@ def test_a_lone_greedy_row_of_a_target_that_is_not_exact_keeps_its_text_at_any_d
     assert [generator.generate(p, max_new_tokens=30).token_ids for p in PROMPTS[:3]] == expected
 
 
+def test_a_lone_sampled_row_of_a_target_that_is_not_exact_takes_the_policys_draft_length(int8_bundle):
+    """Not exact: a lone sampled row drafts what the policy chooses, not its request's k (exact keeps its k)."""
+    generator = specdeploy.load(int8_bundle, drafter="model")
+    policy = generator.scheduler.policy
+    policy.draft_limit = lambda rows, max_k: 1
+    output = generator.generate(PROMPTS[0], max_new_tokens=12, temperature=0.8, seed=3, num_draft_tokens=4)
+    stats = output.stats
+    assert stats.draft_rounds and stats.drafted == stats.draft_rounds  # one draft a round
+
+
 def test_an_exact_quantized_target_keeps_its_two_token_steps_under_batching(int8_bundle):
     """An exact int8 target runs single tokens beside the previous one (min_pass_tokens 2); batched target-only
     rounds must keep that arithmetic, so greedy outputs equal decoding each prompt alone."""

@@ -54,7 +54,8 @@ def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verif
 
     max_batch: sequences that decode together (generate_many, a server's requests). The policy ("auto":
     speculate where the measured costs say it pays, "always", "never") picks each round's draft length
-    up to the request's k: for several rows, and a lone greedy row of an exact, fp16 or quantized target.
+    up to the request's k: for several rows, and a lone row of an exact, fp16 or quantized target (a sampled
+    one on a target that is not exact).
 
     exact=False (the default): each target pass runs the fastest kernels for its shape; output is an
     exact sample of the target's distribution as the pass that checks each token computes it, greedy

@@ -44,16 +44,16 @@ class SpeculationPolicy:
     millisecond wins. Engine costs come from `calibrate` (passes timed at load) and are refreshed
     as rounds run; a row's acceptance is its own running mean, starting from the
     scheduler's. After PROBE_EVERY target-only rounds in a row, one round drafts a single token,
-    so that the estimates follow the text. A lone greedy row on an exact or a rounded target
-    (choose_alone) takes the choice too: on an exact target (OrtEngine's `exact`) any k, 0 included,
+    so that the estimates follow the text. A lone row on an exact or a rounded target
+    (choose_alone) takes the choice too (a sampled one only where the target is not exact): on an exact target (OrtEngine's `exact`) any k, 0 included,
     since its passes of every length give each token the same bits; otherwise a k of 1 or more, since
     passes of two tokens or more agree bit for bit whatever their length where a one-token pass does
     not, so that its text is the same run after run. A
-    sampled row's random numbers depend on its draft lengths: alone, or on an exact target, it keeps
-    its request's k, so that a seed gives one sample (draft_lengths leaves it its k);
-    in a batch on a target that is not exact it takes the choice, each round still an exact sample
-    of the target's distribution as its verify pass computes it. "always" speculates with each
-    request's k, "never" never does."""
+    sampled row's random numbers depend on its draft lengths: on an exact target it keeps its request's
+    k, so that a seed gives one sample whatever the batch (draft_lengths leaves it its k); on a target
+    that is not exact it takes the choice as a greedy row does, each round still an exact sample of the
+    target's distribution as its verify pass computes it. "always" speculates with each request's k,
+    "never" never does."""
 
     def __init__(self, mode: str = "auto"):
         if mode not in POLICIES:
@@ -69,9 +69,9 @@ class SpeculationPolicy:
         # graphs with a spare attention row (packed.py), where its batched step would run a pass per row.
         self.single_packed = False
         # The target is exact (OrtEngine): every pass computes each token with the same bits, so a lone row may
-        # run target-only rounds too; the scheduler asks about greedy rows only.
+        # run target-only rounds too; the policy chooses for greedy rows only.
         self.exact = False
-        # A lone greedy row takes the policy's k (else its request's): on an exact or a rounded (fp16, quantized)
+        # A lone row takes the policy's k (else its request's): on an exact or a rounded (fp16, quantized)
         # target, where it pays (a weak draft at k = 1); on an fp32 one it measured below a fixed k = 4.
         self.choose_alone = False
         # round kind ("target", "speculative") -> rows -> one round's time outside the engines
@@ -82,9 +82,9 @@ class SpeculationPolicy:
     def draft_lengths(self, rows: list[Sequence]) -> tuple[list[int], int]:
         """Each row's draft tokens this round (0: a target-only step), and how many rows want drafts: its request's k within its budget and
         context (Sequence.num_draft_tokens), limited by the policy where the policy may choose. It limits
-        greedy rows; a sampled row's random numbers depend on its draft lengths, so alone or on an exact
-        target it keeps its request's k and a seed gives one sample; in a batch on a target that is not
-        exact the policy limits sampled rows too. ("never" still means never.)"""
+        greedy rows; a sampled row's random numbers depend on its draft lengths, so on an exact target it
+        keeps its request's k and a seed gives one sample; on a target that is not exact the policy
+        limits sampled rows too. ("never" still means never.)"""
         wanted, limited, greedy = [], [], []
         for row in rows:
             k = row.num_draft_tokens()
@@ -96,13 +96,12 @@ class SpeculationPolicy:
         speculative = len(limited)
         if self.mode == "never":
             return [0] * len(rows), speculative
-        batch = speculative > 1 and not self.exact
-        if not batch:
+        if self.exact:
             limited = greedy
         if not limited:
             return wanted, speculative
         limit = self.draft_limit(limited, max(wanted))
-        return [row.num_draft_tokens(limit) if k > 0 and (batch or row.sampler.greedy) else k
+        return [row.num_draft_tokens(limit) if k > 0 and (not self.exact or row.sampler.greedy) else k
                 for row, k in zip(rows, wanted)], speculative
 
     def draft_limit(self, rows: list[Sequence], max_k: int) -> int:
