@@ -88,8 +88,11 @@ def test_the_hybrid_drafts_from_shorter_matches_only_when_greedy(bundles):
     import specdeploy
     from specdeploy.runtime.sampling import Sampler, SamplingParams
 
+    from specdeploy.runtime.hybrid import HybridDrafter
+
     generator = specdeploy.load(bundles("llama"))
-    hybrid, vocab = generator.drafter, generator.target.spec.vocab_size
+    chosen, vocab = generator.drafter, generator.target.spec.vocab_size
+    hybrid = HybridDrafter(chosen.model_drafter, chosen.lookup, adaptive=False)  # the lookup whenever it matches
     greedy, sampled = Sampler(SamplingParams(), vocab), Sampler(SamplingParams(temperature=0.8), vocab)
     rng = np.random.default_rng(0)
     two_gram = [5, 6, 7, 9, 6, 7]  # "6 7" recurs, no 3-gram does

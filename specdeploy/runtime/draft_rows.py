@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .drafters import Drafter, DraftRow, HybridDrafter
+from .drafters import Drafter, DraftRow
+from .hybrid import HybridDrafter
 from .sampling import Sampler
 
 Proposal = tuple[list[int], "np.ndarray | None"]
@@ -29,7 +30,7 @@ class DraftRequest:
     min_confidence: float = 0.0
 
     def propose(self, drafter: Drafter | None = None) -> Proposal:
-        """drafter (default: the request's own; a hybrid's model drafter where its lookup found nothing).propose."""
+        """drafter (default: the request's own; a hybrid's model drafter where its lookup is not taken).propose."""
         return (drafter or self.drafter).propose(self.context, self.num_tokens, self.sampler, self.rng, self.min_confidence)
 
 
@@ -37,7 +38,7 @@ def propose_many(requests: list[DraftRequest], steps: list[tuple[int, float]] | 
     """Drafter.propose for several sequences at once, one request per sequence. Returns each request's
     (tokens, probabilities), or the exception its own work raised.
 
-    Lookup proposals are made first (a hybrid's model runs only where the lookup finds nothing); the
+    Lookup proposals are made first (a hybrid's model runs only where its lookup is not taken); the
     draft model's rows then step together, one batched pass per draft position (run_batch), each row
     choosing its tokens and stopping as ModelDrafter.propose does (DraftRow, one for each). `steps` gets
     (rows, engine seconds) of each batched step; a catch-up (after target-only rounds) is no step."""
@@ -46,10 +47,8 @@ def propose_many(requests: list[DraftRequest], steps: list[tuple[int, float]] | 
     for index, request in enumerate(requests):
         drafter = request.drafter
         if isinstance(drafter, HybridDrafter):
-            min_ngram = None if request.sampler.greedy else drafter.sampled_ngram
-            found = _own(drafter.lookup.propose, request.context, request.num_tokens, request.sampler, request.rng,
-                         min_ngram=min_ngram)
-            if isinstance(found, Exception) or found[0]:
+            found = _own(drafter.lookup_proposal, request.context, request.num_tokens, request.sampler, request.rng)
+            if found is not None:
                 results[index] = found
                 continue
             drafter = drafter.model_drafter

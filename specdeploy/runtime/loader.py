@@ -10,7 +10,8 @@ from ..bundle import load_manifest
 from ..manifest_rules import check_kv_memory
 from ..errors import SpecdeployError
 from .chat import load_chat_template
-from .drafters import MAX_NGRAM, HybridDrafter, ModelDrafter, PromptLookupDrafter, read_vocab_ids
+from .drafters import MAX_NGRAM, ModelDrafter, PromptLookupDrafter, read_vocab_ids
+from .hybrid import HybridDrafter
 from .eagle import EagleDrafter
 from .engine import OrtEngine
 from .session import SessionConfig
@@ -41,7 +42,8 @@ def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verif
     """Load a bundle for generation on `device` (cpu | cuda | tensorrt).
 
     drafter: "hybrid" (default: prompt lookup when an n-gram of `lookup_ngram` tokens recurs, of 3
-    when sampling (see HybridDrafter), the draft model otherwise), "model" (the draft model every
+    when sampling, and its rounds have emitted tokens faster than the model's (see HybridDrafter), the
+    draft model otherwise), "model" (the draft model every
     round) or "prompt-lookup" (no model; "hybrid" on a bundle without a draft model, which refuses
     "model"). lookup_ngram (1 to MAX_NGRAM) is the shortest n-gram the lookup drafts from. All three
     change speed, never the distribution.
@@ -88,7 +90,7 @@ def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verif
             draft = EagleDrafter(engine(spec, eagle.feature_output), manifest.max_context, vocab_ids=ids)
         else:
             draft = ModelDrafter(engine(spec), manifest.max_context, vocab_ids=ids)
-        chosen = draft if drafter == "model" else HybridDrafter(draft, lookup)
+        chosen = draft if drafter == "model" else HybridDrafter(draft, lookup, adaptive=not exact)
     tokenizer_dir = bundle / manifest.tokenizer.path
     codec = TextCodec(tokenizer_dir, manifest.tokenizer)
     generator = Generator(target, chosen, codec, manifest.max_context, manifest.target.eos_token_ids, manifest,
