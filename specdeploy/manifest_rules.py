@@ -113,6 +113,8 @@ def _check_draft_fields(spec: ModelSpec, inputs: dict, outputs: dict) -> None:
         raise SpecdeployError("manifest: 'kind', 'eagle' and 'vocab_ids' describe the draft; the target must not set them")
     if (spec.vocab_ids is None) != (spec.vocab_subset is None):
         raise SpecdeployError(f"manifest: the {where} sets one of 'vocab_ids' and 'vocab_subset' without the other")
+    if spec.vocab_source and spec.vocab_ids is None:
+        raise SpecdeployError(f"manifest: the {where} sets 'vocab_source' without a vocabulary subset ('vocab_ids')")
     if spec.vocab_ids is not None:
         if spec.vocab_ids not in {f.path for f in spec.files}:
             raise SpecdeployError(f"manifest: '{where}.vocab_ids' {spec.vocab_ids} is not listed in '{where}.files'")

@@ -16,7 +16,7 @@ import specdeploy
 from specdeploy.bundle import load_manifest, manifest_from_dict
 from specdeploy.cli import main
 from specdeploy.errors import SpecdeployError
-from specdeploy.export.eagle import choose_vocab
+from specdeploy.export.draft_vocab import choose_vocab
 from specdeploy.runtime.drafters import read_vocab_ids
 from specdeploy.runtime.sampling import Sampler
 from specdeploy.testing import SAMPLED_SETTINGS
@@ -39,6 +39,7 @@ def test_the_eagle_manifest_states_the_contract(eagle_bundle):
     ids = read_vocab_ids(eagle_bundle / draft.vocab_ids, VOCAB, DISTILLED_VOCAB)
     distilled = json.loads(Path(draft.source, "draft_vocab.json").read_text())
     assert ids.tolist() == sorted(distilled["ids"])
+    assert draft.vocab_source["counts"] == "draft_vocab.json" and 0 < draft.vocab_source["coverage"] <= 1
     assert manifest.genai.speculative is None and "eagle" in manifest.genai.unsupported
     assert manifest.genai.target_only is not None
 
@@ -55,6 +56,7 @@ def test_manifest_rules_for_draft_kinds(eagle_bundle):
     refused(lambda m: m["draft"].__setitem__("eagle", None), "kind 'eagle' but 'eagle' is missing")
     refused(lambda m: m["draft"].__setitem__("vocab_subset", None), "one of 'vocab_ids' and 'vocab_subset'")
     refused(lambda m: m["target"].__setitem__("kind", "eagle"), "describe the draft")
+    refused(lambda m: m["target"].__setitem__("vocab_source", {"counts": "text"}), "without a vocabulary subset")
     refused(lambda m: m["target"].__setitem__("outputs", [t for t in m["target"]["outputs"] if t["name"] != "hidden_states"]),
             "which the target lacks")
     refused(lambda m: m["draft"].__setitem__("vocab_subset", 100), "logits shape")
@@ -136,35 +138,39 @@ def test_a_subset_draft_never_proposes_outside_it(subset_bundle):
 def test_export_chooses_the_most_frequent_tokens(distilled_drafts, tmp_path):
     folder = distilled_drafts["model"]
     vocab = json.loads((folder / "draft_vocab.json").read_text())
-    chosen = choose_vocab(folder, 64, VOCAB)
+    chosen = choose_vocab(folder, 64, VOCAB).ids
     assert len(chosen) == 64 and list(chosen) == sorted(chosen)
     assert set(vocab["always"]) <= set(chosen.tolist())
     counts = dict(zip(vocab["ids"], vocab["counts"]))
     kept = min(counts[i] for i in chosen.tolist() if i not in vocab["always"])
     assert all(counts[i] <= kept for i in set(vocab["ids"]) - set(chosen.tolist()))
     assert choose_vocab(folder, 0, VOCAB) is None
-    assert len(choose_vocab(folder, None, VOCAB)) == DISTILLED_VOCAB
+    assert len(choose_vocab(folder, None, VOCAB).ids) == DISTILLED_VOCAB
     with pytest.raises(SpecdeployError, match="distilled over 192 tokens"):
         choose_vocab(folder, 300, VOCAB)
     # an eagle head's rows are the target's: it may take more than it was distilled over, by every token's count
     eagle = json.loads((distilled_drafts["eagle"] / "draft_vocab.json").read_text())
     counts = dict(zip(eagle["frequencies"]["ids"], eagle["frequencies"]["counts"]))
     assert DISTILLED_VOCAB < len(counts) <= VOCAB
-    wider = choose_vocab(distilled_drafts["eagle"], len(counts) - 1, VOCAB, eagle=True).tolist()
+    wider = choose_vocab(distilled_drafts["eagle"], len(counts) - 1, VOCAB, eagle=True).ids.tolist()
     assert len(wider) == len(counts) - 1 and set(eagle["always"]) <= set(wider)
     dropped = set(counts) - set(wider) - set(eagle["always"])
     assert all(counts[i] <= min(counts[j] for j in wider if j in counts) for i in dropped)
-    assert choose_vocab(distilled_drafts["eagle"], VOCAB, VOCAB, eagle=True).tolist() == list(range(VOCAB))
+    assert choose_vocab(distilled_drafts["eagle"], VOCAB, VOCAB, eagle=True).ids.tolist() == list(range(VOCAB))
     with pytest.raises(SpecdeployError, match=f"the vocabulary has {VOCAB} tokens"):
         choose_vocab(distilled_drafts["eagle"], VOCAB + 1, VOCAB, eagle=True)
 
 
-def test_export_draft_vocab_errors(trained_pair, tmp_path):
-    runner = CliRunner()
-    result = runner.invoke(main, ["export", "--target", str(trained_pair["target"]), "--draft", str(trained_pair["draft"]),
-                                  "--out", str(tmp_path / "b"), "--draft-vocab", "100"])
+def test_a_distilled_draft_is_ranked_by_its_own_counts_only(trained_pair, distilled_drafts, tmp_path):
+    """--draft-vocab-text counts tokens for a draft without draft_vocab.json (test_draft_vocab.py); a distilled
+    folder's head was trained over its own file's ids, so a text sample is refused in one line."""
+    text = tmp_path / "traffic.txt"
+    text.write_text("def f(x):\n    return x\n")
+    result = CliRunner().invoke(main, ["export", "--target", str(trained_pair["target"]), "--draft",
+                                       str(distilled_drafts["model"]), "--out", str(tmp_path / "b"), "--draft-vocab", "100",
+                                       "--draft-vocab-text", str(text)])
     assert result.exit_code == 2 and result.output.count("error:") == 1
-    assert "has no draft_vocab.json" in result.output and not (tmp_path / "b").exists()
+    assert "already holds the counts" in result.output and not (tmp_path / "b").exists()
 
 
 def test_an_eagle_head_needs_its_own_target(distilled_drafts, checkpoints, tmp_path):

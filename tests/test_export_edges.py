@@ -123,7 +123,7 @@ def test_nan_in_bounded_manifest_fields_is_refused(bundles, tmp_path):
 
 @pytest.mark.parametrize("frequencies", ['["not", "an", "object"]', '{"ids": ["x"], "counts": [1]}'])
 def test_a_draft_vocab_file_with_bad_frequencies_is_one_error(tmp_path, frequencies):
-    from specdeploy.export.eagle import DRAFT_VOCAB_FILE, read_draft_vocab
+    from specdeploy.export.draft_vocab import DRAFT_VOCAB_FILE, read_draft_vocab
 
     (tmp_path / DRAFT_VOCAB_FILE).write_text('{"ids": [1, 2], "counts": [5, 3], "vocab_size": 10, '
                                              f'"frequencies": {frequencies}}}')

@@ -21,6 +21,7 @@ from typing import Callable
 import numpy as np
 
 from ..errors import SpecdeployError
+from ..export.draft_vocab import TokenCounts, rank_vocab  # the one ranking: export chooses from counts the same way
 from . import prompts
 
 KINDS = ("chat", "code", "text")
@@ -270,9 +271,5 @@ def choose_draft_vocab(counts: np.ndarray, size: int, always: list[int]) -> np.n
         if size > vocab:
             raise SpecdeployError(f"--draft-vocab {size}: the target's vocabulary has only {vocab} tokens")
         raise SpecdeployError(f"--draft-vocab {size}: must be larger than the {len(always)} special tokens it always keeps")
-    chosen = np.zeros(vocab, dtype=bool)
-    chosen[np.asarray(always, dtype=np.int64)] = True
-    by_frequency = np.lexsort((np.arange(vocab), -counts))  # most frequent first, ties by id
-    rest = by_frequency[~chosen[by_frequency]][: size - int(chosen.sum())]
-    chosen[rest] = True
-    return np.flatnonzero(chosen)
+    return rank_vocab(TokenCounts(np.arange(vocab), np.asarray(counts), tuple(int(i) for i in always),
+                                  int(np.sum(counts))), size)

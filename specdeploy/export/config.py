@@ -54,9 +54,13 @@ class ExportConfig:
     # Keep a rounded (int8 / int4 / fp16) target whose greedy agreement with its fp32 model falls below
     # the parity threshold; the manifest records the figure and this option.
     allow_lossy: bool = False
-    # The draft's head covers this many of the most frequent tokens (draft_vocab.json of a distilled draft
-    # folder); None: the folder's own subset if it has one, else the whole vocabulary; 0: the whole vocabulary.
+    # The draft's head covers this many of the most frequent tokens: by the counts of a distilled draft
+    # folder's draft_vocab.json, or for any other draft by the target's tokens over draft_vocab_text
+    # (draft_vocab.py); None: the folder's own subset if it has one, else the whole vocabulary; 0: the whole vocabulary.
     draft_vocab: int | None = None
+    # UTF-8 text files (a sample of the traffic to serve) whose tokens rank draft_vocab for a draft without
+    # draft_vocab.json; empty: the texts specdeploy/data/ ships (code).
+    draft_vocab_text: tuple[str, ...] = ()
 
 
 # stage name, detail -> None; the CLI draws progress from it, library callers may pass None.
@@ -89,6 +93,13 @@ def check_options(config: ExportConfig) -> Path:
         if given:
             raise SpecdeployError(f"{given[0]} describes the draft model, and no --draft was given: pass --draft too, "
                                   f"or leave {given[0]} out")
+    if config.draft_vocab_text:
+        if not config.draft_vocab:
+            raise SpecdeployError("--draft-vocab-text ranks the tokens --draft-vocab N keeps: pass --draft-vocab N too, "
+                                  "or leave --draft-vocab-text out")
+        from .draft_vocab import read_sample
+
+        read_sample(tuple(config.draft_vocab_text))  # an unreadable or empty file is refused before any model loads
     if config.max_context is not None and config.max_context < 2:
         raise SpecdeployError("--max-context must be at least 2")
     out = Path(config.out).expanduser().resolve()

@@ -1,5 +1,6 @@
-"""Draft folders that are not plain checkpoints: an eagle head (`specdeploy distill --kind eagle`) and
-the draft vocabulary (`draft_vocab.json`), read and turned into what the fused graph builder emits.
+"""What besides its checkpoint shapes each model's graph (GraphShape): an eagle head (`specdeploy distill
+--kind eagle`) read and turned into what the fused graph builder emits, and the draft's vocabulary
+subset (draft_vocab.py chooses it).
 
 An eagle head's graph (docs/distill.md states the math), with the builder's operators:
 
@@ -25,11 +26,10 @@ from types import SimpleNamespace
 import numpy as np
 
 from ..errors import SpecdeployError
-from . import fused
+from . import draft_vocab, fused
 from .graph import Graph, save, tensor_spec
 from .sources import TorchWeights
 
-DRAFT_VOCAB_FILE = "draft_vocab.json"
 EAGLE_WEIGHTS = "model.safetensors"
 
 
@@ -43,64 +43,6 @@ def draft_kind(folder: Path) -> dict | None:
     except (ValueError, UnicodeDecodeError, AttributeError, RecursionError):  # the checkpoint's loader names what is wrong
         return None
     return block if isinstance(block, dict) else None
-
-
-def read_draft_vocab(folder: Path) -> dict | None:
-    """draft_vocab.json of a distilled draft folder (None: it has none)."""
-    path = Path(folder) / DRAFT_VOCAB_FILE
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        ids, counts = np.asarray(data["ids"], dtype=np.int64), np.asarray(data["counts"], dtype=np.int64)
-        always = [int(i) for i in data.get("always", [])]
-        vocab = int(data["vocab_size"])
-        frequencies = data.get("frequencies") or {}
-        all_ids = np.asarray(frequencies.get("ids", []), dtype=np.int64)
-        all_counts = np.asarray(frequencies.get("counts", []), dtype=np.int64)
-    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError, RecursionError) as exc:
-        raise SpecdeployError(f"--draft {folder}: {DRAFT_VOCAB_FILE} is unreadable ({exc})") from None
-    if ids.ndim != 1 or ids.shape != counts.shape or len(ids) == 0 or ids.min() < 0 or ids.max() >= vocab:
-        raise SpecdeployError(f"--draft {folder}: {DRAFT_VOCAB_FILE} lists ids outside 0..{vocab - 1}, or no ids")
-    return {"ids": ids, "counts": counts, "always": always, "vocab_size": vocab, "source": data.get("source", {}),
-            "all_ids": all_ids, "all_counts": all_counts}
-
-
-def choose_vocab(folder: Path, requested: int | None, vocab_size: int, eagle: bool = False) -> np.ndarray | None:
-    """The ids the draft's head keeps, sorted (None: the whole vocabulary).
-
-    requested None: the draft folder's own draft_vocab.json (all of its ids), if it has one; 0: the
-    whole vocabulary; N: the N most frequent of draft_vocab.json's ids (its special ids always kept),
-    which needs the file: the frequencies come from the distillation's data. An eagle head's rows are
-    the target's own, so it may also take more than it was distilled over, by every token's count
-    (draft_vocab.json's `frequencies`; tokens never counted after them, lower ids first, as distill
-    ranks them)."""
-    vocab = read_draft_vocab(folder)
-    if requested == 0 or (requested is None and vocab is None):
-        return None
-    if vocab is None:
-        raise SpecdeployError(f"--draft-vocab {requested}: the draft folder has no {DRAFT_VOCAB_FILE} (token frequencies "
-                              "come from `specdeploy distill --draft-vocab`); pass --draft-vocab 0 for the whole vocabulary")
-    if vocab["vocab_size"] != vocab_size:
-        raise SpecdeployError(f"--draft {folder}: {DRAFT_VOCAB_FILE} is for a vocabulary of {vocab['vocab_size']}, "
-                              f"the target has {vocab_size}")
-    ids, counts = vocab["ids"], vocab["counts"]
-    if eagle and requested is not None and requested > len(ids) and len(vocab["all_ids"]):
-        if requested > vocab_size:
-            raise SpecdeployError(f"--draft-vocab {requested}: the vocabulary has {vocab_size} tokens")
-        ids, counts = np.arange(vocab_size), np.zeros(vocab_size, dtype=np.int64)
-        counts[vocab["all_ids"]] = vocab["all_counts"]
-    if requested is None or requested >= len(ids):
-        if requested is not None and requested > len(ids):
-            raise SpecdeployError(f"--draft-vocab {requested}: the draft was distilled over {len(ids)} tokens; "
-                                  f"choose at most that many (or 0 for the whole vocabulary)")
-        return np.sort(ids)
-    always = [i for i in vocab["always"] if 0 <= i < vocab_size]  # kept whatever their count
-    if requested < len(always):
-        raise SpecdeployError(f"--draft-vocab {requested}: fewer than the {len(always)} special tokens it always keeps")
-    order = np.lexsort((ids, -counts))  # most frequent first, ties to the lower id
-    chosen = list(dict.fromkeys([*always, *ids[order].tolist()]))[:requested]
-    return np.sort(np.asarray(chosen, dtype=np.int64))
 
 
 def write_vocab_ids(path: Path, ids: np.ndarray, vocab_size: int) -> None:
@@ -235,6 +177,7 @@ class GraphShape:
 
     features: bool = False  # the target: also return hidden_states, which an eagle draft reads
     vocab_ids: np.ndarray | None = None  # the draft: its head's rows (a vocabulary subset)
+    vocab_source: dict | None = None  # where the counts that chose vocab_ids came from (draft_vocab.VocabSubset)
     eagle: dict | None = None  # the draft: an eagle folder's specdeploy_draft block (its head is built from it)
     folder: Path | None = None  # the draft's folder
 
@@ -274,7 +217,8 @@ class GraphShape:
         changes: dict = {}
         if self.vocab_ids is not None:
             ids_path = (Path(spec.onnx_path).parent / VOCAB_IDS_FILE).as_posix()
-            changes.update(vocab_ids=ids_path, vocab_subset=len(self.vocab_ids), vocab_size=vocab_size)
+            changes.update(vocab_ids=ids_path, vocab_subset=len(self.vocab_ids), vocab_size=vocab_size,
+                           vocab_source=dict(self.vocab_source or {}))
         if self.eagle is not None:
             run = _read_json(self.folder / "distill.json")
             trained = {key: run[key] for key in ("step", "elapsed_s", "options") if key in run}
@@ -294,18 +238,15 @@ def _read_json(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def graph_shapes(draft: str, draft_path: Path | None, requested_vocab: int | None, vocab_size: int) -> dict:
-    """Each role's GraphShape: an eagle folder's head, the draft vocabulary (from the draft folder's
-    draft_vocab.json, or --draft-vocab), the target's feature output when the draft reads it."""
+def graph_shapes(draft_path: Path | None, requested_vocab: int | None, vocab_size: int,
+                 sample: draft_vocab.TextSample | None = None) -> dict:
+    """Each role's GraphShape: an eagle folder's head, the draft vocabulary (draft_vocab.choose_vocab: from
+    the draft folder's draft_vocab.json, or --draft-vocab N counted over `sample`), the target's feature
+    output when the draft reads it."""
     folder = draft_path if draft_path is not None and draft_path.is_dir() else None
     block = draft_kind(folder) if folder is not None else None
     eagle = block if block is not None and block.get("kind") == "eagle" else None
-    if folder is None:
-        if requested_vocab:
-            raise SpecdeployError(f"--draft-vocab {requested_vocab}: needs a draft folder with {DRAFT_VOCAB_FILE} "
-                                  f"(`specdeploy distill --draft-vocab`); --draft {draft} is not one")
-        ids = None
-    else:
-        ids = choose_vocab(folder, requested_vocab, vocab_size, eagle=eagle is not None)
+    vocab = draft_vocab.choose_vocab(folder, requested_vocab, vocab_size, eagle=eagle is not None, sample=sample)
     return {"target": GraphShape(features=eagle is not None),
-            "draft": GraphShape(vocab_ids=ids, eagle=eagle, folder=folder)}
+            "draft": GraphShape(vocab_ids=None if vocab is None else vocab.ids,
+                                vocab_source=None if vocab is None else vocab.source, eagle=eagle, folder=folder)}

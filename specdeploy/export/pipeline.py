@@ -21,6 +21,7 @@ from . import checkpoint as ckpt, convert, eagle, fused, genai
 from .accept import write_accept_graphs
 from .build import build_model, choose_graph, parity_failure
 from .config import ExportConfig, Reporter, check_options, max_positions, weights_for
+from .draft_vocab import TextSample
 from .sources import model_source
 from .special_tokens import check_special_tokens
 
@@ -147,12 +148,16 @@ def _build_bundle(config: ExportConfig, checkpoints: dict, max_context: int, wor
     return manifest
 
 
-def _graph_shapes(config: ExportConfig, checkpoints: dict) -> dict[str, eagle.GraphShape]:
-    """Each role's GraphShape (eagle.graph_shapes); the target alone has the plain one."""
+def _graph_shapes(config: ExportConfig, checkpoints: dict, tokenizer_dir: Path) -> dict[str, eagle.GraphShape]:
+    """Each role's GraphShape (eagle.graph_shapes); the target alone has the plain one. tokenizer_dir: the
+    target's tokenizer, which counts --draft-vocab's tokens for a draft without draft_vocab.json."""
     if "draft" not in checkpoints:
         return {"target": eagle.GraphShape()}
     draft_path = Path(config.draft).expanduser() if Path(config.draft).expanduser().is_dir() else checkpoints["draft"].path
-    shapes = eagle.graph_shapes(config.draft, draft_path, config.draft_vocab, int(checkpoints["target"].config.vocab_size))
+    target = checkpoints["target"]
+    specials = tuple(i for i in (target.bos_token_id, *target.eos_token_ids, target.pad_token_id) if i is not None)
+    sample = TextSample(tokenizer_dir, tuple(config.draft_vocab_text), specials)
+    shapes = eagle.graph_shapes(draft_path, config.draft_vocab, int(target.config.vocab_size), sample)
     if shapes["draft"].eagle is not None and (config.dtype != "fp32" or config.draft_window is not None):
         raise SpecdeployError("an eagle draft exports with --dtype fp32 and no --draft-window (its feature rows are "
                               "float32 and it attends to its whole context); quantize with --quantize int8|int4")
@@ -162,7 +167,7 @@ def _graph_shapes(config: ExportConfig, checkpoints: dict) -> dict[str, eagle.Gr
 def _build_models(config: ExportConfig, checkpoints: dict, max_context: int, root: Path, report: Reporter,
                   chosen: dict, tokenizer_dir: Path) -> dict[str, ModelSpec]:
     """role -> ModelSpec of each model built into root and checked against PyTorch (parity)."""
-    shapes = _graph_shapes(config, checkpoints)
+    shapes = _graph_shapes(config, checkpoints, tokenizer_dir)
     sources = {role: model_source(checkpoints[role], role, config.trust_remote_code) for role in checkpoints}
     eagle_draft = "draft" in shapes and shapes["draft"].eagle is not None
     if eagle_draft:
@@ -225,6 +230,7 @@ def _export_options(config: ExportConfig, max_context: int) -> dict:
         "allow_pickle": config.allow_pickle,
         "allow_lossy": config.allow_lossy,
         "draft_vocab": config.draft_vocab,
+        "draft_vocab_text": [str(Path(f).expanduser().resolve()) for f in config.draft_vocab_text],
     }
 
 
