@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -255,13 +256,17 @@ def test_the_console_entry_sets_up_its_process_and_gives_it_back(monkeypatch, tm
 
     from click.testing import CliRunner
 
-    import specdeploy.cli
+    import specdeploy.export
     from specdeploy.cli import main
 
     seen = []
+
+    def export_bundle(config, report=None):  # what the process looks like while an export runs
+        seen.append((signal.getsignal(signal.SIGTERM), os.environ.get("HF_HUB_OFFLINE")))
+        return SimpleNamespace(models=[])  # a manifest with no parity figures to print
+
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(specdeploy.cli, "_export", lambda *args, **options: seen.append(
-        (signal.getsignal(signal.SIGTERM), os.environ.get("HF_HUB_OFFLINE"))))
+    monkeypatch.setattr(specdeploy.export, "export_bundle", export_bundle)
     before = signal.getsignal(signal.SIGTERM)
     result = CliRunner().invoke(main, ["export", "--out", str(tmp_path / "bundle")])
     assert result.exit_code == 0, result.output

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
@@ -86,15 +87,17 @@ def test_bench_plot_expands_the_tilde_it_checked(tmp_path, home, monkeypatch):
 def test_export_prints_the_folder_it_wrote(tmp_path, home, monkeypatch):
     """export_bundle writes to --out expanded (~), but the command prints Path(out).resolve(): ./~/b."""
     import specdeploy.cli as cli
+    import specdeploy.export
 
     written = []
 
-    def fake_export(target, draft, out, **options):  # what export_bundle does with --out (pipeline._check_options)
-        folder = Path(out).expanduser().resolve()
+    def fake_export(config, report=None):  # what export_bundle does with --out (export.config.check_options)
+        folder = Path(config.out).expanduser().resolve()
         folder.mkdir()
         written.append(folder)
+        return SimpleNamespace(models=[])  # a manifest with no parity figures to print
 
-    monkeypatch.setattr(cli, "_export", fake_export)
+    monkeypatch.setattr(specdeploy.export, "export_bundle", fake_export)
     monkeypatch.setattr(cli, "require_export_extra", lambda why: None)
     monkeypatch.chdir(tmp_path)
     code, stdout, stderr = invoke("export", "--out", "~/b")

@@ -261,7 +261,7 @@ def test_the_plot_is_titled_starts_at_zero_and_has_whole_draft_positions(ks):
 
     figure = draw_report(report_with(ks))
     speedup, acceptance = figure.axes
-    title = figure._suptitle.get_text()
+    title = figure.get_suptitle()
     for part in ("my-bundle", "temperature 0.8, top-k 50", "drafter hybrid", "2026-12-01", "Some CPU, 2 CPUs"):
         assert part in title
     assert speedup.get_ylim()[0] == 0 and acceptance.get_ylim() == (0, 1)

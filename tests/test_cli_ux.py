@@ -131,12 +131,16 @@ def test_an_export_without_out_says_it_wrote_or_replaced_the_default_bundle(tmp_
 
     from click.testing import CliRunner
 
-    import specdeploy.cli
+    import specdeploy.export
+    from specdeploy.bundle import load_manifest
     from specdeploy.cli import main
 
+    def export_bundle(config, report=None):  # the bundle written at --out, without exporting one
+        shutil.copytree(agreeing_bundle, config.out, dirs_exist_ok=True)
+        return load_manifest(config.out)
+
     monkeypatch.setenv("SPECDEPLOY_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(specdeploy.cli, "_export", lambda target, draft, out, **options: shutil.copytree(
-        agreeing_bundle, out, dirs_exist_ok=True))
+    monkeypatch.setattr(specdeploy.export, "export_bundle", export_bundle)
     first = CliRunner().invoke(main, ["export"])
     again = CliRunner().invoke(main, ["export", "--force"])
     assert first.exit_code == again.exit_code == 0, first.output + again.output

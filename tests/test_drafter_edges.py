@@ -12,22 +12,25 @@ from specdeploy.runtime.drafters import read_vocab_ids
 DEMO = Path(specdeploy.__file__).parent / "demo" / "demo-bundle"
 
 
-def test_a_rounds_engine_time_counts_the_draft_whatever_row_comes_first():
-    """A batch whose first row is target-only (speculative=False) beside drafting rows: the draft's passes
-    are engine time, not time outside the engines (the policy's outside_ms would pay for them twice)."""
+@pytest.mark.parametrize("plain_first", [True, False])
+def test_a_rounds_engine_time_counts_the_draft_whatever_row_comes_first(plain_first):
+    """A batch with a target-only row (speculative=False) beside a drafting row: the engine seconds a round
+    starts from (its plan's RoundStart) count the draft's passes as engine time, not as time outside the
+    engines (the policy's outside_ms would pay for them twice), whichever row runs first."""
     generator = specdeploy.load(DEMO, drafter="model", max_batch=2, warm_up=False)
     scheduler = generator.scheduler
     plain = generator.new_sequence("def f(x):", max_new_tokens=8, speculative=False, streaming=False)
     drafting = generator.new_sequence("import os\n", max_new_tokens=8, streaming=False)
-    scheduler.submit(plain)
-    scheduler.submit(drafting)
-    scheduler.step()
+    for sequence in (plain, drafting) if plain_first else (drafting, plain):
+        scheduler.submit(sequence)
+    while not (plain.prefilled and drafting.prefilled):
+        scheduler.step()
     assert plain.drafter is None and drafting.drafter is not None
     draft = drafting.drafter.engine
     draft.seconds += 5.0  # as if its passes had taken 5 s
-    expected = generator.target.seconds + draft.seconds
-    assert scheduler._engine_seconds([plain, drafting]) == pytest.approx(expected)
-    assert scheduler._engine_seconds([drafting, plain]) == pytest.approx(expected)
+    plan = scheduler.schedule()  # the next round, both rows decoding
+    assert [work.sequence for work in plan.decode] == ([plain, drafting] if plain_first else [drafting, plain])
+    assert plan.round_start.engine_seconds == pytest.approx(generator.target.seconds + draft.seconds)
 
 
 @pytest.mark.parametrize("ids", [[0.5, 1.5, 2.5], [0, 1, 2.9]])

@@ -143,7 +143,10 @@ def test_long_catch_up_goes_in_chunks(bundles):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])  # shared-buffer and concat caches
-def test_a_failed_pass_leaves_tokens_and_cache_in_step(bundles, monkeypatch, arch):
+def test_a_failed_pass_leaves_tokens_and_cache_in_step(bundles, arch):
+    """A pass that fails inside the session (here ONNX Runtime's own error: an id past the vocabulary, which
+    the engine hands on unchecked) leaves the cache's tokens and valid positions agreeing, and the next pass
+    computes what a fresh cache does."""
     bundle = bundles(arch)
     spec = load_manifest(bundle).target
     exact = arch == "llama"  # the re-run path (the previous token again) shortens the cache first
@@ -152,16 +155,9 @@ def test_a_failed_pass_leaves_tokens_and_cache_in_step(bundles, monkeypatch, arc
     engine.prefill([5, 9, 13, 40, 50, 51], cache)
     cache.truncate(5)  # a rejection: the concat cache cuts its stale position on the next pass
     assert cache.tokens == [5, 9, 13, 40, 50]
-    real_run = engine._run
-
-    def interrupted(*args):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(engine, "_run", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        engine.logits_after([5, 9, 13, 40, 50, 41], cache)
+    with pytest.raises(Exception, match="out of data bounds"):
+        engine.logits_after([5, 9, 13, 40, 50, spec.vocab_size + 7], cache)
     assert len(cache.tokens) == cache.length == (4 if exact else 5)
-    monkeypatch.setattr(engine, "_run", real_run)
     fresh = engine.new_cache(64)
     context = [5, 9, 13, 60, 61]  # diverges before the failed pass: a second cut, of the first cut's copies
     np.testing.assert_allclose(engine.logits_after(context, cache), engine.logits_after(context, fresh), atol=1e-5)
@@ -237,7 +233,7 @@ def test_one_token_steps_give_the_numbers_of_ordinary_passes(bundles, role):
         else:
             got, expected = engine.run([ids[position]], stepped)[0], plain.run([ids[position]], extended)[-1]
         np.testing.assert_array_equal(got, expected)
-    assert engine._stepping is (stepped if spec.kv_cache.shared_buffer else None)  # the short path was there to take
+    assert engine.takes_short_path(stepped) is spec.kv_cache.shared_buffer  # the short path was there to take
     assert stepped.tokens == extended.tokens == ids and stepped.length == 16
     full = engine.new_cache(18)
     engine.prefill(ids, full)
@@ -315,7 +311,9 @@ def test_the_full_width_mask_gives_the_logits_of_a_context_wide_one(bundles):
     buffers = [np.zeros((1, spec.num_kv_heads, 64, spec.head_dim), np.float32) for _ in range(2 * spec.num_layers)]
     values = [ort_value(b, "cpu") for b in buffers]
     binding = session.io_binding()
-    past, present = engine._past_names, engine._present_names
+    kv = spec.kv_cache  # the manifest's templates name each layer's inputs and outputs
+    past = [name for i in range(spec.num_layers) for name in (kv.past_key % i, kv.past_value % i)]
+    present = [name for i in range(spec.num_layers) for name in (kv.present_key % i, kv.present_value % i)]
     length = 0
     ids = [int(i) for i in np.random.default_rng(9).integers(2, 300, size=40)]
     for step in (ids[:20], [ids[20]], [ids[21]], ids[22:27], "rollback", [ids[30]], ids[31:36]):

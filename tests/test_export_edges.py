@@ -30,24 +30,23 @@ def _drop(folder: Path, name: str, keys) -> None:
     (folder / name).write_text(json.dumps(data))
 
 
-def test_out_created_during_the_export_is_never_replaced(checkpoints, tmp_path, monkeypatch):
+def test_out_created_during_the_export_is_never_replaced(checkpoints, tmp_path):
     """--out did not exist when checked, and no --force: a folder that appears there while the export
-    runs (the user's, another tool's) must not be exchanged into the work folder and deleted."""
-    from specdeploy.export import pipeline
+    runs (the user's, another tool's) must not be exchanged into the work folder and deleted. It appears
+    when the export reports its write stage, after the check and before the swap."""
+    from specdeploy.export import ExportConfig, export_bundle
 
-    out = tmp_path / "bundle"
-    real_build = pipeline._build_bundle
+    pair, out = checkpoints("llama"), tmp_path / "bundle"
 
-    def build_then_someone_writes_out(*args, **kwargs):
-        manifest = real_build(*args, **kwargs)
-        out.mkdir()
-        (out / "notes.txt").write_text("my notes")
-        return manifest
+    def someone_writes_out(stage, detail):
+        if stage == "write" and not out.exists():
+            out.mkdir()
+            (out / "notes.txt").write_text("my notes")
 
-    monkeypatch.setattr(pipeline, "_build_bundle", build_then_someone_writes_out)
-    with pytest.raises(SpecdeployError):
-        export_pair(checkpoints("llama"), out)
+    with pytest.raises(SpecdeployError, match="--out"):
+        export_bundle(ExportConfig(target=str(pair["target"]), draft=str(pair["draft"]), out=str(out)), someone_writes_out)
     assert (out / "notes.txt").read_text() == "my notes"
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
 
 
 def test_checkpoint_with_bos_but_no_eos_or_pad_exports(checkpoints, tmp_path):

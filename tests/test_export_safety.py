@@ -51,25 +51,40 @@ def test_force_refuses_what_is_not_a_bundle(checkpoints, tmp_path):
 
 
 def test_force_replaces_a_bundle_in_one_exchange(checkpoints, bundles, tmp_path, monkeypatch):
+    """Until the swap, out is the old, whole bundle; the swap exchanges the two folders in one step (out is
+    never renamed aside, so there is no instant without a bundle there)."""
     pair = checkpoints("llama")
     out = tmp_path / "bundle"
     shutil.copytree(bundles("gpt2"), out)
-    seen = []
-    real_exchange = swap._exchange
+    seen, renamed = [], []
+    real_replace, real_rename = swap.replace, os.rename
 
-    def watched(first, second):  # at the instant of the swap, out must still be the old, whole bundle
-        seen.append(load_manifest(second).target.model_type)
-        return real_exchange(first, second)
+    def watched(built, destination):  # at the instant of the swap, out must still be the old, whole bundle
+        seen.append(load_manifest(destination).target.model_type)
+        return real_replace(built, destination)
 
-    monkeypatch.setattr(swap, "_exchange", watched)
+    def rename(source, destination, **options):
+        renamed.append(Path(source))
+        return real_rename(source, destination, **options)
+
+    monkeypatch.setattr(swap, "replace", watched)
+    monkeypatch.setattr(os, "rename", rename)
     export_pair(pair, out, force=True)
     assert seen == ["gpt2"] and load_manifest(out, verify=True).target.model_type == "llama"
+    assert out not in renamed  # no two renames: out was exchanged, never moved aside
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle"]
-    monkeypatch.setattr(swap, "_exchange", real_exchange)
+    monkeypatch.undo()
     empty = tmp_path / "empty"
     empty.mkdir()  # an empty folder holds nothing to lose: --force may fill it
     export_pair(pair, empty, force=True)
     assert load_manifest(empty).target.model_type == "llama"
+
+
+class LibcWithoutRenameat2:
+    """A C library that lacks renameat2 (another OS, an old glibc): ctypes.CDLL(None) finds no such function."""
+
+    def __init__(self, *args, **options):
+        pass
 
 
 def test_replace_without_exchange_keeps_a_bundle_in_place(bundles, tmp_path, monkeypatch):
@@ -77,7 +92,6 @@ def test_replace_without_exchange_keeps_a_bundle_in_place(bundles, tmp_path, mon
     out, built = tmp_path / "bundle", tmp_path / "built"
     shutil.copytree(bundles("gpt2"), out)
     shutil.copytree(bundles("llama"), built)
-    monkeypatch.setattr(swap, "_exchange", lambda first, second: False)
     real_rename = os.rename
 
     def crash_on_second(source, destination):
@@ -85,6 +99,7 @@ def test_replace_without_exchange_keeps_a_bundle_in_place(bundles, tmp_path, mon
             raise KeyboardInterrupt  # the process dies between the two renames
         return real_rename(source, destination)
 
+    monkeypatch.setattr(swap.ctypes, "CDLL", LibcWithoutRenameat2)
     monkeypatch.setattr(swap.os, "rename", crash_on_second)
     with pytest.raises(KeyboardInterrupt):
         swap.replace(built, out)

@@ -154,7 +154,7 @@ def test_sampled_speculative_matches_the_target_distribution(agreeing_bundle, mo
     drafting stops early on low draft confidence, with NumPy's sampler instead of the C kernel, and with a
     repetition penalty: the second draft row and verify row penalize the first draft token)."""
     if sampler == "numpy":
-        monkeypatch.setattr(sampling, "_fastsample", None)
+        monkeypatch.setattr(sampling, "CProcessor", None)
     generator = specdeploy.load(agreeing_bundle)
     params = SamplingParams(temperature=1.0, top_k=3, repetition_penalty=penalty)
     prompt = generator.codec.encode(PROMPTS[0])
@@ -188,7 +188,7 @@ def test_sampling_matches_the_target_distribution_at_every_setting(agreeing_bund
     verify scan with its rejections and bonus tokens, target-only steps), against the exact joint target
     distribution at that setting (cells expected fewer than 5 times pooled); with the C kernel and without."""
     if sampler == "numpy":
-        monkeypatch.setattr(sampling, "_fastsample", None)
+        monkeypatch.setattr(sampling, "CProcessor", None)
     generator = specdeploy.load(agreeing_bundle, drafter="model")
     check_two_token_distribution(generator, generator.codec.encode(PROMPTS[1]), SETTINGS[setting], runs=4000,
                                  min_accepted=0.1)
@@ -370,22 +370,35 @@ def test_a_stop_string_before_an_incomplete_character_at_the_end_is_not_returned
 
 
 def test_a_stream_holds_back_exactly_the_longest_tail_that_begins_a_stop_string():
-    """Text that may yet complete a stop string is not shown: the longest tail of the text that is a proper
-    prefix of some stop string (TextStream._held_back, against that definition on random texts and stops)."""
+    """Text that may yet complete a stop string is not shown: after each token, what push has handed out is the
+    text less its longest tail that is a proper prefix of some stop string (against that definition on random
+    texts and stops, one character a token, until a stop string ends the text)."""
     import random
 
     from specdeploy.runtime.text import TextStream
+
+    class CharCodec:  # token i is character i
+        byte_tokens = frozenset()
+
+        def decode(self, ids):
+            return "".join(map(chr, ids))
 
     def definition(text, stops):
         return max([size for stop in stops for size in range(1, min(len(stop) - 1, len(text)) + 1)
                     if text.endswith(stop[:size])], default=0)
 
-    rng = random.Random(0)
+    rng, checked = random.Random(0), 0
     for _ in range(3000):
         stops = tuple("".join(rng.choice("ab c") for _ in range(rng.randint(1, 10))) for _ in range(rng.randint(1, 4)))
-        stream = TextStream(None, stop=stops)
-        stream.text = "".join(rng.choice("ab c") for _ in range(rng.randint(0, 25)))
-        assert stream._held_back() == definition(stream.text, stops), (stream.text, stops)
+        stream, shown = TextStream(CharCodec(), stop=stops), ""
+        for character in "".join(rng.choice("ab c") for _ in range(rng.randint(0, 25))):
+            shown += stream.push(ord(character))
+            if stream.stopped:
+                break
+            held = definition(stream.text, stops)
+            assert shown == stream.text[: len(stream.text) - held], (stream.text, stops)
+            checked += held > 0
+    assert checked > 10_000  # the random texts end in a stop's beginning often enough to test the tails
 
 
 @pytest.mark.parametrize("options", [dict(stop=["a", 5]), dict(stop=[b"x"]), dict(max_new_tokens="5"),

@@ -203,9 +203,10 @@ def test_a_huge_prompt_is_tokenized_on_a_thread_of_its_own(live, monkeypatch):
     from specdeploy.serve import app
 
     threads = []
-    prepare = app._prepare
-    monkeypatch.setattr(app, "_prepare", lambda service, parsed: threads.append(threading.current_thread().name)
-                        or prepare(service, parsed))
+    generator = live.service.worker.generator
+    prompt_ids = generator.prompt_ids  # what the prompt threads call to tokenize a prompt
+    monkeypatch.setattr(generator, "prompt_ids", lambda prompt: threads.append(threading.current_thread().name)
+                        or prompt_ids(prompt))
     huge = {"prompt": "x " * (app.LARGE_PROMPT_CHARS // 2 + 1), "max_tokens": 2}
     assert httpx.post(live.url + "/v1/completions", json=huge, headers=auth(), timeout=60).status_code == 400
     assert httpx.post(live.url + "/v1/completions", json=BODY, headers=auth(), timeout=30).status_code == 200

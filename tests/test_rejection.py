@@ -319,7 +319,7 @@ def test_accept_gives_float64_and_strided_rows_the_same_tokens(monkeypatch, name
                          generator.random()))
         assert runs[1] == runs[0] and runs[2] == runs[0], trial
     with monkeypatch.context() as patch:
-        patch.setattr(sampling, "_fastsample", None)
+        patch.setattr(sampling, "CProcessor", None)
         sampler = Sampler(params, vocab)
         assert sampler.kernel is None
         sampler.sync([1, 2, 3])
@@ -332,7 +332,7 @@ def test_accept_gives_float64_and_strided_rows_the_same_tokens(monkeypatch, name
 def test_c_verify_takes_any_int_sequence_and_rejects_bad_ids():
     vocab, k = 64, 3
     rng = np.random.default_rng(14)
-    kernel = sampling._fastsample.Processor(1.0, 0, 1.0, 0.0, 1.0)
+    kernel = sampling.CProcessor(1.0, 0, 1.0, 0.0, 1.0)
     target_logits = rng.normal(size=(k + 1, vocab)).astype(np.float32)
     draft_probs = process_logits(rng.normal(size=(k, vocab)).astype(np.float32), SamplingParams(temperature=1.0))
     uniforms = rng.random(k + 1)

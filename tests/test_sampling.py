@@ -1,5 +1,5 @@
 """Logits processing and draws: the NumPy definition (Hugging Face's semantics for every setting, and
-nothing faster inside it), the C kernel (_fastsample) held to it (the same supports, the same
+nothing faster inside it), the C kernel (sampling.CProcessor) held to it (the same supports, the same
 probabilities to float rounding, the same draws from the same uniforms), and one-line errors for bad
 buffers. tests/test_c_kernel.py runs the kernel's own C driver."""
 
@@ -12,7 +12,7 @@ from specdeploy.runtime.sampling import (PenaltyContext, Sampler, SamplingParams
                                          process_row, residual_draw)
 from specdeploy.testing import SAMPLED_SETTINGS
 
-fast = sampling._fastsample
+fast = sampling.CProcessor
 needs_c = pytest.mark.skipif(fast is None, reason="the C kernel was not built (test_the_c_kernel_was_built says so)")
 
 # Every setting the runtime has a path for: the benchmarked ones, and combinations of them.
@@ -26,7 +26,7 @@ SETTINGS = {
 
 
 def numpy_only(monkeypatch):
-    monkeypatch.setattr(sampling, "_fastsample", None)
+    monkeypatch.setattr(sampling, "CProcessor", None)
 
 
 FLUSHED = 2e-38  # the kernel's weights are 0 below e^-87 of the top one (no pass meets a denormal)
@@ -41,7 +41,10 @@ def assert_same_row(ours, reference, message=""):
 
 
 class NoKernel:
-    """Stands in for the C extension: any use of it fails the test."""
+    """Stands in for the C kernel's processor: any use of it fails the test."""
+
+    def __call__(self, *args):
+        raise AssertionError("the NumPy definition made a C kernel processor")
 
     def __getattr__(self, name):
         raise AssertionError(f"the NumPy definition called the C kernel ({name})")
@@ -67,7 +70,7 @@ def sampler_with_context(params, vocab, rng, length=40, prompt_length=10):
 
 def test_the_c_kernel_was_built():
     """pip builds it whenever a C compiler is present (CI has one); without it sampling is ~3x slower."""
-    assert fast is not None, "specdeploy.runtime._fastsample is missing: reinstall with a C compiler (pip install -e .)"
+    assert fast is not None, "the C kernel (sampling.CProcessor) is missing: reinstall with a C compiler (pip install -e .)"
 
 
 @pytest.mark.parametrize("vocab", [1, 5, 63, 64, 65, 1000, 8192, 50257])
@@ -94,7 +97,7 @@ def test_the_definition_calls_no_kernel(monkeypatch):
     extension replaced by an object that fails on any use, every setting still computes."""
     from specdeploy.runtime.rejection import rejection_sample
 
-    monkeypatch.setattr(sampling, "_fastsample", NoKernel())
+    monkeypatch.setattr(sampling, "CProcessor", NoKernel())
     rng = np.random.default_rng(3)
     logits = rows(rng, 300, 3)
     for params in SETTINGS.values():
@@ -312,7 +315,7 @@ def test_residual_draw_follows_the_residual():
 
 
 def processor(top_k=5, penalty=1.0, inverse_temperature=1.0):
-    return fast.Processor(inverse_temperature, top_k, 1.0, 0.0, penalty)
+    return fast(inverse_temperature, top_k, 1.0, 0.0, penalty)
 
 
 PENALTY = (np.array([3]), np.zeros(64, np.uint8))  # ids, mask: a context of token 3
@@ -330,8 +333,8 @@ PENALTY = (np.array([3]), np.zeros(64, np.uint8))  # ids, mask: a context of tok
         (lambda x, out: processor().sample(x, x, 0.5, None, None, ()), ValueError, "overlaps"),
         (lambda x, out: processor().sample(x[:32], x[16:48], None, None, None, ()), ValueError, "overlaps"),
         (lambda x, out: processor().sample(x, out), TypeError, "sample"),
-        (lambda x, out: fast.Processor(1.0, 5, 1.5, 0.0, 1.0), ValueError, "top_p"),
-        (lambda x, out: fast.Processor(1.0, 5, 1.0, 0.0, 0.0), ValueError, "repetition_penalty"),
+        (lambda x, out: fast(1.0, 5, 1.5, 0.0, 1.0), ValueError, "top_p"),
+        (lambda x, out: fast(1.0, 5, 1.0, 0.0, 0.0), ValueError, "repetition_penalty"),
         (lambda x, out: processor(inverse_temperature=0.0).sample(x, out, 0.5, None, None, ()), ValueError, "greedy"),
         (lambda x, out: processor(penalty=1.2).sample(x, out, 0.5, np.array([64]), np.zeros(64, np.uint8), ()),
          ValueError, "vocabulary"),
@@ -464,7 +467,7 @@ def test_top_p_near_one_never_readmits_tokens_top_k_removed():
     params = SamplingParams(temperature=1.0, top_k=9, top_p=float(np.nextafter(1.0, 0.0)))
     reference = process_row(logits, params, np.empty(10, np.float32))
     assert reference[9] == 0.0, "the NumPy definition kept a token outside the top-k"
-    if sampling._fastsample is not None:
+    if sampling.CProcessor is not None:
         ours = Sampler(params, 10).distribution(logits, np.empty(10, np.float32))
         np.testing.assert_array_equal(ours > 0, reference > 0)
 

@@ -489,19 +489,39 @@ def test_an_exact_quantized_target_keeps_its_two_token_steps_under_batching(int8
     assert [o.token_ids for o in generator.generate_many(PROMPTS[:3], max_new_tokens=20, speculative=False)] == expected
 
 
+def iid_tokens(acceptance: float, k: int) -> float:
+    """Tokens a round of k drafts emits when each draft is kept with probability `acceptance` (Leviathan et al.
+    2023): 1 + a + ... + a^k."""
+    return sum(acceptance**j for j in range(k + 1))
+
+
+def expects_more_than(row, k: int, tokens: float, prior: float) -> bool:
+    """Whether the auto policy expects a round of k drafts to emit more than `tokens` tokens for this lone row:
+    a target-only round emits 1 token a millisecond, k drafts cost `tokens` ms a round and every other draft
+    length far more, so it drafts k exactly when it expects more than `tokens` (prior: its acceptance)."""
+    policy = SpeculationPolicy("auto")
+    policy.exact = policy.choose_alone = True  # a lone row that may take target-only rounds too
+    policy.acceptance = prior
+    policy.target_ms = {1: 1.0}
+    policy.verify_ms = {**{n: 1e9 for n in range(2, k + 1)}, k + 1: tokens}
+    return policy.draft_limit([row], k) == k
+
+
+def expects_about(row, k: int, tokens: float, tolerance: float, prior: float) -> bool:
+    return expects_more_than(row, k, tokens - tolerance, prior) and not expects_more_than(row, k, tokens + tolerance, prior)
+
+
 def test_a_rows_expected_tokens_come_from_its_own_rounds():
     """Acceptance comes in runs: a row whose rounds accepted all 4 drafts or none (rate 0.5) emits
     1 + 2 = 3 tokens a round at k = 4, where the i.i.d. formula says 1.94; at k = 2 its rounds would
-    have accepted min(j, 2). Rounds of one draft say nothing of a fourth: the row's rate fills in."""
-    from specdeploy.runtime.policy import _expected_tokens, _row_tokens
-
+    have accepted min(j, 2). Rounds of one draft say nothing of a fourth: the row's rate fills in.
+    Read through the auto policy's choice between drafting k and target-only rounds (expects_more_than)."""
     runs = FakeRow([(4, 4)] * 500 + [(4, 0)] * 500)
-    assert _row_tokens(runs, 4, 0.5) == pytest.approx(3.0, abs=0.03)
-    assert _row_tokens(runs, 2, 0.5) == pytest.approx(2.0, abs=0.02)
-    assert _expected_tokens(0.5, 4) == pytest.approx(1.9375)
-    assert _row_tokens(FakeRow([]), 4, 0.6) == pytest.approx(_expected_tokens(0.6, 4))  # no rounds: the prior
+    assert expects_about(runs, 4, 3.0, 0.03, prior=0.5)
+    assert expects_about(runs, 2, 2.0, 0.02, prior=0.5)
+    assert expects_about(FakeRow([]), 4, iid_tokens(0.6, 4), 1e-6, prior=0.6)  # no rounds: the prior
     ones = FakeRow([(1, 1)] * 800 + [(1, 0)] * 200)  # kept 80% of single drafts: four drafts keep more than one
-    assert _row_tokens(ones, 4, 0.5) == pytest.approx(_expected_tokens(0.8, 4), abs=0.05)
+    assert expects_about(ones, 4, iid_tokens(0.8, 4), 0.05, prior=0.5)
 
 
 class FakeRow:

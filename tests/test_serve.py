@@ -76,14 +76,15 @@ class GatedModel:
     until the test lets it through.
 
     allow(n) lets n more pieces through, open() all of them; held is how many streams wait at the
-    gate now, passed how many pieces went through, streams how many generations began. fail(fault)
-    makes the waiting stream raise `fault` instead of yielding its piece."""
+    gate now, passed how many pieces went through, streams how many generations began (sequences: their
+    runtime Sequences). fail(fault) makes the waiting stream raise `fault` instead of yielding its piece."""
 
     def __init__(self, generator):
         self.generator = generator
         self.condition = threading.Condition()
         self.allowed, self.opened, self.held, self.passed, self.streams = 0, False, 0, 0, 0
         self.fault: BaseException | None = None
+        self.sequences: list = []
 
     def __getattr__(self, name):
         return getattr(self.generator, name)
@@ -114,6 +115,7 @@ class GatedModel:
         sequence = self.generator.new_sequence(prompt, **options)
         with self.condition:
             self.streams += 1
+            self.sequences.append(sequence)
         return paced(sequence, self._gate)
 
     def _gate(self) -> None:
@@ -533,9 +535,11 @@ def long_stream(server):
 
 
 def cancelled(server) -> bool:
-    """Whether every job generating on the server has been cancelled (its client went away)."""
-    live = list(server.service.worker._live)  # the worker's running jobs: this check has no public view
-    return bool(live) and all(job.cancelled.is_set() for job in live)
+    """Whether every sequence generating on the server's GatedModel has been cancelled (its client went away):
+    the scheduler asks each one's `cancelled()` at its next step."""
+    with server.model.condition:
+        live = [sequence for sequence in server.model.sequences if not sequence.finished]
+    return bool(live) and all(sequence.cancelled() for sequence in live)
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_slot(gated_server):

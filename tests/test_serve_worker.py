@@ -27,6 +27,24 @@ class WorkerKilled(BaseException):
     """Not an Exception: it passes every per-request guard, as nothing should but something might."""
 
 
+class HeldBackend(SchedulerBackend):
+    """The scheduler's backend, whose first step waits until the test sets `released`, and then does nothing: the
+    worker comes back for the jobs submitted meanwhile, so that they reach the scheduler before its first
+    step, as jobs queued together do."""
+
+    def __init__(self, generator):
+        super().__init__(generator)
+        self.released = threading.Event()
+        self.held = True
+
+    def step(self):
+        if self.held:
+            assert self.released.wait(30), "the test never released the backend"
+            self.held = False
+            return []
+        return super().step()
+
+
 def post_in_thread(url: str, body: dict, answers: dict, name: str) -> threading.Thread:
     thread = threading.Thread(target=lambda: answers.update({name: httpx.post(url + "/v1/completions", json=body,
                                                                               timeout=30)}))
@@ -109,7 +127,8 @@ def test_a_load_that_dies_past_every_exception_guard_still_fails_the_server():
     fatal = []
     worker = ModelWorker(load, max_queue=1, metrics=Metrics(), on_fatal=fatal.append)
     worker.start()
-    worker._thread.join(30)
+    assert not worker.wait_loaded(30)
+    assert worker.join(30)  # its thread has ended
     assert worker.state == "failed" and fatal == ["injected at load"] == [worker.error]
     assert worker.unavailable().status == 503
 
@@ -132,18 +151,19 @@ def test_a_choice_that_ended_frees_its_slot_for_the_next_request(agreeing_bundle
     prompt_ids = generator.codec.encode(PROMPT)
 
     async def scenario():
-        worker = ModelWorker(lambda: generator, max_queue=4, metrics=Metrics())
-        assert worker._load_model() and worker.backend.capacity == 2
+        worker = ModelWorker(lambda: generator, max_queue=4, metrics=Metrics(), backend=HeldBackend)
+        worker.start()
+        assert worker.wait_loaded(30) and worker.backend.capacity == 2
         pair = Job(prompt_ids, [dict(base, seed=seed), dict(base, seed=seed + 1)], streaming=False)
         after = Job(prompt_ids, [dict(base, seed=seed + 1)], streaming=False)
         worker.submit(pair)
-        worker.submit(after)  # both queued before the loop runs: the pair takes both slots first
-        thread = threading.Thread(target=worker._loop)
-        thread.start()
-        pair_done, after_done = await pair.events.get(), await after.events.get()
-        worker.stop()
-        thread.join(30)
-        return pair, pair_done, after, after_done
+        worker.submit(after)  # both queued before the first step: the pair takes both slots first
+        worker.backend.released.set()
+        try:
+            return pair, await pair.events.get(), after, await after.events.get()
+        finally:
+            worker.stop()
+            assert worker.join(30)
 
     pair, (kind, pair_done), after, (after_kind, after_done) = asyncio.run(scenario())
     assert kind == after_kind == "done"

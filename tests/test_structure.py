@@ -1,6 +1,6 @@
 """The package's shape, checked from its source (AST): no import cycles, no function over
-MAX_FUNCTION_LINES lines and no module over MAX_MODULE_LINES lines in specdeploy/; and benchmarks/ and
-scripts/ use specdeploy's public names only, with no sys.path imports."""
+MAX_FUNCTION_LINES lines and no module over MAX_MODULE_LINES lines in specdeploy/; benchmarks/ and
+scripts/ use specdeploy's public names only, with no sys.path imports; and tests/ reach no private names."""
 
 import ast
 from pathlib import Path
@@ -131,14 +131,23 @@ def test_no_test_is_shadowed_by_a_later_one_of_the_same_name():
 # before anything is installed, so it alone puts the checkout on sys.path (its comment says so).
 TOOL_FOLDERS = ("benchmarks", "scripts")
 SYS_PATH_ALLOWED = {"scripts/gpu_check.py"}
+ATTRIBUTE_FUNCTIONS = ("getattr", "setattr", "delattr", "hasattr")  # builtins, and monkeypatch's setattr / delattr
 
 
-def private_uses(source: str, label: str) -> list[str]:
+def _private(name: str) -> bool:
+    return any(part.startswith("_") and not part.startswith("__") for part in name.split("."))
+
+
+def _own(node: ast.expr) -> bool:
+    """self or cls: an object's private names are its own to use."""
+    return isinstance(node, ast.Name) and node.id in ("self", "cls")
+
+
+def private_names(source: str, label: str) -> list[str]:
     """Each import of a private specdeploy name (a module or name starting with "_", dunders aside), each private
-    attribute read from anything but self or cls, and each change to sys.path in source, one line each."""
-    def private(name: str) -> bool:
-        return any(part.startswith("_") and not part.startswith("__") for part in name.split("."))
-
+    attribute read from anything but self or cls, and each private attribute named in a string to getattr, setattr,
+    delattr or hasattr (monkeypatch.setattr's among them: an object and a name, or a "specdeploy.module._name"
+    target), one line each."""
     found = []
     for node in ast.walk(ast.parse(source)):
         names = []
@@ -146,10 +155,23 @@ def private_uses(source: str, label: str) -> list[str]:
             names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
         elif isinstance(node, ast.Import):
             names = [alias.name for alias in node.names if alias.name.split(".")[0] == "specdeploy"]
-        found += [f"{label}:{node.lineno} imports {name}" for name in names if private(name)][:1]
-        if (isinstance(node, ast.Attribute) and private(node.attr)
-                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+        found += [f"{label}:{node.lineno} imports {name}" for name in names if _private(name)][:1]
+        if isinstance(node, ast.Attribute) and _private(node.attr) and not _own(node.value):
             found.append(f"{label}:{node.lineno} reads {ast.unparse(node)}")
+        function = getattr(node, "func", None)
+        if isinstance(node, ast.Call) and getattr(function, "attr", getattr(function, "id", None)) in ATTRIBUTE_FUNCTIONS:
+            strings = [(i, a.value) for i, a in enumerate(node.args[:2]) if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+            for index, name in strings:
+                target = index == 0 and name.startswith("specdeploy.")  # monkeypatch.setattr("specdeploy.x._y", value)
+                if (target or index == 1 and not _own(node.args[0])) and _private(name):
+                    found.append(f"{label}:{node.lineno} names {name} in {ast.unparse(node.func)}")
+    return found
+
+
+def private_uses(source: str, label: str) -> list[str]:
+    """private_names, and each change to sys.path in source, one line each."""
+    found = private_names(source, label)
+    for node in ast.walk(ast.parse(source)):
         if (isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name)
                 and node.value.id == "sys" and label not in SYS_PATH_ALLOWED):
             found.append(f"{label}:{node.lineno} uses sys.path")
@@ -165,7 +187,24 @@ def test_the_private_name_check_finds_imports_attributes_and_sys_path():
         "uses sys.path"]
 
 
+def test_the_private_name_check_finds_private_names_given_as_strings():
+    source = ("monkeypatch.setattr(engine, '_run', fake)\nmonkeypatch.setattr('specdeploy.swap._exchange', fake)\n"
+              "getattr(worker, '_thread')\nsetattr(self, '_cache', None)\nmonkeypatch.setattr(sampling, 'CProcessor', None)\n"
+              "hasattr(module, '__file__')\nmonkeypatch.setenv('_HIDDEN', '1')\n")
+    assert [line.split(" ", 1)[1] for line in private_names(source, "t.py")] == [
+        "names _run in monkeypatch.setattr", "names specdeploy.swap._exchange in monkeypatch.setattr",
+        "names _thread in getattr"]
+
+
 @pytest.mark.parametrize("path", sorted(p for folder in TOOL_FOLDERS for p in (ROOT.parent / folder).glob("*.py")),
                          ids=lambda p: str(p.relative_to(ROOT.parent)))
 def test_benchmarks_and_scripts_use_public_names_only(path):
     assert private_uses(path.read_text(encoding="utf-8"), str(path.relative_to(ROOT.parent))) == []
+
+
+# Tests drive public methods: they reach no private attribute of a specdeploy object (nor, by style rule 14, of a
+# library's), so that an implementation can change behind its public seams without touching them. A test's own
+# object keeps its private names to itself (self and cls).
+@pytest.mark.parametrize("path", sorted(Path(__file__).resolve().parent.glob("*.py")), ids=lambda p: p.name)
+def test_tests_use_public_names_only(path):
+    assert private_names(path.read_text(encoding="utf-8"), f"tests/{path.name}") == []

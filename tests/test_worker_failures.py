@@ -18,7 +18,7 @@ from specdeploy.serve.protocol import ApiError
 from specdeploy.serve.job import Finished, Job, shutting_down
 from specdeploy.serve.worker import ModelWorker
 from test_serve import PROMPT, GatedModel, LiveServer
-from test_serve_worker import WorkerKilled, post_in_thread
+from test_serve_worker import HeldBackend, WorkerKilled, post_in_thread
 
 RUNNING = "specdeploy:num_requests_running"
 WAITING = "specdeploy:num_requests_waiting"
@@ -45,7 +45,7 @@ def test_running_gauge_reads_zero_once_the_worker_has_ended(agreeing_bundle, end
         model.open()
         if ending == "shutdown":
             stopper.join(30)
-        live.service.worker._thread.join(30)  # the worker's thread has ended, its cleanup done
+        assert live.service.worker.join(30)  # the worker's thread has ended, its cleanup done
         if ending == "crash":
             assert httpx.get(live.url + "/health").json()["status"] == "crashed"
         assert live.metric(RUNNING) == 0 and live.metric(WAITING) == 0
@@ -87,19 +87,19 @@ def test_one_sequences_failure_in_a_batched_step_fails_its_request_alone(agreein
     metrics = Metrics()
 
     async def scenario():
-        worker = ModelWorker(lambda: generator, max_queue=4, metrics=metrics)
-        assert worker._load_model() and worker.backend.capacity == 2
+        worker = ModelWorker(lambda: generator, max_queue=4, metrics=metrics, backend=HeldBackend)
+        worker.start()
+        assert worker.wait_loaded(30) and worker.backend.capacity == 2
         failing = Job(ids, [dict(max_new_tokens=2, temperature=0)], streaming=False)
         healthy = Job(ids, [dict(max_new_tokens=8, temperature=0)], streaming=False)
         worker.submit(failing)
-        worker.submit(healthy)  # both queued before the loop runs: they start, and decode, together
-        thread = threading.Thread(target=worker._loop)
-        thread.start()
+        worker.submit(healthy)  # both queued before the first step: they start, and decode, together
+        worker.backend.released.set()
         try:
             return await failing.events.get(), await healthy.events.get()
         finally:
             worker.stop()
-            thread.join(30)
+            assert worker.join(30)
 
     (failing_kind, failure), (healthy_kind, healthy_value) = asyncio.run(scenario())
     assert failing_kind == "error" and failure.status == 500 and "injected output failure" in failure.message
@@ -117,13 +117,19 @@ def test_a_job_the_server_fails_outside_the_worker_counts_its_choices_as_errors(
     metrics = Metrics()
 
     async def scenario():
-        worker = ModelWorker(lambda: generator, max_queue=4, metrics=metrics)
-        assert worker._load_model()
+        worker = ModelWorker(lambda: generator, max_queue=4, metrics=metrics, backend=HeldBackend)
+        worker.start()
+        assert worker.wait_loaded(30)
         job = Job(generator.codec.encode(PROMPT), [dict(max_new_tokens=4, temperature=0)] * 2, streaming=True)
-        worker.submit(job)
+        worker.submit(job)  # it generates nothing before the backend is released
         worker.fail(job, ApiError(500, "internal error: injected", kind="server_error"))
         worker.cancel(job)  # as the stream's end does
-        return await job.events.get()
+        try:
+            return await job.events.get()
+        finally:
+            worker.backend.released.set()  # the cancelled job leaves the backend; then the worker stops
+            worker.stop()
+            assert worker.join(30)
 
     kind, error = asyncio.run(scenario())
     assert kind == "error" and error.status == 500

@@ -269,6 +269,10 @@ class OrtEngine:
             rest = rest[PREFILL_CHUNK:]
         return self.run(rest, cache)[-1]
 
+    def takes_short_path(self, cache: KVCache | SharedKVCache) -> bool:
+        """Whether run([token], cache) takes the short path now (nothing rebound: _step), as a draft's loop should."""
+        return cache is self._stepping and cache.length < cache.capacity
+
     def _step(self, token: int, cache: SharedKVCache) -> np.ndarray:
         """run([token]) right after a one-token scratch pass on the same cache, on the CPU: the binding
         holds everything but the token and one more 1 in the cache's mask, so nothing is bound. The

@@ -13,7 +13,7 @@ Every round therefore emits num_accepted + 1 tokens, and each is distributed exa
 target would have drawn it. (The shortcut "keep x when target_probs[x] >= draft_probs[x], else
 discard" is not distribution-preserving; it is not used here.)
 
-`rejection_sample` defines the rule, in plain NumPy; the C kernel (`_fastsample.Processor.verify`)
+`rejection_sample` defines the rule, in plain NumPy; the C kernel (sampling.py's `CProcessor.verify`)
 computes the same tokens from the same uniforms (to the float rounding of its rows), forming each
 target row only when the scan reaches it. `accept` is what the generate loop calls: greedy rounds,
 then the kernel where it was built, else the reference.

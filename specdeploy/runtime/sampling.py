@@ -10,7 +10,7 @@ draft's and the target's logits, each row with the context up to its own positio
 distribution it preserves is exactly the one target-only sampling draws from.
 
 Every truncation only chooses a support; the distribution is then the softmax of the (penalized)
-logits over that support. The C kernel (csrc/sampling.c, bound as `_fastsample`; built whenever a C
+logits over that support. The C kernel (csrc/sampling.c, bound as `CProcessor`; built whenever a C
 compiler is present) computes the same rows without touching more of the vocabulary than it must
 (top-k by partial selection, top-p from a histogram of the mass instead of a sort, min-p in the
 exponential pass): the same supports and the same probabilities to float rounding (its own exp,
@@ -28,10 +28,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# CProcessor: the C kernel's row processor (csrc/sampling.c, bound in _fastsample.c), None where it was not built.
+# Each Sampler holds an instance (its `kernel`); with None here, Samplers made from then on run the NumPy
+# definition (the tests set it so to hold both paths to one distribution), as json.scanner.c_make_scanner does.
 try:
-    from . import _fastsample
+    from ._fastsample import Processor as CProcessor
 except ImportError:  # no C compiler at install time: NumPy computes the same, only slower
-    _fastsample = None
+    CProcessor = None
 
 FLOAT32 = np.dtype(np.float32)
 
@@ -243,10 +246,10 @@ class Sampler:
             self._counted_upto = prompt_length
         self.penalty = PenaltyContext(vocab) if params.penalized else None
         self.kernel = None
-        if _fastsample is not None:
+        if CProcessor is not None:
             inverse = 0.0 if params.greedy else 1.0 / params.temperature
             top_k = min(params.top_k, vocab)  # as many or more: every token kept, as 0 does (the kernel takes a C size)
-            self.kernel = _fastsample.Processor(inverse, top_k, params.top_p, params.min_p, params.repetition_penalty)
+            self.kernel = CProcessor(inverse, top_k, params.top_p, params.min_p, params.repetition_penalty)
         # The penalty's ids [count] and mask [vocab] as the kernel takes them (None: no penalty).
         self._ids, self._mask = (None, None) if self.penalty is None else (self.penalty.ids, self.penalty.mask)
 

@@ -59,6 +59,19 @@ class ModelWorker:
     def start(self) -> None:
         self._thread.start()
 
+    def wait_loaded(self, timeout_s: float | None = None) -> bool:
+        """Wait (up to timeout_s) until the model has loaded or failed to, or the worker stopped; whether it
+        is ready. For a host that submits jobs itself: submit() refuses them until then."""
+        with self._condition:
+            self._condition.wait_for(lambda: self.state != "loading", timeout_s)
+            return self.state == "ready"
+
+    def join(self, timeout_s: float | None = None) -> bool:
+        """Wait (up to timeout_s) until the worker's thread has ended, after stop(), a crash or a failed load:
+        every job it held answered and its gauges final. Whether it has."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
     def unavailable(self) -> ApiError | None:
         """The 503 to answer while the worker takes no requests; None once it does."""
         state = self.state
@@ -160,6 +173,7 @@ class ModelWorker:
         except BaseException as exc:  # a bundle that will not load (or a loader that exits): the server cannot serve
             with self._condition:
                 self.state, self.error = "failed", str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                self._condition.notify_all()
             log.error("the model did not load: %s", self.error)
             if self._on_fatal is not None:
                 self._on_fatal(self.error)
@@ -167,6 +181,7 @@ class ModelWorker:
         with self._condition:
             if self.state == "loading":
                 self.state = "ready"
+            self._condition.notify_all()
         log.info("model ready in %.1fs", time.perf_counter() - started)
         return True
 
