@@ -92,7 +92,7 @@ def test_the_hybrid_drafts_from_shorter_matches_only_when_greedy(bundles):
 
     generator = specdeploy.load(bundles("llama"))
     chosen, vocab = generator.drafter, generator.target.spec.vocab_size
-    hybrid = HybridDrafter(chosen.model_drafter, chosen.lookup, adaptive=False)  # the lookup whenever it matches
+    hybrid = HybridDrafter(chosen.model_drafter, chosen.lookup)  # no choice: the lookup whenever it matches
     greedy, sampled = Sampler(SamplingParams(), vocab), Sampler(SamplingParams(temperature=0.8), vocab)
     rng = np.random.default_rng(0)
     two_gram = [5, 6, 7, 9, 6, 7]  # "6 7" recurs, no 3-gram does

@@ -1,54 +1,56 @@
 """The hybrid drafter: prompt lookup where the context repeats itself, the draft model otherwise, and
-where both could propose, the one whose rounds have emitted more tokens a second (SourceChoice)."""
+where both could propose, the one whose rounds have emitted more tokens for their cost (SourceChoice)."""
 
 from __future__ import annotations
 
-import time
-from typing import Callable
-
 from .drafters import ModelDrafter, PromptLookupDrafter
 
-# A round in PROBE_EVERY where the lookup matched goes to the source not preferred, so that its
-# estimate follows the text; each source's sums decay by DECAY a round it is measured.
+# A matched round in PROBE_EVERY goes to the source not preferred, so that its estimate follows the text;
+# each source's sums decay by DECAY a round it is measured.
 PROBE_EVERY = 8
 DECAY = 0.85
+# A verify pass's cost over a one-token step, for each token it checks: a fraction of a step (a pass of
+# n tokens reads the weights once; measured 0.15-0.2 a token for int4 targets, less for fp32 ones).
+VERIFY_TOKEN_COST = 0.1
 LOOKUP, MODEL = "lookup", "model"
 
 
 class SourceChoice:
-    """Which source proposes a round where the lookup found a match: the one with more tokens a second.
+    """Which source proposes a round where the lookup found a match: the one whose rounds emitted more
+    tokens for their cost, in one sequence.
 
-    A source's rate is the tokens its rounds emitted over their time, each round read at the next
-    proposal (the context's growth since the last one, and the clock's): the lookup's rounds cost a
-    verify pass, the model's its draft steps too, and each keeps what its guesses are worth. Both are
-    measured in matched rounds only, where the choice is made (the model alone runs elsewhere). The
-    matched rounds take turns, the lookup first, until each source has been measured twice (a round
-    is measured only where its sequence proposes again); after that one matched round in PROBE_EVERY
-    takes the source not preferred. The choice reads past
-    rounds only, never the round it proposes for, so the accept rule stays exact."""
+    A round's tokens are the context's growth from its proposal to the next one. Its cost, in target
+    steps, is modelled rather than timed, so that the choice, and with it a seed's sample, is the same
+    from run to run: 1 + VERIFY_TOKEN_COST a token verified, plus, for the model, `draft_cost` a
+    token drafted (its step's cost over the target's: the ratio of their weights' bytes, which a decode
+    step reads once; on the Qwen2.5-Coder pair 0.44 against a measured 0.39). Both are measured in
+    matched rounds only, where the choice is made. The matched rounds take turns, the lookup first,
+    until each source has been measured twice (a round is measured where its sequence proposes
+    again); after that one matched round in PROBE_EVERY takes the source not preferred. The choice
+    reads past rounds only, never the round it proposes for, so the accept rule stays exact."""
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter):
-        self.clock = clock
+    def __init__(self, draft_cost: float):
+        self.draft_cost = draft_cost
+        self.forget()
+
+    def forget(self) -> None:
+        """A new sequence: nothing of the last one's rounds is this one's."""
         self.tokens = {LOOKUP: 0.0, MODEL: 0.0}
-        self.seconds = {LOOKUP: 0.0, MODEL: 0.0}
+        self.cost = {LOOKUP: 0.0, MODEL: 0.0}
         self.rounds = {LOOKUP: 0, MODEL: 0}  # rounds measured
         self.chosen = {LOOKUP: 0, MODEL: 0}  # matched rounds given to each
-        self._last: tuple[str, int, float] | None = None  # (source, context length, clock) of the last matched round
+        self._last: tuple[str, int, float] | None = None  # (source, context length, cost) of the last matched round
 
-    def forget_round(self) -> None:
-        """A new sequence: the last round's outcome is not this one's to read."""
-        self._last = None
-
-    def choose(self, context_length: int, matched: bool) -> str:
-        """The source of this round (MODEL where nothing matched), after reading the last matched round."""
-        now = self.clock()
+    def choose(self, context_length: int, lookup_tokens: int, model_tokens: int) -> str:
+        """The source of this round (MODEL where the lookup proposes nothing), after reading the last matched
+        round; lookup_tokens and model_tokens are what each would propose."""
         if self._last is not None and context_length >= self._last[1]:  # else: not the sequence it proposed for
-            source, length, started = self._last
+            source, length, cost = self._last
             self.tokens[source] = DECAY * self.tokens[source] + (context_length - length)
-            self.seconds[source] = DECAY * self.seconds[source] + (now - started)
+            self.cost[source] = DECAY * self.cost[source] + cost
             self.rounds[source] += 1
         self._last = None
-        if not matched:
+        if not lookup_tokens:
             return MODEL
         if min(self.rounds.values()) < 2:  # until each is measured twice: turns, the lookup first
             source = LOOKUP if self.chosen[LOOKUP] <= self.chosen[MODEL] else MODEL
@@ -57,13 +59,15 @@ class SourceChoice:
             probe = (sum(self.chosen.values()) + 1) % PROBE_EVERY == 0
             source = preferred if not probe else (MODEL if preferred == LOOKUP else LOOKUP)
         self.chosen[source] += 1
-        self._last = (source, context_length, now)
+        drafted = lookup_tokens if source == LOOKUP else model_tokens
+        cost = 1.0 + VERIFY_TOKEN_COST * drafted + (self.draft_cost * drafted if source == MODEL else 0.0)
+        self._last = (source, context_length, cost)
         return source
 
     def rate(self, source: str) -> float:
-        """Tokens a second of the source's measured rounds (0 before any)."""
-        seconds = self.seconds[source]
-        return self.tokens[source] / seconds if seconds > 0 else 0.0
+        """Tokens a target step of the source's measured rounds (0 before any)."""
+        cost = self.cost[source]
+        return self.tokens[source] / cost if cost > 0 else 0.0
 
 
 class HybridDrafter:
@@ -71,9 +75,9 @@ class HybridDrafter:
 
     A lookup proposal costs no draft pass: it is a candidate whenever an n-gram of at least the
     lookup's `min_ngram` tokens recurs (greedy), or of at least `sampled_ngram` when sampling. Where
-    one does, `choice` (SourceChoice) picks the lookup or the model from what their rounds have
-    emitted a second; without one (adaptive=False, an exact generator's: its seeds give one sample,
-    so its proposals may not follow the clock) the lookup always proposes. The draft model's cache
+    one does, `choice` (SourceChoice, one sequence's rounds) picks the lookup or the model from what
+    their rounds have emitted for their cost (draft_cost: a draft token's cost over a target step;
+    None: the lookup always proposes where it matches). The draft model's cache
     catches up on the tokens it skipped in one multi-token pass. When sampling, a lookup token is
     kept with the target's probability of it, not only when it is the target's choice, so a short
     match loses to the model's proposal (measured on two pairs in docs/performance.md, "The hybrid's
@@ -83,18 +87,18 @@ class HybridDrafter:
     """
 
     def __init__(self, model_drafter: ModelDrafter, lookup: PromptLookupDrafter, sampled_ngram: int = 3,
-                 adaptive: bool = True):
+                 draft_cost: float | None = None):
         self.engine = model_drafter.engine
         self.model_drafter = model_drafter
         self.reads_target_features = model_drafter.reads_target_features
         self.lookup = lookup
         self.sampled_ngram = min(max(sampled_ngram, lookup.min_ngram), lookup.max_ngram)
-        self.choice = SourceChoice() if adaptive else None
+        self.choice = SourceChoice(draft_cost) if draft_cost is not None else None
 
     def prefill(self, context: list[int], limit: int | None = None) -> bool:
         self.lookup.prefill(context)
         if self.choice is not None:
-            self.choice.forget_round()
+            self.choice.forget()
         return self.model_drafter.prefill(context, limit)
 
     def reset(self) -> None:
@@ -103,7 +107,7 @@ class HybridDrafter:
 
     def for_cache(self, cache, target_cache=None) -> "HybridDrafter":
         return HybridDrafter(self.model_drafter.for_cache(cache, target_cache), self.lookup.for_cache(cache),
-                             self.sampled_ngram, adaptive=self.choice is not None)
+                             self.sampled_ngram, self.choice.draft_cost if self.choice is not None else None)
 
     def with_target(self, target_cache) -> "HybridDrafter":
         self.model_drafter.with_target(target_cache)
@@ -114,7 +118,7 @@ class HybridDrafter:
         min_ngram = None if sampler.greedy else self.sampled_ngram
         tokens, probs = self.lookup.propose(context, num_tokens, sampler, rng, min_ngram=min_ngram)
         if self.choice is not None:
-            return (tokens, probs) if self.choice.choose(len(context), bool(tokens)) == LOOKUP else None
+            return (tokens, probs) if self.choice.choose(len(context), len(tokens), num_tokens) == LOOKUP else None
         return (tokens, probs) if tokens else None
 
     def propose(self, context, num_tokens, sampler, rng, min_confidence=0.0):

@@ -41,12 +41,11 @@ def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verif
          policy: str = "auto", exact: bool = False, weights_in_memory: bool = False) -> Generator:
     """Load a bundle for generation on `device` (cpu | cuda | tensorrt).
 
-    drafter: "hybrid" (default: prompt lookup when an n-gram of `lookup_ngram` tokens recurs, of 3
-    when sampling, and its rounds have emitted tokens faster than the model's (see HybridDrafter), the
-    draft model otherwise), "model" (the draft model every
-    round) or "prompt-lookup" (no model; "hybrid" on a bundle without a draft model, which refuses
-    "model"). lookup_ngram (1 to MAX_NGRAM) is the shortest n-gram the lookup drafts from. All three
-    change speed, never the distribution.
+    drafter: "hybrid" (default: prompt lookup where an n-gram of `lookup_ngram` tokens recurs, of 3
+    when sampling, and its rounds emit tokens faster than the model's (HybridDrafter); else the draft
+    model), "model" (the draft model every round) or "prompt-lookup" (no model; "hybrid" on a bundle
+    without a draft model, which refuses "model"). lookup_ngram (1 to MAX_NGRAM) is the shortest n-gram
+    the lookup drafts from. All three change speed, never the distribution.
 
     Every file the manifest lists is checked for its place and size; verify=True also re-hashes each
     one against its sha256 (a same-size corrupted weights file is caught only then).
@@ -61,9 +60,11 @@ def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verif
 
     exact=False (the default): each target pass runs the fastest kernels for its shape; output is an
     exact sample of the target's distribution as the pass that checks each token computes it, greedy
-    text may differ from target-only's where two tokens tie within rounding, and a seed's sample may
-    change with a batch's neighbours. exact=True (a fused graph; OrtEngine): greedy text the same
-    with and without speculation, at any k, drafter and batch, a seed's sample whatever the batch.
+    text may differ from target-only's where two tokens tie within rounding, and where draft lengths
+    follow measured costs (a sampled row of a quantized or fp16 target) a seed's sample may change from
+    run to run. exact=True (a fused
+    graph): greedy text the same with and without speculation at any k, drafter and batch, and a seed
+    gives one sample whatever the batch.
 
     warm_up=True (the default) runs each kind of pass once before returning (Generator.warm_up): the
     first request runs as fast as later ones. weights_in_memory: see SessionConfig (`serve` sets it)."""
@@ -80,17 +81,7 @@ def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verif
     drafter = drafter_for(manifest, drafter, bundle)
     eagle = manifest.draft.eagle if drafter != "prompt-lookup" else None
     target = engine(manifest.target, eagle.target_feature if eagle is not None else None)
-    lookup = PromptLookupDrafter(manifest.target.vocab_size, min_ngram=lookup_ngram)
-    if drafter == "prompt-lookup":
-        chosen = lookup
-    else:
-        spec = manifest.draft
-        ids = read_vocab_ids(bundle / spec.vocab_ids, spec.vocab_size, spec.vocab_subset) if spec.vocab_ids else None
-        if eagle is not None:
-            draft = EagleDrafter(engine(spec, eagle.feature_output), manifest.max_context, vocab_ids=ids)
-        else:
-            draft = ModelDrafter(engine(spec), manifest.max_context, vocab_ids=ids)
-        chosen = draft if drafter == "model" else HybridDrafter(draft, lookup, adaptive=not exact)
+    chosen = _make_drafter(drafter, manifest, bundle, engine, lookup_ngram)
     tokenizer_dir = bundle / manifest.tokenizer.path
     codec = TextCodec(tokenizer_dir, manifest.tokenizer)
     generator = Generator(target, chosen, codec, manifest.max_context, manifest.target.eos_token_ids, manifest,
@@ -98,6 +89,22 @@ def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verif
     if warm_up:
         generator.warm_up()
     return generator
+
+
+def _make_drafter(drafter: str, manifest, bundle: Path, engine, lookup_ngram: int):
+    """The drafter named (drafter_for's answer), its model on engine(spec[, feature output])."""
+    lookup = PromptLookupDrafter(manifest.target.vocab_size, min_ngram=lookup_ngram)
+    if drafter == "prompt-lookup":
+        return lookup
+    spec, eagle = manifest.draft, manifest.draft.eagle
+    ids = read_vocab_ids(bundle / spec.vocab_ids, spec.vocab_size, spec.vocab_subset) if spec.vocab_ids else None
+    if eagle is not None:
+        draft = EagleDrafter(engine(spec, eagle.feature_output), manifest.max_context, vocab_ids=ids)
+    else:
+        draft = ModelDrafter(engine(spec), manifest.max_context, vocab_ids=ids)
+    # a draft step's cost over a target step: the weight bytes each reads once (what bounds decode on a CPU)
+    draft_cost = sum(entry.size for entry in spec.files) / max(1, sum(entry.size for entry in manifest.target.files))
+    return draft if drafter == "model" else HybridDrafter(draft, lookup, draft_cost=draft_cost)
 
 
 def drafter_for(manifest, drafter: str, bundle: Path | str) -> str:

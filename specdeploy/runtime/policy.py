@@ -224,11 +224,3 @@ def _row_tokens(row: Sequence, k: int, prior: float) -> float:
         survive *= (kept + 8 * rate) / (reached + 8)
         expected += survive
     return expected
-
-
-def _expected_tokens(acceptance: float, k: int) -> float:
-    """Tokens a round of k drafts emits when each draft is kept with probability `acceptance`
-    (Leviathan et al. 2023): 1 + a + ... + a^k."""
-    if acceptance >= 1.0:
-        return k + 1.0
-    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
