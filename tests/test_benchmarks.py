@@ -390,3 +390,23 @@ def test_constrained_counts_every_cell_and_times_the_mask(chat_bundle, monkeypat
     assert cells["target-only constrained"]["valid"] == cells["speculative constrained"]["valid"] == 2
     assert cells["target-only constrained"]["forced"] > 0
     assert report["mask_us_per_token"] > 0 and 0 < report["mask_share_of_step"]
+
+
+def test_pair_times_every_system_on_every_prompt_and_compares_greedy_text(chat_bundle, tmp_path, capsys):
+    """A round on the tiny chat bundle: each of our systems ran every prompt of each kind (the child's records
+    summed per system, setting and kind), the ratios are against our target alone, and greedy text is compared."""
+    pair = benchmark("pair")
+    out = tmp_path / "pair.json"
+    assert pair.main(["--bundle", f"tiny={chat_bundle}", "--prompts", "6", "--tokens", "6", "--settings",
+                      "greedy,sampled", "--systems", "target,model,hybrid", "--json-out", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    systems = ["specdeploy tiny target alone", "specdeploy tiny model", "specdeploy tiny hybrid"]
+    assert sorted(summary["rates"]) == sorted(f"{system} | {setting} | {kind}" for system in systems
+                                              for setting in ("greedy", "sampled") for kind in ("code", "chat"))
+    assert all(rate > 0 for rate in summary["rates"].values())
+    greedy = summary["greedy_same"]  # [equal, runs]: runs counted per drafter
+    assert sorted(greedy) == ["tiny hybrid", "tiny model"] and all(runs == 6 for _, runs in greedy.values())
+    printed = capsys.readouterr().out
+    assert "| specdeploy tiny target alone |" in printed and "1.00 |" in printed
+    with pytest.raises(SystemExit, match="--systems"):
+        pair.main(["--bundle", str(chat_bundle), "--systems", "model"])
