@@ -22,9 +22,24 @@ def test_the_first_matched_rounds_take_turns_then_the_cheaper_source_proposes_wi
     chosen, _ = run_rounds(choice, 4 + 4 * PROBE_EVERY, {LOOKUP: 1, MODEL: 3}, {LOOKUP: 2, MODEL: 4})
     assert chosen[:4] == [LOOKUP, MODEL, LOOKUP, MODEL]
     assert chosen[4:].count(LOOKUP) == 4  # one probe in PROBE_EVERY matched rounds
-    # tokens over modelled cost: the lookup's rounds 1 / (1 + 2c), the model's 3 / (1 + 4c + 4 * 0.4)
-    assert choice.rate(LOOKUP) == pytest.approx(1 / (1 + 2 * VERIFY_TOKEN_COST))
+    # tokens over modelled cost: the model's rounds 3 / (1 + 4c + 4 * 0.4); the lookup's 1 / (1 + 2c) and the
+    # draft's catch-ups after them
     assert choice.rate(MODEL) == pytest.approx(3 / (1 + 4 * VERIFY_TOKEN_COST + 1.6))
+    assert choice.rate(LOOKUP) < 1 / (1 + 2 * VERIFY_TOKEN_COST)
+
+
+def test_the_models_catch_up_after_lookup_rounds_is_charged_to_the_lookup():
+    """Two lookup rounds in a row, then the model proposes (where nothing matched): one catch-up pass, a draft
+    step, on the lookup's account."""
+    choice = SourceChoice(draft_cost=0.5)
+    choice.chosen[MODEL] = 1  # its turn taken: the next matched rounds go to the lookup
+    assert choice.choose(100, 2, 4) == LOOKUP
+    assert choice.choose(103, 2, 4) == LOOKUP
+    assert choice.choose(105, 0, 4) == MODEL
+    lookup_round = 1 + 2 * VERIFY_TOKEN_COST
+    assert choice.rate(LOOKUP) == pytest.approx((0.85 * 3 + 2) / (0.85 * lookup_round + lookup_round + 0.5))
+    before = choice.rate(LOOKUP)
+    assert choice.choose(106, 0, 4) == MODEL and choice.rate(LOOKUP) == before  # caught up: nothing more to charge
 
 
 def test_a_costly_draft_loses_to_a_lookup_that_keeps_fewer_tokens():
