@@ -42,7 +42,7 @@ def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verif
     """Load a bundle for generation on `device` (cpu | cuda | tensorrt).
 
     drafter: "hybrid" (default: prompt lookup where an n-gram of `lookup_ngram` tokens recurs, of 3
-    when sampling, and its rounds emit tokens faster than the model's (HybridDrafter); else the draft
+    when sampling, and its rounds emit more for their cost than the model's (HybridDrafter); else the draft
     model), "model" (the draft model every round) or "prompt-lookup" (no model; "hybrid" on a bundle
     without a draft model, which refuses "model"). lookup_ngram (1 to MAX_NGRAM) is the shortest n-gram
     the lookup drafts from. All three change speed, never the distribution.
