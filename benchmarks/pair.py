@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
+import os
 import subprocess
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+
+from .real_models import llama_speculative_run, time_llama
 
 # Written for this benchmark and never used to tune a drafter or a policy.
 PROMPTS = [("code", "Write a Python function that merges two sorted lists into one sorted list."),
@@ -86,30 +88,14 @@ def rendered_prompt(bundle: str, text: str) -> str:
 def llama_speculative(args, prompt: str, setting: str, draft_max: int, p_min: float, seed: int) -> tuple[int, float]:
     """(tokens, decode seconds) of one llama-speculative-simple run."""
     sampling = SETTINGS[setting]
-    command = [str(args.llama_bin / "llama-speculative-simple"), "-m", str(args.target_gguf), "-md", str(args.draft_gguf),
-               "-p", prompt, "-n", str(args.tokens), "-t", "2", "-td", "2", "--spec-type", "draft-simple",
-               "--spec-draft-n-max", str(draft_max), "--spec-draft-n-min", "0", "--spec-draft-p-min", str(p_min),
-               "--temp", str(sampling["temperature"]), "--top-p", str(sampling.get("top_p", 1.0)), "--top-k", "0",
-               "--seed", str(seed), "-c", "2048", "--ignore-eos"]
-    result = subprocess.run(command, capture_output=True, text=True, env=_llama_env(args))
-    match = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", result.stderr)
-    if result.returncode or match is None:
-        raise RuntimeError(f"llama-speculative-simple failed ({result.returncode}): {result.stderr.strip()[-300:]}")
-    return int(match.group(1)), float(match.group(2))
+    return llama_speculative_run(args.llama_bin / "llama-speculative-simple", args.target_gguf, args.draft_gguf, prompt,
+                                 args.tokens, "--spec-draft-n-max", str(draft_max), "--spec-draft-p-min", str(p_min),
+                                 "--temp", str(sampling["temperature"]), "--top-p", str(sampling.get("top_p", 1.0)),
+                                 "--top-k", "0", "--seed", str(seed))
 
 
 def llama_alone(args) -> tuple[int, float]:
-    result = subprocess.run([str(args.llama_bin / "llama-bench"), "-m", str(args.target_gguf), "-t", "2", "-p", "0",
-                             "-n", str(args.tokens), "-r", "1", "-o", "json"], capture_output=True, text=True,
-                            check=True, env=_llama_env(args))
-    rate = float(json.loads(result.stdout)[0]["avg_ts"])
-    return args.tokens, args.tokens / rate
-
-
-def _llama_env(args) -> dict:
-    import os
-
-    return {**os.environ, "LD_LIBRARY_PATH": str(args.llama_bin)}
+    return args.tokens, args.tokens / time_llama(args.llama_bin / "llama-bench", args.target_gguf, args.tokens)
 
 
 def run_round(args, totals: dict, greedy_texts: dict) -> None:
@@ -211,6 +197,8 @@ def main(argv=None) -> int:
     if args.llama_bin is not None and (args.target_gguf is None or args.draft_gguf is None):
         raise SystemExit("error: --llama-bin needs --target-gguf and --draft-gguf")
     args.bundle = [tuple(b.split("=", 1)) if "=" in b else (Path(b).name, b) for b in args.bundle]
+    if args.llama_bin is not None:  # llama.cpp's libraries beside its binaries
+        os.environ["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(args.llama_bin), os.environ.get("LD_LIBRARY_PATH")]))
     args.draft_max = [int(v) for v in args.draft_max.split(",")]
     args.p_min = [float(v) for v in args.p_min.split(",")]
     totals: dict = defaultdict(lambda: [0, 0.0])

@@ -474,17 +474,24 @@ def time_genai(folder: Path, ids: list[int], tokens: int) -> float:
 def time_llama_speculative(llama_bench: Path, files: str, ids: list[int], tokens: int, prompt: str) -> float:
     """llama.cpp's speculative decoding (llama-speculative-simple beside llama-bench): the target and the
     draft GGUF (TARGET,DRAFT), 2 threads, greedy, up to 4 draft tokens a round; its decode speed."""
+    target, draft = files.split(",")
+    decoded, seconds = llama_speculative_run(llama_bench.with_name("llama-speculative-simple"), target, draft, prompt,
+                                             tokens, "--spec-draft-n-max", "4", "--temp", "0")
+    return decoded / seconds
+
+
+def llama_speculative_run(binary: Path, target: str, draft: str, prompt: str, tokens: int, *flags: str) -> tuple[int, float]:
+    """One llama-speculative-simple run (draft-simple, 2 threads each, EOS not ending it) with `flags` added:
+    the tokens it decoded and their seconds, as it prints them."""
     import re
 
-    target, draft = files.split(",")
-    binary = llama_bench.with_name("llama-speculative-simple")
-    result = subprocess.run([str(binary), "-m", target, "-md", draft, "-p", prompt, "-n", str(tokens), "-t", "2",
-                             "-td", "2", "--spec-type", "draft-simple", "--spec-draft-n-max", "4", "--spec-draft-n-min",
-                             "0", "--temp", "0", "-c", "2048", "--ignore-eos"], capture_output=True, text=True, check=True)
-    match = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s", result.stderr)
-    if match is None:
-        raise RuntimeError("llama-speculative-simple printed no decode speed")
-    return float(match.group(3))
+    command = [str(binary), "-m", str(target), "-md", str(draft), "-p", prompt, "-n", str(tokens), "-t", "2", "-td", "2",
+               "--spec-type", "draft-simple", "--spec-draft-n-min", "0", "-c", "2048", "--ignore-eos", *flags]
+    result = subprocess.run(command, capture_output=True, text=True)
+    match = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", result.stderr)
+    if result.returncode or match is None:
+        raise RuntimeError(f"llama-speculative-simple failed ({result.returncode}): {result.stderr.strip()[-300:]}")
+    return int(match.group(1)), float(match.group(2))
 
 
 def time_llama(llama_bench: Path, gguf: Path, tokens: int) -> float:
