@@ -17,7 +17,7 @@ from .manifest import MANIFEST_NAME
 
 DEMO_DIR = Path(__file__).parent / "demo"  # the demo target/ and draft/ checkpoints ship with the package
 SHIPPED_BUNDLE = DEMO_DIR / "demo-bundle"  # and the pair exported (scripts/ship_demo_bundle.py writes it)
-DRAFTER = "hybrid"  # prompt lookup when the text repeats, else the draft model (see runtime.hybrid.HybridDrafter)
+DRAFTER = "hybrid"  # the draft model, continued by prompt lookup where the text repeats (runtime.hybrid.HybridDrafter)
 
 # The most a command reads of one input (--prompt-file, --prompt -, --chat -, --prompts, --messages): far
 # more text than any bundle's context holds, and a bound on what /dev/zero or a runaway pipe can take.

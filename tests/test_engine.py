@@ -83,30 +83,25 @@ def test_prompt_lookup_finds_the_latest_earlier_ngram():
 
 
 def test_the_hybrid_drafts_from_shorter_matches_only_when_greedy(bundles):
-    """Greedy, a recurring 2-gram is enough for a lookup proposal; sampling, the draft model proposes unless
-    a 3-gram recurs (a lookup token is then kept only with the target's probability of it)."""
+    """Greedy, a recurring 2-gram is enough for the lookup to offer tokens; sampling, only a recurring 3-gram
+    (a lookup token is then kept only with the target's probability of it). Beside a draft model the
+    lookup matches 3-grams by default, alone 2-grams."""
     import specdeploy
     from specdeploy.runtime.sampling import Sampler, SamplingParams
 
-    from specdeploy.runtime.hybrid import HybridDrafter
-
-    generator = specdeploy.load(bundles("llama"))
-    chosen, vocab = generator.drafter, generator.target.spec.vocab_size
-    hybrid = HybridDrafter(chosen.model_drafter, chosen.lookup)  # no choice: the lookup whenever it matches
+    generator = specdeploy.load(bundles("llama"), lookup_ngram=2, warm_up=False)
+    hybrid, vocab = generator.drafter, generator.target.spec.vocab_size
     greedy, sampled = Sampler(SamplingParams(), vocab), Sampler(SamplingParams(temperature=0.8), vocab)
     rng = np.random.default_rng(0)
     two_gram = [5, 6, 7, 9, 6, 7]  # "6 7" recurs, no 3-gram does
     three_gram = [5, 6, 7, 9, 5, 6, 7]  # "5 6 7" recurs
-    for context, sampler, lookup in ((two_gram, greedy, [9, 6]), (two_gram, sampled, None),
-                                     (three_gram, sampled, [9, 5]), (three_gram, greedy, [9, 5]),
-                                     ([6, 7, 6, 7], greedy, [6, 7]), ([6, 7, 6], sampled, None)):
-        calls = hybrid.engine.calls
-        tokens, probs = hybrid.propose(context, 2, sampler, rng)
-        if lookup is not None:  # no draft pass; one-hot rows when sampling
-            assert tokens == lookup and hybrid.engine.calls == calls
-            assert probs is None if sampler.greedy else (probs[np.arange(2), lookup] == 1.0).all()
-        else:  # the draft model's own proposal: its rows are distributions, not one-hot
-            assert len(tokens) == 2 and hybrid.engine.calls > calls and (probs.max(axis=1) < 1.0).all()
+    for context, sampler, offered in ((two_gram, greedy, [9, 6]), (two_gram, sampled, []),
+                                      (three_gram, sampled, [9, 5]), (three_gram, greedy, [9, 5]),
+                                      ([6, 7, 6, 7], greedy, [6, 7]), ([6, 7, 6], sampled, [])):
+        hybrid.prefill(context[:-1])
+        assert hybrid.offer(context, 2, sampler, rng) == (None, offered), (context, sampler.greedy)
+    assert specdeploy.load(bundles("llama"), warm_up=False).drafter.lookup.min_ngram == 3
+    assert specdeploy.load(bundles("llama"), drafter="prompt-lookup", warm_up=False).drafter.min_ngram == 2
     with pytest.raises(SpecdeployError, match="lookup_ngram"):  # no n-gram that long is ever matched
         specdeploy.load(bundles("llama"), lookup_ngram=4)
 

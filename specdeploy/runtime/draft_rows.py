@@ -28,9 +28,12 @@ class DraftRequest:
     sampler: Sampler
     rng: np.random.Generator
     min_confidence: float = 0.0
+    # The request's own k within its budget (None: num_tokens): a hybrid's lookup, which drafts at no cost, may
+    # propose up to this where the policy cut num_tokens to what the draft model's rounds pay for.
+    most: int | None = None
 
     def propose(self, drafter: Drafter | None = None) -> Proposal:
-        """drafter (default: the request's own; a hybrid's model drafter where its lookup is not taken).propose."""
+        """drafter (default: the request's own).propose."""
         return (drafter or self.drafter).propose(self.context, self.num_tokens, self.sampler, self.rng, self.min_confidence)
 
 
@@ -38,7 +41,8 @@ def propose_many(requests: list[DraftRequest], steps: list[tuple[int, float]] | 
     """Drafter.propose for several sequences at once, one request per sequence. Returns each request's
     (tokens, probabilities), or the exception its own work raised.
 
-    Lookup proposals are made first (a hybrid's model runs only where its lookup is not taken); the
+    A hybrid's lookup offers first (HybridDrafter.offer: it proposes alone where a copy is under way, else
+    its tokens are what its model row follows where the first draft token agrees); the
     draft model's rows then step together, one batched pass per draft position (run_batch), each row
     choosing its tokens and stopping as ModelDrafter.propose does (DraftRow, one for each). `steps` gets
     (rows, engine seconds) of each batched step; a catch-up (after target-only rounds) is no step."""
@@ -46,19 +50,21 @@ def propose_many(requests: list[DraftRequest], steps: list[tuple[int, float]] | 
     model_rows = []
     for index, request in enumerate(requests):
         drafter = request.drafter
+        follow = []
         if isinstance(drafter, HybridDrafter):
-            found = _own(drafter.lookup_proposal, request.context, request.num_tokens, request.sampler, request.rng)
-            if found is not None:
-                results[index] = found
+            offer = _own(drafter.offer, request.context, request.num_tokens, request.sampler, request.rng, request.most)
+            if isinstance(offer, Exception) or offer[0] is not None:
+                results[index] = offer if isinstance(offer, Exception) else offer[0]
                 continue
-            drafter = drafter.model_drafter
+            drafter, follow = drafter.model_drafter, offer[1]
         if getattr(drafter, "batched", False):
-            model_rows.append((index, request, drafter))
+            model_rows.append((index, request, drafter, follow))
         else:
             results[index] = _own(request.propose, drafter)
     if len(model_rows) == 1:
-        index, request, drafter = model_rows[0]
-        results[index] = _own(request.propose, drafter)
+        index, request, drafter, follow = model_rows[0]
+        results[index] = _own(drafter.propose, request.context, request.num_tokens, request.sampler, request.rng,
+                              request.min_confidence, follow)
     elif model_rows:
         _propose_model_rows(model_rows, results, steps)
     return results
@@ -72,14 +78,14 @@ def _own(work, *arguments, **keywords):
         return exc
 
 
-def _propose_model_rows(model_rows: list[tuple[int, DraftRequest, Drafter]], results: list,
+def _propose_model_rows(model_rows: list[tuple[int, DraftRequest, Drafter, list[int]]], results: list,
                         steps: list[tuple[int, float]] | None) -> None:
-    """model_rows: (index, request, the model drafter that proposes for it)."""
+    """model_rows: (index, request, the model drafter that proposes for it, its lookup's tokens to follow)."""
     engine = model_rows[0][2].engine
     rows, indices = [], {}
-    for index, request, drafter in model_rows:
+    for index, request, drafter, follow in model_rows:
         row = _own(drafter.start_row, request.context, request.num_tokens, request.sampler, request.rng,
-                   request.min_confidence)
+                   request.min_confidence, follow)
         if isinstance(row, DraftRow):
             if row.logits is not None:
                 row.logits = row.logits.copy()  # the next row's catch-up may overwrite it

@@ -144,8 +144,10 @@ class ModelDrafter:
         self._known = len(context)  # the next pass runs rest: then the cache holds all of context
         return rest
 
-    def propose(self, context, num_tokens, sampler, rng, min_confidence=0.0):
-        row = self.start_row(context, num_tokens, sampler, rng, min_confidence)
+    def propose(self, context, num_tokens, sampler, rng, min_confidence=0.0, follow=()):
+        """As Drafter.propose; follow: tokens whose first, if the model's first draft token is the same, the
+        proposal continues with the rest of, with no more draft steps (a hybrid's lookup, DraftRow)."""
+        row = self.start_row(context, num_tokens, sampler, rng, min_confidence, follow)
         if row is None:
             return [], None
         if row.logits is None:
@@ -155,12 +157,12 @@ class ModelDrafter:
         return row.result()
 
     def start_row(self, context: list[int], num_tokens: int, sampler: Sampler, rng: np.random.Generator,
-                  min_confidence: float = 0.0) -> "DraftRow | None":
+                  min_confidence: float = 0.0, follow=()) -> "DraftRow | None":
         """A proposal after context (its cache caught up first; None: nothing to propose from)."""
         logits, pending = self.first_step(context)
         if logits is None and pending is None:
             return None
-        return DraftRow(self, num_tokens, sampler, rng, min_confidence, logits, pending)
+        return DraftRow(self, num_tokens, sampler, rng, min_confidence, logits, pending, follow)
 
     def probability_rows(self, sampler: Sampler, count: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Rows [vocab] for a sampled proposal's processed distributions, and their leading views [i, vocab].
@@ -190,21 +192,24 @@ class DraftRow:
     vocabulary, argpartition costing what the softmax does, and lowered acceptance), with the
     round's uniforms drawn in one call. A row stops at num_tokens, or once the draft's top
     probability (at temperature 1 when greedy, of the processed distribution when sampled) falls
-    below min_confidence."""
+    below min_confidence. A row given `follow` (a hybrid's lookup) stops at its first token instead
+    where that is follow's first, and proposes the rest of follow after it: each a one-hot row when
+    sampled, the distribution that token was drawn from."""
 
     __slots__ = ("drafter", "num_tokens", "sampler", "min_confidence", "uniforms", "tokens", "logits", "pending",
-                 "_rows", "_prefixes")
+                 "follow", "_rows", "_prefixes")
 
     def __init__(self, drafter: ModelDrafter, num_tokens: int, sampler: Sampler, rng: np.random.Generator,
-                 min_confidence: float, logits: np.ndarray | None, pending: int | None):
+                 min_confidence: float, logits: np.ndarray | None, pending: int | None, follow=()):
         self.drafter, self.num_tokens, self.sampler, self.min_confidence = drafter, num_tokens, sampler, min_confidence
         self.tokens: list[int] = []
         self.logits = logits  # [vocab]: the logits the next token is chosen from (None: `pending` runs first)
         self.pending = pending  # the token the next draft pass runs
+        self.follow = list(follow)
         self.uniforms: list[float] = []
         self._rows = self._prefixes = None
         if not sampler.greedy:
-            self._rows, self._prefixes = drafter.probability_rows(sampler, num_tokens)
+            self._rows, self._prefixes = drafter.probability_rows(sampler, max(num_tokens, len(self.follow)))
             self.uniforms = rng.random(num_tokens).tolist()
 
     def choose(self) -> bool:
@@ -218,6 +223,8 @@ class DraftRow:
         if self._rows is None:
             token = sampler.argmax(logits, tokens)
             tokens.append(token)
+            if self.follow and self._followed(token):
+                return False
             if len(tokens) == self.num_tokens:
                 return False
             # Top probability at temperature 1: 1 / sum(exp(logits - max)).
@@ -227,9 +234,25 @@ class DraftRow:
             row = self._rows[len(tokens)]
             token = sampler.sample(logits, self.uniforms[len(tokens)], row, tokens)
             tokens.append(token)
+            if self.follow and self._followed(token):
+                return False
             if len(tokens) == self.num_tokens or (self.min_confidence > 0 and row.max() < self.min_confidence):
                 return False
         self.pending = token
+        return True
+
+    def _followed(self, token: int) -> bool:
+        """After the first token: whether it is follow's first, the rest of follow then proposed after it."""
+        follow, self.follow = self.follow, []
+        if token != follow[0]:
+            return False
+        rows, tokens = self._rows, self.tokens
+        for next_token in follow[1:]:
+            if rows is not None:
+                row = rows[len(tokens)]
+                row.fill(0.0)
+                row[next_token] = 1.0
+            tokens.append(next_token)
         return True
 
     def result(self) -> tuple[list[int], np.ndarray | None]:

@@ -19,6 +19,9 @@ from .generate import Generator
 from .text import TextCodec
 
 DRAFTERS = ("model", "prompt-lookup", "hybrid")
+# The shortest n-gram prompt lookup drafts from: alone, and beside a draft model (whose first token must agree
+# with the lookup's), where 2-gram matches measured to keep fewer tokens a round than 3-gram ones.
+LOOKUP_NGRAM, HYBRID_NGRAM = 2, 3
 
 
 def _session_config(bundle: Path, device: str, session: SessionConfig | None, weights_in_memory: bool = False) -> SessionConfig:
@@ -37,15 +40,17 @@ def _session_config(bundle: Path, device: str, session: SessionConfig | None, we
 
 
 def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verify: bool = False,
-         session: SessionConfig | None = None, lookup_ngram: int = 2, warm_up: bool = True, max_batch: int = 1,
+         session: SessionConfig | None = None, lookup_ngram: int | None = None, warm_up: bool = True,
+         max_batch: int = 1,
          policy: str = "auto", exact: bool = False, weights_in_memory: bool = False) -> Generator:
     """Load a bundle for generation on `device` (cpu | cuda | tensorrt).
 
-    drafter: "hybrid" (default: prompt lookup where an n-gram of `lookup_ngram` tokens recurs, of 3
-    when sampling, and its rounds emit more for their cost than the model's (HybridDrafter); else the draft
-    model), "model" (the draft model every round) or "prompt-lookup" (no model; "hybrid" on a bundle
-    without a draft model, which refuses "model"). lookup_ngram (1 to MAX_NGRAM) is the shortest n-gram
-    the lookup drafts from. All three change speed, never the distribution.
+    drafter: "hybrid" (default: the draft model, its proposal continued by prompt lookup where an n-gram
+    of `lookup_ngram` tokens recurs, of 3 when sampling, and the model's first token is the lookup's; a copy
+    under way proposed by the lookup alone: HybridDrafter), "model" (the draft model every round) or
+    "prompt-lookup" (no model; "hybrid" on a bundle without a draft model, which refuses "model"). lookup_ngram
+    (1 to MAX_NGRAM) is the shortest n-gram the lookup drafts from (None: 2 alone, 3 beside a draft model,
+    where shorter matches measured to keep fewer tokens). All three change speed, never the distribution.
 
     Every file the manifest lists is checked for its place and size; verify=True also re-hashes each
     one against its sha256 (a same-size corrupted weights file is caught only then).
@@ -91,20 +96,18 @@ def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verif
     return generator
 
 
-def _make_drafter(drafter: str, manifest, bundle: Path, engine, lookup_ngram: int):
+def _make_drafter(drafter: str, manifest, bundle: Path, engine, lookup_ngram: int | None):
     """The drafter named (drafter_for's answer), its model on engine(spec[, feature output])."""
-    lookup = PromptLookupDrafter(manifest.target.vocab_size, min_ngram=lookup_ngram)
     if drafter == "prompt-lookup":
-        return lookup
+        return PromptLookupDrafter(manifest.target.vocab_size, min_ngram=lookup_ngram or LOOKUP_NGRAM)
+    lookup = PromptLookupDrafter(manifest.target.vocab_size, min_ngram=lookup_ngram or HYBRID_NGRAM)
     spec, eagle = manifest.draft, manifest.draft.eagle
     ids = read_vocab_ids(bundle / spec.vocab_ids, spec.vocab_size, spec.vocab_subset) if spec.vocab_ids else None
     if eagle is not None:
         draft = EagleDrafter(engine(spec, eagle.feature_output), manifest.max_context, vocab_ids=ids)
     else:
         draft = ModelDrafter(engine(spec), manifest.max_context, vocab_ids=ids)
-    # a draft step's cost over a target step: the weight bytes each reads once (what bounds decode on a CPU)
-    draft_cost = sum(entry.size for entry in spec.files) / max(1, sum(entry.size for entry in manifest.target.files))
-    return draft if drafter == "model" else HybridDrafter(draft, lookup, draft_cost=draft_cost)
+    return draft if drafter == "model" else HybridDrafter(draft, lookup)
 
 
 def drafter_for(manifest, drafter: str, bundle: Path | str) -> str:
@@ -118,14 +121,15 @@ def drafter_for(manifest, drafter: str, bundle: Path | str) -> str:
     return "prompt-lookup"
 
 
-def _check_arguments(drafter: str, lookup_ngram: int, max_batch: int, **flags: bool) -> None:
+def _check_arguments(drafter: str, lookup_ngram: int | None, max_batch: int, **flags: bool) -> None:
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise SpecdeployError(f"{name} must be True or False (got {value!r})")
     if drafter not in DRAFTERS:
         raise SpecdeployError(f"unknown drafter '{drafter}' (choose from {', '.join(DRAFTERS)})")
-    for name, value in (("lookup_ngram", lookup_ngram), ("max_batch", max_batch)):
+    ngram = LOOKUP_NGRAM if lookup_ngram is None else lookup_ngram
+    for name, value in (("lookup_ngram", ngram), ("max_batch", max_batch)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise SpecdeployError(f"{name} must be an integer (got {value!r})")
-    if not 1 <= lookup_ngram <= MAX_NGRAM:
+    if lookup_ngram is not None and not 1 <= lookup_ngram <= MAX_NGRAM:
         raise SpecdeployError(f"lookup_ngram must be in 1..{MAX_NGRAM} (got {lookup_ngram})")

@@ -133,7 +133,7 @@ class Runner:
             row = work.sequence
             rows.append(row)
             requests.append(DraftRequest(row.drafter, row.context, work.num_draft_tokens, row.sampler, row.rng,
-                                         row.config.draft_confidence))
+                                         row.config.draft_confidence, row.num_draft_tokens()))
         draft = rows[0].drafter.engine
         seconds, calls = (draft.seconds, draft.calls) if draft is not None else (0.0, 0)
         steps = []  # (rows, seconds) of each batched draft step
