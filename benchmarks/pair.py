@@ -18,7 +18,8 @@ A round runs, in this order:
 - llama.cpp's speculative decoding: `llama-speculative-simple` (draft-simple) on the same rendered prompt, at
   each --draft-max and --p-min, a fresh process per prompt.
 The table gives each system's total tokens over total decode time per prompt kind (code, chat) and
-setting, and its ratio to our target alone and to llama.cpp's fastest configuration.
+setting (with --rounds N, of each prompt's run of median rate), and its ratio to our target alone and to
+llama.cpp's fastest configuration.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ def run_round(args, totals: dict, greedy_texts: dict) -> None:
             raise SystemExit(f"error: {name}: {(result.stderr.strip().splitlines() or ['the child failed'])[-1]}")
         for run in json.loads(result.stdout.strip().splitlines()[-1]):
             system = f"specdeploy {name} {run['system']}" if run["system"] != "target" else f"specdeploy {name} target alone"
-            _add(totals, system, run["setting"], run["kind"], run["tokens"], run["seconds"])
+            _add(totals, system, run["setting"], run["kind"], run["prompt"], run["tokens"], run["seconds"])
             if run["setting"] == "greedy":
                 greedy_texts[(name, run["prompt"], run["system"])] = run["ids"]
             print(f"  {system} {run['setting']} prompt {run['prompt']}: {run['tokens'] / run['seconds']:.1f} tok/s"
@@ -118,7 +119,7 @@ def run_round(args, totals: dict, greedy_texts: dict) -> None:
     tokens, seconds = llama_alone(args)
     for setting in args.settings:
         for kind in {kind for kind, _ in PROMPTS[: args.prompts]}:
-            _add(totals, "llama.cpp target alone", setting, kind, tokens, seconds)
+            _add(totals, "llama.cpp target alone", setting, kind, -1, tokens, seconds)
     print(f"  llama.cpp target alone: {tokens / seconds:.1f} tok/s", flush=True)
     for index, (kind, text) in enumerate(PROMPTS[: args.prompts]):
         prompt = rendered_prompt(args.bundle[0][1], text)
@@ -127,20 +128,30 @@ def run_round(args, totals: dict, greedy_texts: dict) -> None:
                 for p_min in args.p_min:
                     tokens, seconds = llama_speculative(args, prompt, setting, draft_max, p_min, index)
                     system = f"llama.cpp speculative draft-max {draft_max} p-min {p_min}"
-                    _add(totals, system, setting, kind, tokens, seconds)
+                    _add(totals, system, setting, kind, index, tokens, seconds)
                     print(f"  {system} {setting} prompt {index}: {tokens / seconds:.1f} tok/s", flush=True)
 
 
-def _add(totals: dict, system: str, setting: str, kind: str, tokens: int, seconds: float) -> None:
-    cell = totals[(system, setting, kind)]
-    cell[0] += tokens
-    cell[1] += seconds
+def _add(totals: dict, system: str, setting: str, kind: str, prompt: int, tokens: int, seconds: float) -> None:
+    """One run: its (tokens, seconds) among the rounds' runs of that prompt (-1: llama-bench's, any prompt)."""
+    totals[(system, setting, kind)].setdefault(prompt, []).append((tokens, seconds))
+
+
+def _rate(runs: dict) -> float | None:
+    """Tokens over seconds, summed over the prompts, each prompt's run the one of median rate over the rounds
+    (a run slowed by another job on the host counts no more than one round's noise)."""
+    tokens = seconds = 0.0
+    for prompt_runs in runs.values():
+        ordered = sorted(prompt_runs, key=lambda run: run[0] / run[1] if run[1] else 0.0)
+        middle = ordered[(len(ordered) - 1) // 2]
+        tokens, seconds = tokens + middle[0], seconds + middle[1]
+    return tokens / seconds if seconds else None
 
 
 def report(args, totals: dict, greedy_texts: dict) -> dict:
     kinds = sorted({kind for kind, _ in PROMPTS[: args.prompts]})
     systems = list(dict.fromkeys(system for system, _, _ in totals))
-    rates = {key: tokens / seconds for key, (tokens, seconds) in totals.items() if seconds}
+    rates = {key: rate for key, runs in totals.items() if (rate := _rate(runs)) is not None}
     print(f"\ndecode tok/s, {args.tokens} new tokens, 2 threads, {args.rounds} round(s), {args.prompts} prompts")
     for setting in args.settings:
         for kind in kinds:
@@ -176,7 +187,7 @@ def main(argv=None) -> int:
                                                                           "k = 4 every round, the policy 'always')")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=len(PROMPTS), help="the first N of the built-in prompts")
-    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=1, help="runs of each prompt and system (the median counts)")
     parser.add_argument("--draft-max", default="3", help="llama-speculative-simple's --spec-draft-n-max values")
     parser.add_argument("--p-min", default="0", help="its --spec-draft-p-min values")
     parser.add_argument("--json-out", type=Path, default=None)
@@ -201,7 +212,7 @@ def main(argv=None) -> int:
         os.environ["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(args.llama_bin), os.environ.get("LD_LIBRARY_PATH")]))
     args.draft_max = [int(v) for v in args.draft_max.split(",")]
     args.p_min = [float(v) for v in args.p_min.split(",")]
-    totals: dict = defaultdict(lambda: [0, 0.0])
+    totals: dict = defaultdict(dict)
     greedy_texts: dict = {}
     started = time.perf_counter()
     for round_index in range(args.rounds):
