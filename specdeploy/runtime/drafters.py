@@ -145,8 +145,8 @@ class ModelDrafter:
         return rest
 
     def propose(self, context, num_tokens, sampler, rng, min_confidence=0.0, follow=()):
-        """As Drafter.propose; follow: tokens whose first, if the model's first draft token is the same, the
-        proposal continues with the rest of, with no more draft steps (a hybrid's lookup, DraftRow)."""
+        """As Drafter.propose. follow (a hybrid's lookup tokens): where the model's first draft token is
+        follow's first, the proposal is that token and the rest of follow, with no more draft steps (DraftRow)."""
         row = self.start_row(context, num_tokens, sampler, rng, min_confidence, follow)
         if row is None:
             return [], None
