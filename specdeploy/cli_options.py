@@ -50,8 +50,9 @@ CONSTRAINT_OPTIONS = combine_options(
 DEVICE_OPTION = click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True,
                              help="Where the models run (cuda and tensorrt need onnxruntime-gpu).")
 DRAFTER_OPTION = click.option("--drafter", type=click.Choice(DRAFTERS), default=defaults.DRAFTER, show_default=True,
-                              help="hybrid: prompt lookup when the text repeats, else the draft model (if any); model: the "
-                                   "draft model every round; prompt-lookup: no model. None changes the output.")
+                              help="hybrid: the draft model (if any), its proposal continued by prompt lookup where "
+                                   "the text repeats and the model's first token agrees; model: the draft model every "
+                                   "round; prompt-lookup: no model. None changes the output.")
 VERIFY_OPTION = click.option("--verify", is_flag=True, help="Re-hash every bundle file before loading (sizes are always checked).")
 EXACT_OPTION = click.option("--exact", is_flag=True, default=False, help=EXACT_HELP)
 LOAD_OPTIONS = combine_options(DEVICE_OPTION, DRAFTER_OPTION, VERIFY_OPTION, EXACT_OPTION)  # run, chat, bench

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import re
 import signal
 import sys
 import time
@@ -393,12 +394,14 @@ def test_constrained_counts_every_cell_and_times_the_mask(chat_bundle, monkeypat
 
 
 def test_pair_times_every_system_on_every_prompt_and_compares_greedy_text(chat_bundle, tmp_path, capsys):
-    """A round on the tiny chat bundle: each of our systems ran every prompt of each kind (the child's records
-    summed per system, setting and kind), the ratios are against our target alone, and greedy text is compared."""
+    """Three rounds on the tiny chat bundle: each of our systems ran every prompt of each kind, each prompt's
+    run of median rate summed per system, setting and kind, the ratios against our target alone, and greedy
+    text compared."""
     pair = benchmark("pair")
     out = tmp_path / "pair.json"
     assert pair.main(["--bundle", f"tiny={chat_bundle}", "--prompts", "6", "--tokens", "6", "--settings",
-                      "greedy,sampled", "--systems", "target,model,hybrid", "--json-out", str(out)]) == 0
+                      "greedy,sampled", "--systems", "target,model,hybrid", "--rounds", "3",
+                      "--json-out", str(out)]) == 0
     summary = json.loads(out.read_text())
     systems = ["specdeploy tiny target alone", "specdeploy tiny model", "specdeploy tiny hybrid"]
     assert sorted(summary["rates"]) == sorted(f"{system} | {setting} | {kind}" for system in systems
@@ -408,5 +411,15 @@ def test_pair_times_every_system_on_every_prompt_and_compares_greedy_text(chat_b
     assert sorted(greedy) == ["tiny hybrid", "tiny model"] and all(runs == 6 for _, runs in greedy.values())
     printed = capsys.readouterr().out
     assert "| specdeploy tiny target alone |" in printed and "1.00 |" in printed
+    runs = {}  # (system, setting, kind) -> prompt -> the rates of its three runs, as printed
+    for system, setting, prompt, rate in re.findall(r"  (specdeploy tiny [a-z ]+) (greedy|sampled) prompt (\d): "
+                                                    r"([\d.]+) tok/s", printed):
+        kind = "code" if int(prompt) < 4 else "chat"
+        runs.setdefault((system, setting, kind), {}).setdefault(prompt, []).append(float(rate))
+    assert len(runs) == 12 and all(len(rates) == 3 for prompts in runs.values() for rates in prompts.values())
+    for (system, setting, kind), prompts in runs.items():  # 6 tokens a run: 6 a prompt over its median's time
+        median_time = sum(6 / sorted(rates)[1] for rates in prompts.values())
+        assert summary["rates"][f"{system} | {setting} | {kind}"] == pytest.approx(6 * len(prompts) / median_time,
+                                                                                  rel=2e-3)
     with pytest.raises(SystemExit, match="--systems"):
         pair.main(["--bundle", str(chat_bundle), "--systems", "model"])

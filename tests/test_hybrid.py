@@ -67,15 +67,20 @@ def test_the_model_s_first_token_decides_whether_the_lookup_continues(self_draft
     assert branches["agree"] >= 3 and branches["disagree"] >= 3, branches
 
 
+def after_a_match(bundle):
+    """A hybrid (1-gram lookup) prefilled for a context whose last token recurs: (drafter, greedy sampler, rng,
+    context); the lookup offers 5 6 7 8 9 3 4 after it."""
+    generator = specdeploy.load(bundle, lookup_ngram=1, warm_up=False)
+    context = [3, 4, 5, 6, 7, 8, 9, 3, 4]
+    generator.drafter.prefill(context[:-1])
+    return (generator.drafter, Sampler(SamplingParams(), generator.target.spec.vocab_size), np.random.default_rng(0),
+            context)
+
+
 def test_a_copy_under_way_is_proposed_by_the_lookup_alone(bundles):
     """Once the text has kept the whole of the lookup's last offer and a token more, the next match proposes
     the lookup's tokens without a draft pass; an offer kept in part, or a new sequence, starts over."""
-    generator = specdeploy.load(bundles("llama"), lookup_ngram=1, warm_up=False)
-    hybrid = generator.drafter
-    greedy = Sampler(SamplingParams(), generator.target.spec.vocab_size)
-    rng = np.random.default_rng(0)
-    context = [3, 4, 5, 6, 7, 8, 9, 3, 4]
-    hybrid.prefill(context[:-1])
+    hybrid, greedy, rng, context = after_a_match(bundles("llama"))
     alone, follow = hybrid.offer(context, 2, greedy, rng)
     assert alone is None and follow == [5, 6]
     kept = context + [5, 6, 7]  # the offer whole, and the target's token after it
@@ -89,12 +94,7 @@ def test_a_copy_under_way_is_proposed_by_the_lookup_alone(bundles):
 
 def test_the_lookup_offers_up_to_the_request_s_k(bundles):
     """The model's k may be cut by the policy; the lookup's tokens cost no draft step and go up to `most`."""
-    generator = specdeploy.load(bundles("llama"), lookup_ngram=1, warm_up=False)
-    hybrid = generator.drafter
-    greedy = Sampler(SamplingParams(), generator.target.spec.vocab_size)
-    rng = np.random.default_rng(0)
-    context = [3, 4, 5, 6, 7, 8, 9, 3, 4]
-    hybrid.prefill(context[:-1])
+    hybrid, greedy, rng, context = after_a_match(bundles("llama"))
     assert hybrid.offer(context, 1, greedy, rng, most=4) == (None, [5, 6, 7, 8])
     assert hybrid.offer(context, 1, greedy, rng) == (None, [5])
 
