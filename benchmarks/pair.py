@@ -1,4 +1,5 @@
-"""A target with a same-family draft against llama.cpp, over prompts the drafters were never tuned on.
+"""A target with a same-family draft against llama.cpp, over prompts written for it (the hybrid drafter's rule
+was chosen from round logs of them: docs/performance.md).
 
     python -m benchmarks.pair --bundle WORK/bundles/qwen-coder-1.5b-gguf [--bundle trimmed=OTHER_BUNDLE] \\
         --target-gguf WORK/gguf/qwen-coder-1.5b.gguf --draft-gguf WORK/gguf/qwen-coder-0.5b.gguf \\

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import specdeploy
+from specdeploy.runtime.draft_rows import DraftRequest, propose_many
 from specdeploy.runtime.hybrid import HybridDrafter
 from specdeploy.runtime.sampling import Sampler, SamplingParams
 
@@ -23,15 +24,15 @@ def count_offers(drafter: HybridDrafter) -> dict:
     return counts
 
 
-def record_agreement(drafter: HybridDrafter) -> list[bool]:
-    """Wrap the drafter's model's propose: for each proposal, whether it followed the lookup (its first token
-    the offer's first)."""
+def record_agreement(drafter: HybridDrafter) -> list[bool | None]:
+    """Wrap the drafter's model's propose: for each proposal, whether its first token was the lookup's offer's
+    first (None: no offer)."""
     model, agreed = drafter.model_drafter, []
     propose = model.propose
 
     def recorded(context, num_tokens, sampler, rng, min_confidence=0.0, follow=()):
         tokens, probs = propose(context, num_tokens, sampler, rng, min_confidence, follow)
-        agreed.append(bool(follow) and tokens[0] == follow[0])
+        agreed.append(tokens[0] == follow[0] if follow else None)
         return tokens, probs
 
     model.propose = recorded
@@ -84,12 +85,33 @@ def test_a_copy_under_way_is_proposed_by_the_lookup_alone(bundles):
     alone, follow = hybrid.offer(context, 2, greedy, rng)
     assert alone is None and follow == [5, 6]
     kept = context + [5, 6, 7]  # the offer whole, and the target's token after it
-    calls = hybrid.engine.calls
-    assert hybrid.propose(kept, 2, greedy, rng) == ([8, 9], None) and hybrid.engine.calls == calls
+    calls = hybrid.engine.calls  # the policy cut the model's k to 1: the lookup still offers the request's 2
+    assert propose_many([DraftRequest(hybrid, kept, 1, greedy, rng, most=2)]) == [([8, 9], None)]
+    assert hybrid.engine.calls == calls
     # [8, 9] offered, 8 kept and 3 the target's: a match again, but the copy is not under way
     assert hybrid.offer(kept + [8, 3], 2, greedy, rng) == (None, [4, 5])
-    hybrid.prefill(context[:-1])  # a new sequence: nothing of the last one's offers
-    assert hybrid.offer(context + [5, 6, 7], 2, greedy, rng)[0] is None
+    assert hybrid.offer(context, 2, greedy, rng) == (None, [5, 6])
+    hybrid.prefill(context[:-1])  # a new sequence (on this slot): nothing of the last one's offers
+    assert hybrid.offer(kept, 2, greedy, rng)[0] is None
+    hybrid.offer(context, 2, greedy, rng)
+    hybrid.reset()
+    assert hybrid.offer(kept, 2, greedy, rng)[0] is None
+
+
+def test_a_sampled_row_follows_the_lookup_past_its_own_k(bundles):
+    """A row whose k is 1 proposes the lookup's four tokens where its first token agrees: the model's row for the
+    first, one-hot rows for the rest; where it disagrees, its own one token."""
+    generator = specdeploy.load(bundles("llama"), drafter="model", warm_up=False)
+    model, vocab = generator.drafter, generator.target.spec.vocab_size
+    sampler, rng = Sampler(SamplingParams(temperature=1.0, top_k=1), vocab), np.random.default_rng(0)
+    context = [3, 4, 5, 6, 7]
+    model.prefill(context[:-1])
+    first = model.propose(context, 1, sampler, rng)[0]  # top-k 1: the draft's argmax
+    tokens, probs = model.propose(context, 1, sampler, rng, follow=first + [9, 10, 11])
+    assert tokens == first + [9, 10, 11] and probs.shape == (4, vocab)
+    assert (probs[np.arange(1, 4), [9, 10, 11]] == 1.0).all() and (probs[1:].sum(axis=1) == 1.0).all()
+    tokens, probs = model.propose(context, 1, sampler, rng, follow=[(first[0] + 1) % vocab, 9, 10])
+    assert tokens == first and probs.shape == (1, vocab)
 
 
 def test_the_lookup_offers_up_to_the_request_s_k(bundles):
@@ -113,10 +135,13 @@ def test_greedy_output_is_target_only_through_every_kind_of_round(agreeing_bundl
 def test_a_seed_gives_one_sample_through_the_hybrid(agreeing_bundle):
     """Which source proposes reads the sequence's own context only: the same seed gives the same sample."""
     generator = specdeploy.load(agreeing_bundle, drafter="hybrid", lookup_ngram=1)
-    prompt = list(range(3, 200))
+    generator.slots[0].drafter.sampled_ngram = 1  # a recurring token is a match when sampling too
+    agreed = record_agreement(generator.slots[0].drafter)
+    prompt = [100] * 40 + [367, 100] * 2
     first = [generator.generate(prompt, max_new_tokens=30, temperature=0.8, seed=seed).token_ids for seed in range(4)]
     assert [generator.generate(prompt, max_new_tokens=30, temperature=0.8, seed=seed).token_ids
             for seed in range(4)] == first
+    assert agreed.count(True) >= 2 and agreed.count(False) >= 2, agreed
 
 
 @pytest.mark.parametrize("length, k", [(3, 2), (4, 1)])

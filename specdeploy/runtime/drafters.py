@@ -279,7 +279,7 @@ class PromptLookupDrafter:
         self.min_ngram = min_ngram
         self._indexed = 0  # n-grams ending before this position are in the index
         self._ends: dict[tuple[int, ...], int] = {}
-        self._one_hot: np.ndarray | None = None  # [k, vocab] rows reused across rounds (see ModelDrafter._prepare)
+        self._one_hot: np.ndarray | None = None  # [k, vocab] rows reused across rounds (see ModelDrafter.probability_rows)
         self._hot: list[int] = []  # the tokens set to 1 in it, one per row
 
     def prefill(self, context: list[int], limit: int | None = None) -> bool:

@@ -20,7 +20,7 @@ from .text import TextCodec
 
 DRAFTERS = ("model", "prompt-lookup", "hybrid")
 # The shortest n-gram prompt lookup drafts from: alone, and beside a draft model (whose first token must agree
-# with the lookup's), where 2-gram matches measured to keep fewer tokens a round than 3-gram ones.
+# with the lookup's), where 2-gram matches kept fewer tokens a round than 3-gram ones on the Qwen2.5-Coder pair.
 LOOKUP_NGRAM, HYBRID_NGRAM = 2, 3
 
 
