@@ -140,7 +140,7 @@ def _add(totals: dict, system: str, setting: str, kind: str, prompt: int, tokens
 
 def _rate(runs: dict) -> float | None:
     """Tokens over seconds, summed over the prompts, each prompt's run the one of median rate over the rounds
-    (a run slowed by another job on the host counts no more than one round's noise)."""
+    (of an even count, the slower middle one): a run slowed by another job on the host counts for no more."""
     tokens = seconds = 0.0
     for prompt_runs in runs.values():
         ordered = sorted(prompt_runs, key=lambda run: run[0] / run[1] if run[1] else 0.0)

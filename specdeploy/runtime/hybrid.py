@@ -20,8 +20,8 @@ class HybridDrafter:
 
     A lookup proposal is a candidate whenever an n-gram of at least the lookup's `min_ngram` tokens recurs
     (greedy), or of at least `sampled_ngram` when sampling (a lookup token is then kept with the target's
-    probability of it, not only when it is the target's choice, so a short match loses to the model's
-    proposal: docs/performance.md, "The hybrid's shortest match"; a sampled_ngram above the lookup's
+    probability of it, not only when it is the target's choice, so a short match is kept less often:
+    docs/performance.md, "The hybrid's shortest match"; a sampled_ngram above the lookup's
     max_ngram is taken as max_ngram). The lookup offers up to the request's k (`most`: its tokens cost no
     draft step) where the policy cut the model's to fewer. The draft model's cache catches up on the
     tokens it did not draft in one multi-token pass. Which tokens are proposed depends on the context, the

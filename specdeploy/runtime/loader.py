@@ -41,8 +41,7 @@ def _session_config(bundle: Path, device: str, session: SessionConfig | None, we
 
 def load(bundle: str | Path, device: str = "cpu", drafter: str = "hybrid", verify: bool = False,
          session: SessionConfig | None = None, lookup_ngram: int | None = None, warm_up: bool = True,
-         max_batch: int = 1,
-         policy: str = "auto", exact: bool = False, weights_in_memory: bool = False) -> Generator:
+         max_batch: int = 1, policy: str = "auto", exact: bool = False, weights_in_memory: bool = False) -> Generator:
     """Load a bundle for generation on `device` (cpu | cuda | tensorrt).
 
     drafter: "hybrid" (default: the draft model, its proposal continued by prompt lookup where an n-gram
